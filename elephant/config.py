@@ -1,0 +1,305 @@
+"""Configuration: four dataclasses, TOML recipes, dotted command-line overrides, validation.
+
+A recipe is a TOML file with the tables [model], [optim], [train], [data]; every field has a
+default here, so a recipe names only what it changes. Overrides such as `model.d_model=768`
+are parsed with the field's own type. Every error is a `ConfigError` whose message names the
+key at fault, what was expected and what was given (and the closest valid key for a typo),
+so the CLIs can print one line instead of a traceback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A bad recipe, key or value; the message is meant for the user as it is."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304
+    d_model: int = 512
+    n_heads: int = 8                 # attention heads; head size = d_model // n_heads
+    layers: str = "MAMMAMMA"         # one letter per layer: M = Mamba-2 mixer, A = attention
+    d_mlp: int = 1536                # hidden size of the GLU MLP that follows every mixer (0: no MLP)
+    elephant_a: float = 1.0          # elephant activation f(x) = 1 / (1 + |x / a|^d)
+    elephant_d: float = 8.0
+    n_mem: int = 0                   # RMT memory tokens read at the start / written at the end of a chunk
+    kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
+    rope_base: float = 10000.0
+    qk_norm: bool = True             # RMS-normalize queries and keys before rotary
+    d_state: int = 64                # Mamba-2 SSM state size N
+    mamba_head_dim: int = 64         # Mamba-2 head size P; heads = expand * d_model // P
+    expand: int = 2
+    d_conv: int = 4                  # causal depthwise conv width
+    ssd_chunk: int = 64              # block length of the chunked SSD scan
+    tied_embeddings: bool = False
+    bptt_chunks: int = 1             # chunks that gradients flow through memory / SSM state
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.d_inner // self.mamba_head_dim
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_heads", "d_state", "mamba_head_dim", "expand",
+                  "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
+                  "norm_eps", "init_std")
+        _non_negative(self, "d_mlp", "n_mem", "kv_window")
+        if not self.layers or set(self.layers) - {"M", "A"}:
+            raise ConfigError(f"model.layers: expected a non-empty string of 'M' (Mamba-2) and "
+                              f"'A' (attention), got {self.layers!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.n_heads: must divide model.d_model={self.d_model}, "
+                              f"got {self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.n_heads: d_model / n_heads must be even for rotary "
+                              f"positions, got head size {self.head_dim}")
+        if self.d_inner % self.mamba_head_dim:
+            raise ConfigError(f"model.mamba_head_dim: must divide expand * d_model = "
+                              f"{self.d_inner}, got {self.mamba_head_dim}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        cfg = _build(cls, d, "model")
+        cfg.validate()
+        return cfg
+
+
+@dataclass
+class OptimConfig:
+    # Muon family, for hidden 2-D weights
+    muon_lr: float = 0.02
+    orthogonalize: str = "polar_express"   # newton_schulz | polar_express | aol (Turbo-Muon)
+    ns_steps: int = 5                      # iterations of newton_schulz
+    momentum: float = 0.95
+    momentum_warmup_from: float = 0.85     # momentum starts here and reaches `momentum` ...
+    momentum_warmup_steps: int = 300       # ... after this many steps (0: no warm-up)
+    nesterov: bool = True
+    normuon: bool = True                   # NorMuon variance normalization
+    normuon_beta2: float = 0.95
+    muon_wd: float = 0.0                   # cautious weight decay of Muon parameters
+    # Adam, for embeddings, head, norms, gains, SSM scalars, conv weights
+    adam_lr: float = 0.003                 # norms, gains, scalars, SSM parameters
+    embed_lr: float = 0.003
+    head_lr: float = 0.003
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    adam_wd: float = 0.0
+    cautious_wd: bool = True               # decay only where update and weight agree in sign
+    wd_schedule: str = "lr"                # lr: follow the lr schedule | constant | linear | cosine
+    # schedule shared by all groups (a multiplier on each lr)
+    schedule: str = "cosine"               # constant | linear | cosine
+    warmup_steps: int = 50
+    cooldown_frac: float = 1.0             # fraction of the steps after warm-up spent decaying
+    min_lr_frac: float = 0.0
+    grad_clip: float = 1.0                 # global norm clip (0: off)
+
+    def validate(self) -> None:
+        _choice(self, "orthogonalize", ("newton_schulz", "polar_express", "aol"))
+        _choice(self, "schedule", ("constant", "linear", "cosine"))
+        _choice(self, "wd_schedule", ("lr", "constant", "linear", "cosine"))
+        _positive(self, "muon_lr", "adam_lr", "embed_lr", "head_lr", "adam_eps", "ns_steps")
+        _non_negative(self, "muon_wd", "adam_wd", "warmup_steps", "grad_clip",
+                      "momentum_warmup_steps", "min_lr_frac")
+        for key in ("momentum", "momentum_warmup_from", "normuon_beta2", "cooldown_frac"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"optim.{key}: expected a value in [0, 1], got {getattr(self, key)}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ConfigError(f"optim.adam_betas: expected two values in [0, 1), got {self.adam_betas}")
+
+
+@dataclass
+class DataConfig:
+    source: str = "pycode"           # pycode | wikitext-103 | wikitext-2 | fineweb | fineweb-edu | text | bin
+    path: str = ""                   # local folder or file for the source ("" = the Hub / built-in)
+    tokenizer: str = "bytes"         # bytes | a tokenizer.json path or folder | a Hub id
+    train_split: str = "train"
+    valid_split: str = "valid"
+    cache_dir: str = "cache"         # tokenized corpora, one folder per fingerprint
+    text_field: str = "text"         # for .jsonl / .parquet text sources
+    append_eot: bool = True          # an end-of-document token after every document
+
+    def validate(self) -> None:
+        _choice(self, "source", ("pycode", "wikitext-103", "wikitext-2", "fineweb", "fineweb-edu",
+                                 "text", "bin"))
+
+
+@dataclass
+class TrainConfig:
+    run_dir: str = "runs/default"
+    lanes: int = 8                   # batch rows per micro-batch; each row walks its own document
+    chunk_len: int = 256             # tokens per chunk (T)
+    grad_accum: int = 1              # micro-batches (groups of lanes) per optimizer step
+    max_steps: int = 1000
+    seed: int = 1337
+    device: str = "auto"             # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
+    compile: str = "auto"            # auto (on CUDA) | on | off
+    log_every: int = 10
+    eval_every: int = 250            # 0: only at the end
+    eval_docs: int = 0               # documents of the valid split per evaluation (0: all)
+    ckpt_every: int = 250            # 0: only at the end
+    keep_ckpts: int = 2
+    max_bad_steps: int = 5           # consecutive non-finite losses before the run stops
+    tensorboard: bool = True         # when tensorboard is installed
+
+    def validate(self) -> None:
+        _positive(self, "lanes", "chunk_len", "grad_accum", "max_steps", "log_every", "keep_ckpts",
+                  "max_bad_steps")
+        _non_negative(self, "eval_every", "eval_docs", "ckpt_every")
+        _choice(self, "dtype", ("auto", "bf16", "fp32"))
+        _choice(self, "compile", ("auto", "on", "off"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        for section in SECTIONS:
+            getattr(self, section).validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "Config":
+        unknown = set(d) - set(SECTIONS)
+        if unknown:
+            key = sorted(unknown)[0]
+            raise ConfigError(f"{where}: unknown section [{key}]{_closest(key, SECTIONS)}")
+        cfg = cls(**{s: _build(SECTIONS[s], d.get(s, {}), s) for s in SECTIONS})
+        cfg.validate()
+        return cfg
+
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a TOML recipe (or the defaults when path is None) and apply `section.key=value` overrides."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"override {item!r}: expected section.key=value, "
+                              f"for example model.d_model=768")
+        if section not in SECTIONS:
+            raise ConfigError(f"override {item!r}: unknown section {section!r}"
+                              f"{_closest(section, SECTIONS)}")
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+        if name not in fields:
+            raise ConfigError(f"unknown key {section}.{name}{_closest(name, fields, section + '.')}")
+        raw.setdefault(section, {})[name] = _parse(value.strip(), _hint(SECTIONS[section], name),
+                                                   f"{section}.{name}")
+    return Config.from_dict(raw, where=str(path) if path else "config")
+
+
+# ---------------------------------------------------------------------------------------------
+def _build(cls, d: dict, section: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"[{section}]: expected a table, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {section}.{key}{_closest(key, fields, section + '.')}")
+        kwargs[key] = _coerce(value, _hint(cls, key), f"{section}.{key}")
+    return cls(**kwargs)
+
+
+def _hint(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(value, hint, key: str):
+    """Check a TOML value against a field's type; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _parse(text: str, hint, key: str):
+    """Parse a command-line override's value by the field's type."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: data.source=pycode
+    if hint is str and not isinstance(value, str):
+        value = text
+    return _coerce(value, hint, key)
+
+
+def _closest(name: str, choices, prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {prefix}{match[0]}?)" if match else ""
+
+
+def _section(obj) -> str:
+    return next(s for s, c in SECTIONS.items() if isinstance(obj, c))
+
+
+def _positive(obj, *keys: str) -> None:
+    for key in keys:
+        if not getattr(obj, key) > 0:
+            raise ConfigError(f"{_section(obj)}.{key}: expected a value > 0, got {getattr(obj, key)}")
+
+
+def _non_negative(obj, *keys: str) -> None:
+    for key in keys:
+        if getattr(obj, key) < 0:
+            raise ConfigError(f"{_section(obj)}.{key}: expected a value >= 0, got {getattr(obj, key)}")
+
+
+def _choice(obj, key: str, allowed: tuple[str, ...]) -> None:
+    if getattr(obj, key) not in allowed:
+        raise ConfigError(f"{_section(obj)}.{key}: expected one of {', '.join(allowed)}, "
+                          f"got {getattr(obj, key)!r}")
