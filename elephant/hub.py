@@ -54,12 +54,15 @@ class HubError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # save
 def save_pretrained(model: torch.nn.Module, out_dir: str | Path, tokenizer=None,
-                    train_config: dict | None = None, metrics: dict | None = None) -> Path:
+                    train_config: dict | None = None, metrics: dict | None = None,
+                    name: str | None = None) -> Path:
     """Write an export folder (see the module docstring) atomically and return its path.
 
     train_config: the run's Config.to_dict() (its data / optim / train sections are kept);
     metrics: {name: value} or {split: {name: value}}, shown in the model card and kept in config.json.
-    An existing `out_dir` is replaced only if it is an export folder itself.
+    name: what the model card calls the model and loads in its example (default: the folder's
+    name; give the Hub id when the folder is meant for the Hub). An existing `out_dir` is
+    replaced only if it is an export folder itself.
     """
     model = _unwrap(model)
     cfg = _model_config(model)
@@ -82,7 +85,7 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, tokenizer=None,
         if tokenizer is not None:
             tokenizer.save(tmp)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / CARD).write_text(model_card(config, _count_params(model), name=out_dir.name))
+        (tmp / CARD).write_text(model_card(config, _count_params(model), name=name or out_dir.name))
         for f in tmp.rglob("*"):
             if f.is_file():
                 with open(f, "rb") as fh:
@@ -405,7 +408,7 @@ def _first_line(e: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 # run dir -> export folder, and the Hub
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-               metrics: dict | None = None) -> Path:
+               metrics: dict | None = None, name: str | None = None) -> Path:
     """Export a training run's checkpoint (the latest, or `step`) as an export folder: the model
     is rebuilt from the checkpoint's config and loaded (so a mismatch fails here, not on the Hub),
     and the tokenizer named by the run's data.tokenizer is saved beside it."""
@@ -416,7 +419,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     config, weights = _checkpoint_config(source)
     model = build_model(config, weights)
     tokenizer = _load_tokenizer_spec(config, source)
-    return save_pretrained(model, out_dir, tokenizer=tokenizer, train_config=config, metrics=metrics)
+    return save_pretrained(model, out_dir, tokenizer=tokenizer, train_config=config, metrics=metrics,
+                           name=name)
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False, token: str | None = None,
@@ -473,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             url = push_to_hub(source, args.repo_id, private=args.private, commit_message=args.message)
         else:
             with tempfile.TemporaryDirectory(prefix="elephant-export-") as tmp:
-                folder = export_run(source, Path(tmp) / args.repo_id.split("/")[-1], step=args.step)
+                folder = export_run(source, Path(tmp) / "export", step=args.step, name=args.repo_id)
                 print(f"exported {source} to a temporary folder")
                 url = push_to_hub(folder, args.repo_id, private=args.private, commit_message=args.message)
         print(f"pushed to {url}")

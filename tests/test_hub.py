@@ -293,6 +293,7 @@ def test_cli_push_of_a_run_dir_exports_first(fake_hub, tmp_path, capsys, caplog)
     assert repo["private"]
     assert sorted(repo["files"]) == ["README.md", "bytes_tokenizer.json", "config.json", "model.safetensors"]
     assert json.loads(repo["files"]["config.json"])["model"] == model.cfg.to_dict()
+    assert b'from_pretrained("alice/run")' in repo["files"]["README.md"]
     out, err = capsys.readouterr()
     assert "pushed to" in out and TOKEN not in out + err + caplog.text
 
