@@ -1,0 +1,216 @@
+"""ElephantLM: a hybrid Mamba-2 / attention language model that reads documents chunk by chunk.
+
+    model(tokens[B, T], state, reset[B]) -> (logits[B, T, V] or loss, new_state)
+
+Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
+`cfg.layers`) followed by an elephant-gated GLU MLP. With `n_mem > 0` every chunk is framed as
+[read memory (n_mem) | tokens (T) | write slots (n_mem)]; the write slots' final hidden states are
+the next chunk's read memory (recurrent memory transformer). Attention layers see the previous
+`kv_window` keys of the lane's document (no gradient through them); Mamba-2 layers start from the
+lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
+chunks: a state that has been through that many chunks is detached before the next one.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers.attention import Attention
+from .layers.elephant import ElephantMLP
+from .layers.mamba import Mamba2
+from .state import KVCache, RecurrentState
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
+        self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
+
+    def forward(self, x: Tensor, pos: Tensor, layer_state: tuple) -> tuple[Tensor, tuple]:
+        h = self.norm1(x)
+        if self.kind == "M":
+            conv, ssm = layer_state
+            h, conv, ssm = self.mixer(h, conv, ssm)
+            new_state = (conv, ssm)
+        else:
+            cache: KVCache | None = layer_state
+            if cache is None:
+                h, k, v = self.mixer(h, pos)
+            else:
+                h, k, v = self.mixer(h, pos, cache.k, cache.v, cache.valid)
+            new_state = (k, v)
+        x = x + h
+        if self.mlp is not None:
+            x = x + self.mlp(self.norm2(x))
+        return x, new_state
+
+
+class ElephantLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, kind) for kind in cfg.layers)
+        self.norm_f = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if cfg.n_mem:
+            # learned read memory of a lane that starts a document, and the write slots' inputs
+            self.mem_init = nn.Parameter(torch.empty(cfg.n_mem, cfg.d_model))
+            self.mem_write = nn.Parameter(torch.empty(cfg.n_mem, cfg.d_model))
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 style: normal(init_std), residual output projections scaled by 1/sqrt(2 L)."""
+        std, cfg = self.cfg.init_std, self.cfg
+        out_std = std / math.sqrt(2 * len(cfg.layers))
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(module.weight, std=out_std if last in ("o", "out_proj", "down") else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.embed.weight, std=std)
+        if cfg.n_mem:
+            nn.init.normal_(self.mem_init, std=std)
+            nn.init.normal_(self.mem_write, std=std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def flops_per_token(self, T: int) -> float:
+        """Training FLOPs per chunk token (forward + backward = 3 x forward), for MFU.
+
+        Matrix products: 6 per weight; attention scores and values over the average number of
+        keys a query sees; the SSD scan's intra-chunk and state products. Memory slots are
+        counted as overhead on the T real tokens.
+        """
+        cfg = self.cfg
+        S = T + 2 * cfg.n_mem
+        matmul = sum(p.numel() for n, p in self.named_parameters()
+                     if p.dim() == 2 and not n.startswith("embed") and not n.startswith("mem_"))
+        if cfg.tied_embeddings:
+            matmul += self.embed.weight.numel()
+        per_token = 6 * matmul
+        keys = (S + 1) / 2 + cfg.kv_window
+        per_token += cfg.layers.count("A") * 6 * 2 * cfg.d_model * keys
+        L = min(cfg.ssd_chunk, S)
+        H, P, N = cfg.mamba_heads, cfg.mamba_head_dim, cfg.d_state
+        per_token += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
+        return per_token * S / T
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, batch: int, device=None, dtype=None) -> RecurrentState:
+        """A fresh state for `batch` lanes: every lane at the start of a document."""
+        cfg = self.cfg
+        device = device if device is not None else self.embed.weight.device
+        dtype = dtype if dtype is not None else self.embed.weight.dtype
+        state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
+        for block in self.blocks:
+            if block.kind == "M":
+                conv, ssm = block.mixer.init_state(batch, device, dtype)
+                state.kv.append(None)
+                state.conv.append(conv)
+                state.ssm.append(ssm)
+            else:
+                state.conv.append(None)
+                state.ssm.append(None)
+                if cfg.kv_window:
+                    H, hd = cfg.n_heads, cfg.head_dim
+                    state.kv.append(KVCache(
+                        k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
+                        v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
+                        valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device)))
+                else:
+                    state.kv.append(None)
+        if cfg.n_mem:
+            state.memory = self.mem_init.detach().to(device, dtype).unsqueeze(0).expand(
+                batch, -1, -1).clone()
+        return state
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
+                targets: Tensor | None = None, loss_mask: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, RecurrentState]:
+        """One chunk of every lane.
+
+        tokens (B, T) int64; state from the previous chunk (None: a fresh state); reset (B,) bool
+        lanes that start a new document with this chunk. Returns the logits (B, T, V), or with
+        `targets` (B, T) the cross-entropy over `loss_mask` (reduction mean / sum / none), and the
+        state to feed with the next chunk.
+        """
+        B, T = tokens.shape
+        cfg = self.cfg
+        if state is None:  # a fresh state is every lane starting a document
+            state = self.init_state(B, device=tokens.device)
+            reset = torch.ones(B, dtype=torch.bool, device=tokens.device)
+        elif state.lanes != B:
+            raise ValueError(f"state has {state.lanes} lanes but tokens have {B} rows")
+        if state.chunks >= cfg.bptt_chunks:
+            state = state.detach()
+        if reset is not None:
+            state = state.reset(reset, self.mem_init if cfg.n_mem else None)
+
+        x = self.embed(tokens)                                            # (B, T, D)
+        tok_pos = state.pos.unsqueeze(1) + torch.arange(T, device=tokens.device)  # (B, T)
+        M = cfg.n_mem
+        if M:
+            mem = state.memory.to(x.dtype)
+            write = self.mem_write.to(x.dtype).unsqueeze(0).expand(B, -1, -1)
+            x = torch.cat([mem, x, write], dim=1)                         # (B, M + T + M, D)
+            no_rope = torch.full((B, M), -1, dtype=torch.long, device=tokens.device)
+            pos = torch.cat([no_rope, tok_pos, no_rope], dim=1)
+        else:
+            pos = tok_pos
+
+        new = RecurrentState(pos=state.pos + T, chunks=state.chunks + 1)
+        for i, block in enumerate(self.blocks):
+            if block.kind == "M":
+                x, (conv, ssm) = block(x, pos, (state.conv[i], state.ssm[i]))
+                new.kv.append(None)
+                new.conv.append(conv)
+                new.ssm.append(ssm)
+            else:
+                cache = state.kv[i]
+                x, (k, v) = block(x, pos, cache)
+                new.conv.append(None)
+                new.ssm.append(None)
+                new.kv.append(None if cache is None else cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
+        if M:
+            new.memory = x[:, M + T:]                                     # the write slots' outputs
+            x = x[:, M:M + T]
+        logits = self.lm_head(self.norm_f(x))
+        if targets is None:
+            return logits, new
+        return self.loss(logits, targets, loss_mask, reduction), new
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
+             reduction: str = "mean") -> Tensor:
+        """Cross-entropy (in float32 at least) over the tokens where `loss_mask` is true."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        nll = nll.view_as(targets)
+        if loss_mask is not None:
+            nll = nll * loss_mask
+        if reduction == "none":
+            return nll
+        if reduction == "sum":
+            return nll.sum()
+        count = loss_mask.sum() if loss_mask is not None else torch.tensor(nll.numel(), device=nll.device)
+        return nll.sum() / count.clamp(min=1)

@@ -1,0 +1,160 @@
+"""RecurrentState: everything a lane carries from one chunk of its document to the next.
+
+Per lane (batch row) it holds the rotary position reached in the current document, every
+attention layer's window of cached keys/values, every Mamba-2 layer's conv and SSM state, and the
+RMT read memory. Shapes are fixed at creation (the KV window has `kv_window` slots whether they are
+filled or not, with a validity mask), so a compiled model never sees a new shape.
+
+The state is a plain container of tensors. `reset(lanes)` and `detach()` swap in new tensors rather
+than writing into the old ones, so a state that is part of an autograd graph stays valid.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    k: Tensor       # (B, H, W, hd) rotated keys, oldest first
+    v: Tensor       # (B, H, W, hd)
+    valid: Tensor   # (B, W) bool: slots that hold a key of the lane's current document
+
+    def append(self, k: Tensor, v: Tensor) -> "KVCache":
+        """The window after this chunk: the last W of [cache | new keys]. No gradient is kept."""
+        W = self.k.shape[2]
+        k = torch.cat([self.k, k.detach().to(self.k.dtype)], dim=2)
+        v = torch.cat([self.v, v.detach().to(self.v.dtype)], dim=2)
+        fresh = torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W)  # (B, S_new)
+        valid = torch.cat([self.valid, fresh], dim=1)[:, -W:]
+        return KVCache(k[:, :, -W:], v[:, :, -W:], valid)
+
+
+@dataclass
+class RecurrentState:
+    pos: Tensor                                       # (B,) int64 tokens of the document seen so far
+    kv: list[KVCache | None] = field(default_factory=list)      # one per layer (None: Mamba / no cache)
+    conv: list[Tensor | None] = field(default_factory=list)     # (B, conv_dim, d_conv - 1) per Mamba layer
+    ssm: list[Tensor | None] = field(default_factory=list)      # (B, H, P, N) float32 per Mamba layer
+    memory: Tensor | None = None                      # (B, n_mem, D) read memory of the next chunk
+    chunks: int = 0                                   # chunks processed since the last detach
+
+    @property
+    def lanes(self) -> int:
+        return self.pos.shape[0]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Flat name -> tensor view of the state (for checkpoints and moves)."""
+        out = {"pos": self.pos}
+        for i, c in enumerate(self.kv):
+            if c is not None:
+                out[f"kv.{i}.k"], out[f"kv.{i}.v"], out[f"kv.{i}.valid"] = c.k, c.v, c.valid
+        for name in ("conv", "ssm"):
+            for i, t in enumerate(getattr(self, name)):
+                if t is not None:
+                    out[f"{name}.{i}"] = t
+        if self.memory is not None:
+            out["memory"] = self.memory
+        return out
+
+    def _map(self, fn) -> "RecurrentState":
+        return RecurrentState(
+            pos=fn(self.pos),
+            kv=[None if c is None else KVCache(fn(c.k), fn(c.v), fn(c.valid)) for c in self.kv],
+            conv=[None if t is None else fn(t) for t in self.conv],
+            ssm=[None if t is None else fn(t) for t in self.ssm],
+            memory=None if self.memory is None else fn(self.memory),
+            chunks=self.chunks,
+        )
+
+    def detach(self) -> "RecurrentState":
+        """Cut the gradient path into earlier chunks (truncated backpropagation through time)."""
+        state = self._map(Tensor.detach)
+        state.chunks = 0
+        return state
+
+    def to(self, device=None, dtype=None) -> "RecurrentState":
+        """Move to a device; `dtype` applies to floating tensors except the float32 SSM state."""
+        def move(t: Tensor) -> Tensor:
+            if dtype is not None and t.is_floating_point():
+                return t.to(device=device, dtype=dtype)
+            return t.to(device=device)
+        state = self._map(move)
+        state.ssm = [None if t is None else t.to(device=device) for t in self.ssm]
+        return state
+
+    def select(self, lanes: Tensor | slice) -> "RecurrentState":
+        """The state of a subset of lanes (a view for slices)."""
+        return self._map(lambda t: t[lanes])
+
+    @staticmethod
+    def cat(states: list["RecurrentState"]) -> "RecurrentState":
+        """Stack the lanes of several states (the inverse of `select` over a partition)."""
+        def join(get):
+            parts = [get(s) for s in states]
+            return None if parts[0] is None else torch.cat(parts)
+        first = states[0]
+        return RecurrentState(
+            pos=join(lambda s: s.pos),
+            kv=[None if c is None else KVCache(join(lambda s: s.kv[i].k), join(lambda s: s.kv[i].v),
+                                               join(lambda s: s.kv[i].valid))
+                for i, c in enumerate(first.kv)],
+            conv=[join(lambda s: s.conv[i]) for i in range(len(first.conv))],
+            ssm=[join(lambda s: s.ssm[i]) for i in range(len(first.ssm))],
+            memory=join(lambda s: s.memory),
+            chunks=first.chunks,
+        )
+
+    def reset(self, lanes: Tensor, init_memory: Tensor | None = None) -> "RecurrentState":
+        """Clear the lanes where `lanes` (B,) is true: a new document starts there.
+
+        Cache slots become invalid, conv/SSM state zero, the position 0 and the read memory the
+        learned initial memory (`init_memory`, (n_mem, D)) with its gradient.
+        """
+        lanes = lanes.to(device=self.pos.device, dtype=torch.bool)
+        keep = ~lanes
+
+        def clear(t: Tensor) -> Tensor:
+            mask = keep.view(-1, *([1] * (t.dim() - 1)))
+            return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+        state = self._map(clear)
+        if self.memory is not None and init_memory is not None:
+            mask = keep.view(-1, 1, 1)
+            state.memory = torch.where(mask, self.memory, init_memory.to(self.memory.dtype).unsqueeze(0))
+        return state
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {k: t.detach().cpu().clone() for k, t in self.tensors().items()} | {
+            "chunks": torch.tensor(self.chunks)}
+
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        mine = self.tensors()
+        missing = sorted(set(mine) - set(tensors))
+        extra = sorted(set(tensors) - set(mine) - {"chunks"})
+        if missing or extra:
+            raise ValueError(f"recurrent state does not match the model: missing {missing[:3]}, "
+                             f"unexpected {extra[:3]}")
+        for k, t in mine.items():
+            if tensors[k].shape != t.shape:
+                raise ValueError(f"recurrent state {k}: expected shape {tuple(t.shape)}, "
+                                 f"got {tuple(tensors[k].shape)}")
+        self.pos = tensors["pos"].to(self.pos.device)
+        for i, c in enumerate(self.kv):
+            if c is not None:
+                self.kv[i] = KVCache(*(tensors[f"kv.{i}.{n}"].to(getattr(c, n).device, getattr(c, n).dtype)
+                                       for n in ("k", "v", "valid")))
+        for name in ("conv", "ssm"):
+            seq = getattr(self, name)
+            for i, t in enumerate(seq):
+                if t is not None:
+                    seq[i] = tensors[f"{name}.{i}"].to(t.device, t.dtype)
+        if self.memory is not None:
+            self.memory = tensors["memory"].to(self.memory.device, self.memory.dtype)
+        if "chunks" in tensors:
+            self.chunks = int(tensors["chunks"])
+
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        self.load_tensors(sd)

@@ -1,0 +1,187 @@
+"""The chunk contract of ElephantLM (DESIGN.md): chunked == whole, resets, lane isolation,
+gradient depth, memory read from the write slots, state round trips."""
+import pytest
+import torch
+
+from elephant.config import ModelConfig
+from elephant.model import ElephantLM
+from elephant.state import RecurrentState
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=97, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                mamba_head_dim=16, expand=2, d_conv=4, ssd_chunk=8, n_mem=0, kv_window=0)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make(seed=0, dtype=torch.float64, **kw) -> ElephantLM:
+    torch.manual_seed(seed)
+    return ElephantLM(tiny(**kw)).to(dtype).eval()
+
+
+def run_chunks(model, tokens, lengths, state=None):
+    outs, start = [], 0
+    for n in lengths:
+        logits, state = model(tokens[:, start:start + n], state)
+        outs.append(logits)
+        start += n
+    assert start == tokens.shape[1]
+    return torch.cat(outs, dim=1), state
+
+
+@pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA"])
+def test_chunked_equals_whole_document(layers):
+    model = make(layers=layers, kv_window=64)
+    tokens = torch.randint(0, 97, (2, 50))
+    whole, _ = model(tokens)
+    # chunk lengths that are not multiples of the SSD block (8), nor of the conv width
+    chunked, _ = run_chunks(model, tokens, [7, 1, 13, 8, 21])
+    assert (whole - chunked).abs().max().item() < 1e-10
+
+
+def test_chunked_equals_whole_with_cache_shorter_than_document_only_for_mamba():
+    # kv_window smaller than the document: attention layers lose old keys, so only an all-Mamba
+    # stack still equals the whole pass; the hybrid must differ (the window really limits attention).
+    tokens = torch.randint(0, 97, (1, 40))
+    mamba = make(layers="MM", kv_window=8)
+    assert (mamba(tokens)[0] - run_chunks(mamba, tokens, [10, 10, 10, 10])[0]).abs().max() < 1e-10
+    hybrid = make(layers="MA", kv_window=8)
+    assert (hybrid(tokens)[0] - run_chunks(hybrid, tokens, [10, 10, 10, 10])[0]).abs().max() > 1e-6
+
+
+def test_window_attention_sees_exactly_kv_window_previous_tokens():
+    # With one attention layer, a chunk with a window W sees the same as a whole pass over its W
+    # previous tokens and itself (positions only matter relatively). Deeper stacks differ: their
+    # cached keys were computed from windowed outputs.
+    W = 6
+    model = make(layers="A", kv_window=W)
+    tokens = torch.randint(0, 97, (1, 20))
+    chunked, _ = run_chunks(model, tokens, [5, 5, 5, 5])
+    tail, _ = model(tokens[:, 15 - W:20])
+    assert (chunked[:, 15:20] - tail[:, W:]).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("n_mem", [0, 3])
+def test_reset_lane_forgets_previous_document(n_mem):
+    model = make(n_mem=n_mem, kv_window=16)
+    doc = torch.randint(0, 97, (2, 12))
+    fresh, _ = run_chunks(model, doc, [6, 6])
+    # the lanes first read something else, then the document starts with reset=True
+    _, state = run_chunks(model, torch.randint(0, 97, (2, 18)), [9, 9])
+    reset = torch.tensor([True, True])
+    a, state = model(doc[:, :6], state, reset)
+    b, _ = model(doc[:, 6:], state)
+    assert (torch.cat([a, b], 1) - fresh).abs().max() < 1e-12
+
+
+def test_reset_only_touches_flagged_lanes():
+    model = make(n_mem=2, kv_window=16)
+    _, state = model(torch.randint(0, 97, (3, 10)))
+    tokens = torch.randint(0, 97, (3, 5))
+    reset = torch.tensor([False, True, False])
+    out_reset, _ = model(tokens, state, reset)
+    out_keep, _ = model(tokens, state)
+    assert torch.equal(out_reset[[0, 2]], out_keep[[0, 2]])
+    assert not torch.allclose(out_reset[1], out_keep[1])
+    fresh, _ = model(tokens[1:2])
+    assert (out_reset[1] - fresh[0]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("n_mem", [0, 2])
+def test_lanes_never_influence_each_other(n_mem):
+    model = make(dtype=torch.float32, n_mem=n_mem, kv_window=8)
+    a = torch.randint(0, 97, (3, 3, 9))  # (chunks, lanes, T)
+    b = a.clone()
+    b[:, 1] = torch.randint(0, 97, (3, 9))  # lane 1 reads other tokens in every chunk
+    sa = sb = None
+    for t in range(3):
+        la, sa = model(a[t], sa)
+        lb, sb = model(b[t], sb)
+        assert torch.equal(la[0], lb[0]), f"lane 0 changed in chunk {t}"
+        assert torch.equal(la[2], lb[2])
+        assert not torch.equal(la[1], lb[1])
+
+
+@pytest.mark.parametrize("bptt", [1, 2, 3])
+@pytest.mark.parametrize("layers", ["MA", "AA"])
+def test_gradient_depth_is_bptt_chunks(bptt, layers):
+    # The loss of chunk t reaches the chunks of its BPTT window [t - bptt + 1, t] through the carried
+    # memory and SSM state, and nothing before it (KV caches never carry gradient).
+    model = make(n_mem=2, kv_window=8, bptt_chunks=bptt, layers=layers)
+    embedded = []
+    handle = model.embed.register_forward_hook(lambda m, a, out: embedded.append(out))
+    state, losses = None, []
+    for _ in range(2 * bptt + 1):
+        logits, state = model(torch.randint(0, 97, (2, 6)), state)
+        losses.append(logits.pow(2).mean())
+    handle.remove()
+    t = 2 * bptt - 1  # the last chunk of the second window [bptt, 2 * bptt - 1]
+    for s in range(t + 1):
+        (g,) = torch.autograd.grad(losses[t], embedded[s], retain_graph=True, allow_unused=True)
+        reach = g is not None and g.abs().max() > 0
+        assert reach == (s >= t - bptt + 1), f"loss of chunk {t} vs chunk {s}"
+
+
+def test_read_memory_comes_from_the_write_slots():
+    # attention-only, no KV cache: the only path from chunk 1 to chunk 2 is the memory
+    M, T = 3, 5
+    model = make(layers="AA", n_mem=M, kv_window=0, bptt_chunks=2)
+    captured = {}
+
+    def hook(module, args, output):
+        output[0].retain_grad()
+        captured["x"] = output[0]
+    handle = model.blocks[-1].register_forward_hook(hook)
+    _, state = model(torch.randint(0, 97, (2, T)))
+    handle.remove()
+    x = captured["x"]                                    # (B, M + T + M, D) of chunk 1
+    assert torch.equal(state.memory, x[:, M + T:])
+    logits, _ = model(torch.randint(0, 97, (2, T)), state)
+    logits.pow(2).sum().backward()
+    g = x.grad.abs().sum(dim=(0, 2))                     # (M + T + M,)
+    assert (g[M + T:] > 0).all()
+    assert (g[:M + T] == 0).all()
+
+
+def test_state_round_trips_through_state_dict_and_lane_selection():
+    model = make(n_mem=2, kv_window=8)
+    tokens = torch.randint(0, 97, (3, 7))
+    _, state = model(tokens)
+    copy = model.init_state(3)
+    copy.load_state_dict(state.state_dict())
+    nxt = torch.randint(0, 97, (3, 4))
+    assert torch.equal(model(nxt, state)[0], model(nxt, copy)[0])
+    parts = RecurrentState.cat([state.select(slice(0, 1)), state.select(slice(1, 3))])
+    assert torch.equal(model(nxt, parts)[0], model(nxt, state)[0])
+    bad = model.init_state(2)
+    with pytest.raises(ValueError, match="shape"):
+        bad.load_state_dict(state.state_dict())
+
+
+def test_loss_helper_masks_and_averages():
+    model = make()
+    tokens = torch.randint(0, 97, (2, 6))
+    targets = torch.randint(0, 97, (2, 6))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, :4] = True
+    logits, _ = model(tokens)
+    loss, _ = model(tokens, targets=targets, loss_mask=mask)
+    ref = torch.nn.functional.cross_entropy(logits[0, :4], targets[0, :4])
+    assert torch.allclose(loss, ref)
+
+
+def test_size_and_flops_accounting():
+    model = make(layers="MA", tied_embeddings=True)
+    n = sum(p.numel() for p in model.parameters())
+    assert model.num_params() == n
+    assert model.num_params(non_embedding=True) == n - 97 * 32
+    f = model.flops_per_token(64)
+    assert 6 * model.num_params(non_embedding=True) < f < 50 * model.num_params()
+
+
+def test_bad_inputs_get_clear_errors():
+    model = make()
+    _, state = model(torch.randint(0, 97, (2, 4)))
+    with pytest.raises(ValueError, match="lanes"):
+        model(torch.randint(0, 97, (3, 4)), state)
