@@ -1,0 +1,106 @@
+"""The Mamba-2 mixer (Dao & Gu 2024, https://arxiv.org/abs/2405.21060) with its state passed in and out.
+
+    x -> in_proj -> [z | xBC | dt]
+    xBC -> causal depthwise conv (sees the carried conv state as its previous d_conv - 1 inputs) -> SiLU
+        -> [x | B | C] -> SSD scan from the carried SSM state (ssd.ssd_scan) -> y
+    y -> gated RMSNorm: rmsnorm(y * silu(z)) * weight -> out_proj
+
+The state is an explicit argument, never hidden in the module: `forward(x, conv_state, ssm_state)`
+returns `(y, new_conv_state, new_ssm_state)`, so feeding a sequence in chunks of any lengths with the
+carried state is the same as one pass over the whole sequence, and gradients flow into both incoming
+states (training backpropagates through a few chunks). The conv state holds the last d_conv - 1 xBC
+inputs before activation, in the activation dtype; the SSM state is float32 (float64 for fp64 models).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from elephant.config import ModelConfig
+from elephant.layers.ssd import ssd_scan
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(y * silu(z)) * weight, computed in float32 (Mamba-2's norm_before_gate=False)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(y.dtype, torch.float32)
+        h = y.to(dtype) * F.silu(z.to(dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.to(dtype)).to(y.dtype)
+
+
+class Mamba2(nn.Module):
+    def __init__(self, cfg: ModelConfig, dt_min: float = 1e-3, dt_max: float = 1e-1,
+                 dt_floor: float = 1e-4, A_range: tuple[float, float] = (1.0, 16.0)):
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.d_inner = cfg.d_inner
+        self.d_state = cfg.d_state
+        self.head_dim = cfg.mamba_head_dim
+        self.heads = cfg.mamba_heads
+        self.d_conv = cfg.d_conv
+        self.chunk_size = cfg.ssd_chunk
+        self.conv_dim = self.d_inner + 2 * self.d_state
+        if self.heads * self.head_dim != self.d_inner:
+            raise ValueError(f"model.mamba_head_dim={self.head_dim} must divide expand * d_model = "
+                             f"{self.d_inner}")
+
+        # layout of the in-projection's output: [z | x | B | C | dt]
+        self.in_proj = nn.Linear(self.d_model, 2 * self.d_inner + 2 * self.d_state + self.heads,
+                                 bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
+                                bias=True)
+        # dt = softplus(raw + dt_bias) starts log-uniform in [dt_min, dt_max]: dt_bias = softplus^-1(dt)
+        dt = torch.exp(torch.rand(self.heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        # A = -exp(A_log), uniform in -[1, 16]: per-head decay rates
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.heads).uniform_(*A_range)))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GatedRMSNorm(self.d_inner, cfg.norm_eps)
+        self.out_proj = nn.Linear(self.d_inner, self.d_model, bias=False)
+        nn.init.normal_(self.in_proj.weight, std=cfg.init_std)
+        nn.init.normal_(self.out_proj.weight, std=cfg.init_std)
+        for p in (self.dt_bias, self.A_log, self.D):
+            p._no_weight_decay = True
+
+    def init_state(self, batch: int, device=None, dtype=torch.float32):
+        """Zero (conv_state (batch, conv_dim, d_conv - 1) in dtype, ssm_state (batch, heads, head_dim,
+        d_state) in float32, or float64 when dtype is float64)."""
+        conv_state = torch.zeros(batch, self.conv_dim, self.d_conv - 1, device=device, dtype=dtype)
+        ssm_state = torch.zeros(batch, self.heads, self.head_dim, self.d_state, device=device,
+                                dtype=torch.promote_types(dtype, torch.float32))
+        return conv_state, ssm_state
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """x (B, L, d_model) -> (y (B, L, d_model), new conv_state, new ssm_state); any L >= 1."""
+        b, l, _ = x.shape
+        zxbcdt = self.in_proj(x)
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
+
+        # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
+        window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
+        new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):]
+        xBC = F.conv1d(window, self.conv1d.weight.to(window.dtype), self.conv1d.bias.to(window.dtype),
+                       groups=self.conv_dim)                                       # (B, conv_dim, L)
+        xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)
+        xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
+
+        fdt = torch.promote_types(dt.dtype, torch.float32)  # float32, or float64 for fp64 models
+        dt = F.softplus(dt.to(fdt) + self.dt_bias.to(fdt))                        # (B, L, H)
+        A = -torch.exp(self.A_log.to(fdt))
+        y, new_ssm_state = ssd_scan(
+            xs.reshape(b, l, self.heads, self.head_dim), dt, A,
+            Bm.reshape(b, l, 1, self.d_state), Cm.reshape(b, l, 1, self.d_state),
+            self.D, ssm_state, chunk_size=self.chunk_size)                        # y (B, L, H, P)
+        y = self.norm(y.reshape(b, l, self.d_inner), z)
+        return self.out_proj(y), new_conv_state, new_ssm_state

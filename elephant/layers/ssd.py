@@ -1,0 +1,159 @@
+"""The Mamba-2 scan (state-space duality, SSD) with an initial state in and the final state out.
+
+Per head, with a state s of shape (P, N) and a scalar decay per token:
+
+    s_t = exp(dt_t * A) * s_{t-1} + dt_t * x_t B_t^T        y_t = s_t C_t + D * x_t
+
+Three implementations share one signature
+`f(x, dt, A, B, C, D=None, initial_state=None[, chunk_size]) -> (y, final_state)`:
+
+- `ssd_recurrent_ref`: token by token; slow, obviously right: the ground truth of the tests.
+- `ssd_chunked`: the chunked SSD algorithm in PyTorch (Dao & Gu 2024, https://arxiv.org/abs/2405.21060,
+  section 6): a quadratic "attention-like" product inside each block of `chunk_size` tokens, a state
+  per block, and a short recurrence over block states. Differentiable, runs everywhere; the reference
+  that the Triton kernels are held equal to.
+- `ssd_triton` (in ssd_triton.py): the same algorithm as Triton kernels with a hand-written backward.
+
+`ssd_scan` picks one: the Triton kernels for CUDA tensors when Triton imports, otherwise
+`ssd_chunked`. `ELEPHANT_SSD=ref|triton|auto` in the environment (read at import) or `set_backend()`
+forces a path, for tests and benchmarks.
+
+Shapes: x (b, l, h, p); dt (b, l, h), already positive (after softplus); A (h,), negative;
+B, C (b, l, g, n) where the g groups divide the h heads (head i reads group i // (h // g));
+D (h,) or None; initial_state (b, h, p, n) or None. Returns y (b, l, h, p) in x's dtype and the final
+state (b, h, p, n) in float32 (float64 when x is float64, so that fp64 tests stay exact).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "ref", "triton")
+_backend = os.environ.get("ELEPHANT_SSD", "auto")
+
+
+def set_backend(name: str) -> None:
+    """Force the path `ssd_scan` takes: 'auto' (Triton on CUDA, else reference), 'ref' or 'triton'."""
+    global _backend
+    _backend = _check_backend(name)
+
+
+def get_backend() -> str:
+    return _check_backend(_backend)
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"ELEPHANT_SSD / set_backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """The SSD scan through the path chosen by the backend switch (see module docstring)."""
+    backend = get_backend()
+    if backend == "ref":
+        return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+    from elephant.layers import ssd_triton
+    if backend == "triton":
+        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size)
+    if x.is_cuda and ssd_triton.supports(x, B, chunk_size):
+        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size)
+    return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; every other dtype is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_shapes(x, dt, A, B, C, D, initial_state) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"ssd: x must be (batch, length, heads, head_dim), got shape {tuple(x.shape)}")
+    b, l, h, p = x.shape
+    if dt.shape != (b, l, h):
+        raise ValueError(f"ssd: dt must be {(b, l, h)}, got {tuple(dt.shape)}")
+    if A.shape != (h,):
+        raise ValueError(f"ssd: A must be ({h},), got {tuple(A.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (b, l) or C.shape != B.shape or h % B.shape[2]:
+        raise ValueError(f"ssd: B and C must be ({b}, {l}, groups, d_state) with groups dividing "
+                         f"{h} heads, got {tuple(B.shape)} and {tuple(C.shape)}")
+    if D is not None and D.shape != (h,):
+        raise ValueError(f"ssd: D must be ({h},) or None, got {tuple(D.shape)}")
+    n = B.shape[3]
+    if initial_state is not None and initial_state.shape != (b, h, p, n):
+        raise ValueError(f"ssd: initial_state must be {(b, h, p, n)} or None, "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None):
+    """Token-by-token recurrence; the ground truth. O(l) Python steps: tests only."""
+    check_shapes(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    cdt = compute_dtype(x)
+    x, dt, A, B, C = (t.to(cdt) for t in (x, dt, A, B, C))
+    B = B.repeat_interleave(h // g, dim=2)  # (b, l, h, n)
+    C = C.repeat_interleave(h // g, dim=2)
+    s = (x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(cdt))
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]                    # (b, h, 1, 1)
+        write = (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None]  # (b, h, p, n)
+        s = decay * s + write
+        ys.append(torch.einsum("bhpn,bhn->bhp", s, C[:, t]))
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(b, 0, h, p)
+    if D is not None:
+        y = y + D.to(cdt)[:, None] * x
+    return y, s
+
+
+def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """Chunked SSD in PyTorch; any length (the tail is padded with dt = 0: no decay, no write)."""
+    check_shapes(x, dt, A, B, C, D, initial_state)
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g                                   # heads per group
+    Q = chunk_size
+    nc = max(1, math.ceil(l / Q))
+    pad = nc * Q - l
+    cdt = compute_dtype(x)
+    xf, dtf, Bf, Cf = (t.to(cdt) for t in (x, dt, B, C))
+    if pad:
+        xf, Bf, Cf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bf, Cf))
+        dtf = F.pad(dtf, (0, 0, 0, pad))
+    xdt = (xf * dtf[..., None]).view(b, nc, Q, g, r, p)                  # (b, c, Q, g, r, p)
+    Bc = Bf.view(b, nc, Q, g, n)
+    Cc = Cf.view(b, nc, Q, g, n)
+    cs = (dtf * A.to(cdt)).view(b, nc, Q, g, r).permute(0, 1, 3, 4, 2).cumsum(-1)  # (b, c, g, r, Q)
+
+    # 1. inside each chunk: y_i = sum_{j <= i} exp(cs_i - cs_j) (C_i . B_j) dt_j x_j
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, -math.inf))
+    CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)                     # (b, c, g, Q, Q)
+    y = torch.einsum("bcgrij,bcjgrp->bcigrp", CB[:, :, :, None] * decay, xdt)
+
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(cs[..., -1:] - cs)                                 # (b, c, g, r, Q)
+    states = torch.einsum("bcjgn,bcgrj,bcjgrp->bcgrpn", Bc, to_end, xdt)  # (b, c, g, r, p, n)
+
+    # 3. pass states from chunk to chunk: states_in[c] = state before chunk c (incl. initial state)
+    init = (xf.new_zeros(b, g, r, p, n) if initial_state is None
+            else initial_state.to(cdt).reshape(b, g, r, p, n))
+    states = torch.cat([init[:, None], states], dim=1)                    # (b, c + 1, g, r, p, n)
+    last = F.pad(cs[..., -1], (0, 0, 0, 0, 1, 0))                         # (b, c + 1, g, r)
+    lc = last.cumsum(1).permute(0, 2, 3, 1)                               # (b, g, r, c + 1)
+    causal_c = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril()
+    chunk_decay = torch.exp((lc[..., :, None] - lc[..., None, :]).masked_fill(~causal_c, -math.inf))
+    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
+    states_in, final = states[:, :-1], states[:, -1]
+
+    # 4. the incoming state's contribution: y_i += exp(cs_i) states_in C_i
+    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states_in, torch.exp(cs))
+
+    y = y.reshape(b, nc * Q, h, p)[:, :l]
+    if D is not None:
+        y = y + D.to(cdt)[:, None] * xf[:, :l]
+    return y.to(x.dtype), final.reshape(b, h, p, n)

@@ -1,0 +1,400 @@
+"""Triton kernels for the chunked SSD scan (forward and backward), held equal to `ssd.ssd_chunked`.
+
+The algorithm is ssd_chunked's, per (batch, head) and chunk c of Q tokens with the in-chunk cumulative
+log-decay cs_i = sum_{k <= i} dt_k A (computed in PyTorch: it is tiny, and its autograd carries the
+gradient of cs back into dt and A):
+
+    forward
+      chunk_state  S_c   = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T            (P, N) per chunk
+      state_pass   H_0   = initial state;  H_{c+1} = exp(cs_end) H_c + S_c;  final = H_C
+      chunk_scan   y_i   = sum_{j <= i} exp(cs_i - cs_j) (C_i . B_j) dt_j x_j + exp(cs_i) H_c C_i + D x_i
+    backward (G_c = dLoss/dH_c)
+      chunk_state  dHy_c = sum_i exp(cs_i) dy_i C_i^T        (the same kernel, other operands)
+      state_pass   G_C = dfinal;  G_c = dHy_c + exp(cs_end) G_{c+1};  dS_c = G_{c+1};  dinit = G_0
+      chunk_scan   everything else for one chunk in one program: dx, ddt, dcs, dB, dC, dD
+
+Each program of the chunk kernels holds one whole chunk (Q x P, Q x N, Q x Q tiles), so there are no
+cross-program reductions except those over heads sharing a B/C group and over chunks for D (summed in
+PyTorch, deterministic). The states entering each chunk (b, chunks, h, p, n) in float32 are saved
+for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) with float32
+accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
+
+Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from elephant.layers.ssd import check_shapes
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # the reference path runs everywhere; this one needs Triton
+    HAVE_TRITON = False
+
+
+def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
+    """Whether these kernels handle this problem (else ssd_scan falls back to ssd_chunked)."""
+    return (HAVE_TRITON and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and chunk_size in (16, 32, 64, 128) and x.shape[-1] <= 128 and B.shape[-1] <= 128)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _dot(a, b, DT: tl.constexpr, PREC: tl.constexpr):
+        """a @ b with operands cast to DT (x's dtype), accumulated in float32. PREC: the float32
+        product's precision, "" for 16-bit operands (where it does not apply)."""
+        if PREC == "":
+            return tl.dot(a.to(DT), b.to(DT))
+        else:
+            return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
+
+    @triton.jit
+    def _chunk_state_kernel(
+        u_ptr, dt_ptr, v_ptr, cs_ptr, out_ptr,
+        L, H, NC, P, N, HEADS_PER_GROUP,
+        s_ub, s_ul, s_uh, s_up,
+        s_db, s_dl, s_dh,
+        s_vb, s_vl, s_vg, s_vn,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        BACKWARD: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """out[b, c, h] = sum_j w_j u_j v_j^T over the chunk's tokens j, (P, N) in float32.
+        forward:  u = dt * x, v = B, w = exp(cs_end - cs_j)   (the chunk's own state)
+        backward: u = dy,     v = C, w = exp(cs_j)            (the gradient w.r.t. the incoming state)"""
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
+        DT: tl.constexpr = u_ptr.dtype.element_ty
+        i = tl.arange(0, Q)
+        p = tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        t = c * Q + i
+        tmask = t < L
+        u = tl.load(u_ptr + b * s_ub + t[:, None] * s_ul + h * s_uh + p[None, :] * s_up,
+                    mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)       # (Q, P)
+        v = tl.load(v_ptr + b * s_vb + t[:, None] * s_vl + g * s_vg + n[None, :] * s_vn,
+                    mask=tmask[:, None] & (n[None, :] < N), other=0.0)                       # (Q, N)
+        cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
+        cs = tl.load(cs_base + i)
+        if BACKWARD:
+            w = tl.exp(cs)
+        else:
+            cs_end = tl.load(cs_base + Q - 1)
+            dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
+            w = tl.exp(cs_end - cs) * dt
+        acc = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                                    # (P, N)
+        out = out_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
+        tl.store(out, acc, mask=(p[:, None] < P) & (n[None, :] < N))
+
+    @triton.jit
+    def _state_pass_fwd_kernel(
+        states_ptr, init_ptr, final_ptr, cs_ptr,
+        H, NC, PN,
+        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+    ):
+        """In place over states (b, c, h, p*n): chunk c's own state S_c in, the state entering it out."""
+        blk = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        e = blk * BLOCK + tl.arange(0, BLOCK)
+        emask = e < PN
+        if HAS_INIT:
+            s = tl.load(init_ptr + (b * H + h) * PN + e, mask=emask, other=0.0).to(tl.float32)
+        else:
+            s = tl.zeros([BLOCK], dtype=tl.float32)
+        c = 0
+        while c < NC:  # a while loop: the interpreter cannot take range() over a runtime argument
+            ptr = states_ptr + ((b * NC + c) * H + h) * PN + e
+            own = tl.load(ptr, mask=emask, other=0.0)
+            tl.store(ptr, s, mask=emask)
+            decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
+            s = decay * s + own
+            c += 1
+        tl.store(final_ptr + (b * H + h) * PN + e, s, mask=emask)
+
+    @triton.jit
+    def _state_pass_bwd_kernel(
+        dstates_ptr, states_ptr, dfinal_ptr, dinit_ptr, dcs_end_ptr, cs_ptr,
+        H, NC, PN, NBLK,
+        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+    ):
+        """In place over dstates (b, c, h, p*n): dLoss/dH_c through chunk c's outputs in, the gradient
+        w.r.t. chunk c's own state S_c (= G_{c+1}) out. Also the partial sums of dLoss/dcs_end per
+        block, (b, h, c, NBLK), and dinit = G_0."""
+        blk = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        e = blk * BLOCK + tl.arange(0, BLOCK)
+        emask = e < PN
+        grad = tl.load(dfinal_ptr + (b * H + h) * PN + e, mask=emask, other=0.0)
+        c = NC - 1
+        while c >= 0:
+            ptr = dstates_ptr + ((b * NC + c) * H + h) * PN + e
+            from_y = tl.load(ptr, mask=emask, other=0.0)
+            tl.store(ptr, grad, mask=emask)
+            s_in = tl.load(states_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask, other=0.0)
+            decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
+            tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * s_in) * decay)
+            grad = from_y + decay * grad
+            c -= 1
+        if HAS_INIT:
+            tl.store(dinit_ptr + (b * H + h) * PN + e, grad, mask=emask)
+
+    @triton.jit
+    def _chunk_scan_fwd_kernel(
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, states_ptr, d_ptr, y_ptr,
+        L, H, NC, P, N, HEADS_PER_GROUP,
+        s_xb, s_xl, s_xh, s_xp,
+        s_db, s_dl, s_dh,
+        s_bb, s_bl, s_bg, s_bn,
+        s_cb, s_cl, s_cg, s_cn,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """y for one chunk: the in-chunk quadratic form, the incoming state's part, and D x."""
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        i = tl.arange(0, Q)
+        p = tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        t = c * Q + i
+        tmask = t < L
+        qp_mask = tmask[:, None] & (p[None, :] < P)
+        qn_mask = tmask[:, None] & (n[None, :] < N)
+        x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
+                    mask=qp_mask, other=0.0).to(tl.float32)                                  # (Q, P)
+        dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
+        Bm = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
+                     mask=qn_mask, other=0.0)                                                # (Q, N)
+        Cm = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
+                     mask=qn_mask, other=0.0)                                                # (Q, N)
+        cs = tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + i)
+        s_in = tl.load(states_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :],
+                       mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)                  # (P, N)
+
+        causal = i[:, None] >= i[None, :]
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
+        M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
+        y = _dot(M, x * dt[:, None], DT, PREC)
+        y += _dot(Cm, tl.trans(s_in), DT, PREC) * tl.exp(cs)[:, None]
+        if HAS_D:
+            y += tl.load(d_ptr + h).to(tl.float32) * x
+        tl.store(y_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], y, mask=qp_mask)
+
+    @triton.jit
+    def _chunk_scan_bwd_kernel(
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, states_ptr, d_ptr, dy_ptr, dstates_ptr,
+        dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
+        L, H, NC, P, N, HEADS_PER_GROUP,
+        s_xb, s_xl, s_xh, s_xp,
+        s_db, s_dl, s_dh,
+        s_bb, s_bl, s_bg, s_bn,
+        s_cb, s_cl, s_cg, s_cn,
+        s_yb, s_yl, s_yh, s_yp,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
+        dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+        i = tl.arange(0, Q)
+        p = tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        t = c * Q + i
+        tmask = t < L
+        qp_mask = tmask[:, None] & (p[None, :] < P)
+        qn_mask = tmask[:, None] & (n[None, :] < N)
+        pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        # x and dy stay in their dtype (registers are the limit here); products upcast to float32
+        x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
+                    mask=qp_mask, other=0.0)                                                 # (Q, P)
+        dy = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
+                     mask=qp_mask, other=0.0)                                                # (Q, P)
+        dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
+        Bm = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
+                     mask=qn_mask, other=0.0)                                                # (Q, N)
+        Cm = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
+                     mask=qn_mask, other=0.0)                                                # (Q, N)
+        cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
+        cs = tl.load(cs_base + i)
+        cs_end = tl.load(cs_base + Q - 1)
+        pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
+        xdt = x.to(tl.float32) * dt[:, None]
+
+        # the chunk's own state: S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
+        ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                          # (P, N)
+        w = tl.exp(cs_end - cs)
+        BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                              # (Q, P)
+        dB = _dot(xdt, ds, DT, PREC) * w[:, None]                                           # (Q, N)
+        dxdt = BdS * w[:, None]                                                             # (Q, P)
+        dw = tl.sum(xdt * BdS, axis=1) * w
+        dcs = tl.where(i == Q - 1, tl.sum(dw, axis=0), 0.0) - dw
+
+        # the incoming state's part: y_i += exp(cs_i) H_c C_i
+        s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
+        e_cs = tl.exp(cs)
+        dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
+        dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
+
+        # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
+        causal = i[:, None] >= i[None, :]
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
+        dM = _dot(dy, tl.trans(xdt), DT, PREC)                                              # (Q, Q)
+        dK = dM * decay
+        dC += _dot(dK, Bm, DT, PREC)
+        dB += _dot(tl.trans(dK), Cm, DT, PREC)
+        qn_off = ((b * L + t[:, None]) * H + h) * N + n[None, :]
+        tl.store(db_ptr + qn_off, dB, mask=qn_mask)
+        tl.store(dc_ptr + qn_off, dC, mask=qn_mask)
+        M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
+        dxdt += _dot(tl.trans(M), dy, DT, PREC)                                             # (Q, P)
+        R = dM * M
+        dcs += tl.sum(R, axis=1) - tl.sum(R, axis=0)
+
+        dx = dxdt * dt[:, None]
+        if HAS_D:
+            dyf = dy.to(tl.float32)
+            xf = x.to(tl.float32)
+            dx += tl.load(d_ptr + h).to(tl.float32) * dyf
+            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dyf * xf, axis=1), axis=0))
+        tl.store(dx_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], dx, mask=qp_mask)
+        tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
+        tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
+
+
+# float32 inputs: three TF32 tensor-core products per product (about float32 accuracy at a fraction of
+# the cost of "ieee", which runs on the CUDA cores and spills registers); "ieee" and "tf32" also work.
+FP32_PRECISION = "tf32x3"
+
+
+def _precision(x: torch.Tensor) -> str:
+    return FP32_PRECISION if x.dtype == torch.float32 else ""
+
+
+def _blocks(p: int, n: int) -> tuple[int, int]:
+    return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n))
+
+
+def _fwd(x, dt, cs, B, C, D, init, Q):
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    nc = cs.shape[2]
+    BP, BN = _blocks(p, n)
+    prec = _precision(x)
+    states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
+    _chunk_state_kernel[(nc, b, h)](
+        x, dt, B, cs, states, l, h, nc, p, n, h // g,
+        *x.stride(), *dt.stride(), *B.stride(),
+        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, num_warps=4)
+    final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
+    block = min(1024, triton.next_power_of_2(p * n))
+    _state_pass_fwd_kernel[(triton.cdiv(p * n, block), b, h)](
+        states, init if init is not None else final, final, cs, h, nc, p * n,
+        Q=Q, BLOCK=block, HAS_INIT=init is not None, num_warps=4)
+    y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
+    _chunk_scan_fwd_kernel[(nc, b, h)](
+        x, dt, B, C, cs, states, D if D is not None else x, y, l, h, nc, p, n, h // g,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=4)
+    return y, final, states
+
+
+def _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, Q):
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    nc = cs.shape[2]
+    BP, BN = _blocks(p, n)
+    prec = _precision(x)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    # gradient w.r.t. the state entering each chunk through that chunk's outputs
+    dstates = torch.empty(b, nc, h, p, n, **f32)
+    _chunk_state_kernel[(nc, b, h)](
+        dy, dt, C, cs, dstates, l, h, nc, p, n, h // g,
+        *dy.stride(), *dt.stride(), *C.stride(),
+        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, num_warps=4)
+    block = min(1024, triton.next_power_of_2(p * n))
+    nblk = triton.cdiv(p * n, block)
+    dcs_end = torch.empty(b, h, nc, nblk, **f32)
+    dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
+    _state_pass_bwd_kernel[(nblk, b, h)](
+        dstates, states, dfinal.float().contiguous(), dinit if dinit is not None else dcs_end,
+        dcs_end, cs, h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None, num_warps=4)
+    dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
+    ddt = torch.empty(b, l, h, **f32)
+    dB = torch.empty(b, l, h, n, **f32)
+    dC = torch.empty(b, l, h, n, **f32)
+    dcs = torch.empty(b, h, nc, Q, **f32)
+    dD = torch.empty(b, nc, h, **f32) if D is not None else None
+    _chunk_scan_bwd_kernel[(nc, b, h)](
+        x, dt, B, C, cs, states, D if D is not None else x, dy, dstates,
+        dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
+        l, h, nc, p, n, h // g,
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=8)
+    dcs[..., -1] += dcs_end.sum(-1)
+    dB = dB.view(b, l, g, h // g, n).sum(3)
+    dC = dC.view(b, l, g, h // g, n).sum(3)
+    dD = dD.sum((0, 1)) if dD is not None else None
+    return dx, ddt, dcs, dB, dC, dD, dinit
+
+
+class _SSDTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, cs, B, C, D, init, Q):
+        with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+            y, final, states = _fwd(x, dt, cs, B, C, D, init, Q)
+        ctx.save_for_backward(x, dt, cs, B, C, D, init, states)
+        ctx.Q = Q
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, cs, B, C, D, init, states = ctx.saved_tensors
+        with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+            dx, ddt, dcs, dB, dC, dD, dinit = _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, ctx.Q)
+        return (dx, ddt.to(dt.dtype), dcs, dB.to(B.dtype), dC.to(C.dtype),
+                dD.to(D.dtype) if dD is not None else None, dinit, None)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+@torch.compiler.disable
+def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
+    dtype, final state in float32), for float32 / bfloat16 / float16 inputs."""
+    if not HAVE_TRITON:
+        raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
+    check_shapes(x, dt, A, B, C, D, initial_state)
+    if not supports(x, B, chunk_size):
+        raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size in 16..128 (a power "
+                         f"of 2), head_dim and d_state <= 128; got {x.dtype}, chunk_size={chunk_size}, "
+                         f"head_dim={x.shape[-1]}, d_state={B.shape[-1]}")
+    b, l, h, _ = x.shape
+    Q = chunk_size
+    nc = max(1, math.ceil(l / Q))
+    # in-chunk cumulative log-decay (b, h, chunks, Q); the padded tail has dt = 0: no decay, no write
+    dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l))
+    cs = dA.view(b, nc, Q, h).cumsum(2).permute(0, 3, 1, 2).contiguous()
+    init = initial_state.float().contiguous() if initial_state is not None else None
+    return _SSDTriton.apply(x, dt, cs, B, C, D, init, Q)

@@ -1,0 +1,187 @@
+"""The SSD scan: the chunked reference equals the token-by-token recurrence, the Triton kernels (in the
+interpreter here; on CUDA in test_gpu_ssd.py) equal the chunked reference, and ssd_scan dispatches."""
+import os
+
+import pytest
+import torch
+
+from elephant.layers import ssd
+from elephant.layers.ssd import ssd_chunked, ssd_recurrent_ref, ssd_scan
+
+
+def make_inputs(b=2, l=37, h=4, g=1, p=8, n=6, dtype=torch.float64, init=True, D=True, seed=0):
+    """Random SSD inputs with requires_grad: x, dt, A, B, C, D, initial_state."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, dtype=torch.float64)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    tensors = [
+        randn(b, l, h, p),
+        rand(b, l, h) * 0.5 + 0.01,        # dt > 0
+        -(rand(h) * 3 + 0.1),              # A < 0
+        randn(b, l, g, n),
+        randn(b, l, g, n),
+        randn(h) if D else None,
+        randn(b, h, p, n) if init else None,
+    ]
+    return [t.to(dtype).requires_grad_() if t is not None else None for t in tensors]
+
+
+def grads(fn, inputs, seed=1, **kw):
+    """Outputs of fn and the gradients of a random linear function of (y, final) w.r.t. every input."""
+    y, final = fn(*inputs, **kw)
+    gen = torch.Generator().manual_seed(seed)
+    wy = torch.randn(y.shape, generator=gen).to(y.dtype)
+    wf = torch.randn(final.shape, generator=gen).to(final.dtype)
+    loss = (y.float() * wy.float()).sum() + (final.float() * wf.float()).sum()
+    live = [t for t in inputs if t is not None]
+    return y, final, torch.autograd.grad(loss, live)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-12)).item()
+
+
+# --- the chunked reference --------------------------------------------------------------------
+
+@pytest.mark.parametrize("l", [1, 7, 16, 37, 64, 100])
+@pytest.mark.parametrize("g", [1, 2])
+def test_chunked_equals_recurrence(l, g):
+    inputs = make_inputs(l=l, g=g)
+    y_ref, s_ref = ssd_recurrent_ref(*inputs)
+    y, s = ssd_chunked(*inputs, chunk_size=16)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    assert torch.allclose(s, s_ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("l,init,D", [(5, True, True), (37, True, False), (48, False, True)])
+def test_chunked_gradients_equal_recurrence(l, init, D):
+    inputs = make_inputs(l=l, g=2, init=init, D=D)
+    _, _, g_ref = grads(ssd_recurrent_ref, inputs)
+    _, _, g = grads(ssd_chunked, inputs, chunk_size=16)
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+def test_chunk_size_does_not_change_result():
+    inputs = make_inputs(l=50)
+    y8, s8 = ssd_chunked(*inputs, chunk_size=8)
+    for q in (16, 64):
+        y, s = ssd_chunked(*inputs, chunk_size=q)
+        assert torch.allclose(y, y8, rtol=0, atol=1e-12) and torch.allclose(s, s8, rtol=0, atol=1e-12)
+
+
+def test_carried_state_equals_one_pass():
+    x, dt, A, B, C, D, s0 = make_inputs(l=45)
+    y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16)
+    y1, s1 = ssd_chunked(x[:, :19], dt[:, :19], A, B[:, :19], C[:, :19], D, s0, chunk_size=16)
+    y2, s2 = ssd_chunked(x[:, 19:], dt[:, 19:], A, B[:, 19:], C[:, 19:], D, s1, chunk_size=16)
+    assert torch.allclose(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-12)
+    assert torch.allclose(s2, s, rtol=0, atol=1e-12)
+
+
+def test_no_initial_state_is_a_zero_state():
+    x, dt, A, B, C, D, s0 = make_inputs(l=20)
+    y0, f0 = ssd_chunked(x, dt, A, B, C, D, None, chunk_size=16)
+    y1, f1 = ssd_chunked(x, dt, A, B, C, D, torch.zeros_like(s0), chunk_size=16)
+    assert torch.equal(y0, y1) and torch.equal(f0, f1)
+
+
+def test_low_precision_in_float32_out():
+    x, dt, A, B, C, D, s0 = make_inputs(l=20, dtype=torch.bfloat16)
+    y, final = ssd_chunked(x, dt, A, B, C, D, s0.float(), chunk_size=16)
+    assert y.dtype == torch.bfloat16 and final.dtype == torch.float32
+    y32, f32 = ssd_chunked(*(t.float() for t in (x, dt, A, B, C, D, s0)), chunk_size=16)
+    assert torch.allclose(final, f32, atol=1e-5) and torch.allclose(y.float(), y32, atol=0.05)
+
+
+def test_bad_shapes_are_named():
+    x, dt, A, B, C, D, s0 = make_inputs(l=8)
+    with pytest.raises(ValueError, match="initial_state"):
+        ssd_chunked(x, dt, A, B, C, D, s0[:, :2])
+    with pytest.raises(ValueError, match="groups"):
+        ssd_chunked(x, dt, A, B.expand(2, 8, 3, 6), C.expand(2, 8, 3, 6))
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def backend():
+    before = ssd.get_backend()
+    yield ssd.set_backend
+    ssd.set_backend(before)
+
+
+def test_auto_uses_reference_on_cpu(backend, monkeypatch):
+    from elephant.layers import ssd_triton
+
+    def fail(*a, **k):
+        raise AssertionError("the Triton path was taken on CPU")
+    monkeypatch.setattr(ssd_triton, "ssd_triton", fail)
+    backend("auto")
+    inputs = make_inputs(l=20)
+    y, s = ssd_scan(*inputs, chunk_size=16)
+    y_ref, s_ref = ssd_chunked(*inputs, chunk_size=16)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+
+
+def test_unknown_backend_is_rejected(backend):
+    with pytest.raises(ValueError, match="ref, triton"):
+        backend("cuda")
+
+
+# --- the Triton kernels, in the interpreter ---------------------------------------------------
+
+triton_cases = [  # b, l, h, g, p, n, init, D
+    (1, 40, 2, 1, 16, 16, True, True),
+    (2, 70, 2, 1, 16, 16, True, True),     # length not a multiple of the chunk
+    (1, 64, 4, 2, 16, 32, False, False),   # two groups, no initial state, no D
+    (1, 5, 2, 1, 20, 16, True, True),      # shorter than a chunk; head_dim not a power of 2
+]
+
+
+def _needs_triton():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not set")
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n,init,D", triton_cases)
+def test_triton_equals_chunked(b, l, h, g, p, n, init, D):
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    inputs = make_inputs(b, l, h, g, p, n, dtype=torch.float32, init=init, D=D)
+    y, s, g_tri = grads(ssd_triton, inputs, chunk_size=16)
+    y_ref, s_ref, g_ref = grads(ssd_chunked, inputs, chunk_size=16)
+    assert y.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    names = [k for k, t in zip("x dt A B C D initial_state".split(), inputs) if t is not None]
+    for name, a, r in zip(names, g_tri, g_ref):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert rel_err(a, r) < 1e-5, name
+
+
+def test_triton_strided_inputs_and_unused_final_state():
+    """Views as the Mamba-2 mixer makes them (x, B, C slices of one tensor), a stride-0 dy, no dfinal."""
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    b, l, h, p, n = 2, 33, 2, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    xBC = torch.randn(b, l, h * p + 2 * n, generator=gen).requires_grad_()
+    dt = (torch.rand(b, l, h, generator=gen) * 0.3 + 0.01).requires_grad_()
+    A = -(torch.rand(h, generator=gen) + 0.5).requires_grad_()
+    D = torch.randn(h, generator=gen).requires_grad_()
+    x, B, C = xBC.split([h * p, n, n], dim=-1)
+    args = (x.reshape(b, l, h, p), dt, A, B.reshape(b, l, 1, n), C.reshape(b, l, 1, n), D)
+    results = []
+    for fn in (ssd_triton, ssd_chunked):
+        y, _ = fn(*args, chunk_size=16)
+        results.append((y, torch.autograd.grad(y.sum(), [xBC, dt, A, D])))
+    (y, g), (y_ref, g_ref) = results
+    assert rel_err(y, y_ref) < 1e-5
+    for a, r in zip(g, g_ref):
+        assert rel_err(a, r) < 1e-5
