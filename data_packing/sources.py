@@ -1,0 +1,340 @@
+"""Corpora as iterators of whole documents, in a stable order: `open_source(name, split, path)`.
+
+Sources (the `name`):
+- `wikitext-103`, `wikitext-2`: raw Wikitext from the Hub (`Salesforce/wikitext`) or a local folder of
+  `wiki.{train,valid,test}.raw`. The files are one line per paragraph; articles are rebuilt from the
+  line structure. A top-level heading ` = Title = ` starts an article; section headings
+  (` = = Section = = `) do not. A heading must stand between blank lines, because a few formula
+  paragraphs also look like ` = ... = ` (test split, "Constant k filter"). Article text is the raw
+  lines joined verbatim, so the articles' bytes and words add up to the file's (less the blank line
+  before the first title).
+- `fineweb`, `fineweb-edu`: the Hub's sample configs, streamed; the Hub has only a train split, so the
+  first `holdout_docs` documents are `valid`, the next `holdout_docs` are `test`, the rest `train`.
+  With `path`, or as source `bin`: the speedrun's `.bin` GPT-2 token shards, read without
+  re-tokenizing (documents are token arrays; see shards.py).
+- `pycode`: the Python files of the running interpreter's standard library, one document per file,
+  a real offline corpus of long documents on every machine. Test-suite folders (`test`, `tests`,
+  `idle_test`) and any `site-packages` inside the stdlib are skipped; `site_packages=True` adds the
+  environment's own site-packages. Files go to train/valid/test (90/5/5) by a hash of their path
+  relative to their root, so the split of a file never depends on which other files exist.
+- `text`: a local .txt (one document per file), .jsonl (one per line) or .parquet (one per row)
+  file, or a folder of them; `text_field` names the JSON key / column.
+
+In a folder, the files of a split are those whose relative path has a part named after it
+(`train`; `valid`, `validation`, `val`, `dev`; `test`), e.g. `valid.jsonl`, `fineweb_val_000000.bin`
+or `test/part-0.parquet`; split `all` takes every file. A path that is a file is used for any split.
+Bytes that are not valid UTF-8 are replaced (U+FFFD) and counted in `Source.stats`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from data_packing.errors import DataError
+from data_packing.shards import GPT2_EOT, bin_documents
+
+SOURCES = ("wikitext-103", "wikitext-2", "fineweb", "fineweb-edu", "bin", "pycode", "text")
+SPLIT_ALIASES = {
+    "train": ("train",),
+    "valid": ("valid", "validation", "val", "dev"),
+    "test": ("test",),
+}
+HF_WIKITEXT = {"wikitext-103": "wikitext-103-raw-v1", "wikitext-2": "wikitext-2-raw-v1"}
+HF_FINEWEB = {"fineweb": "HuggingFaceFW/fineweb", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+TEXT_EXTS = (".txt", ".jsonl", ".parquet")
+PYCODE_SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+
+
+@dataclass
+class Source:
+    """A split of a corpus. Iterate it for documents: `str`, or token arrays when `pretokenized`."""
+
+    name: str
+    split: str
+    identity: dict  # what names this corpus: goes into the cache fingerprint and the manifest
+    documents: Callable[[], Iterator]
+    pretokenized: str | None = None  # tokenizer family of pre-tokenized documents ("gpt2")
+    stats: dict = field(default_factory=lambda: {"invalid_utf8_docs": 0})
+
+    def __iter__(self) -> Iterator:
+        return self.documents()
+
+
+def canonical_split(split: str, allow_all: bool = False) -> str:
+    s = split.strip().lower()
+    for name, aliases in SPLIT_ALIASES.items():
+        if s in aliases:
+            return name
+    if allow_all and s == "all":
+        return "all"
+    accepted = "train, valid (validation/val/dev), test" + (", all" if allow_all else "")
+    raise DataError(f"unknown split {split!r}; accepted: {accepted}")
+
+
+def open_source(name: str, split: str, path: str | os.PathLike | None = None, *, text_field: str = "text",
+                config: str | None = None, site_packages: bool = False, holdout_docs: int = 10_000) -> Source:
+    """The documents of `split` of source `name`, from `path` when given, else from the Hub/stdlib."""
+    path = Path(path).expanduser().resolve() if path not in (None, "") else None
+    if path is not None and not path.exists():
+        raise DataError(f"{name}: path {path} does not exist")
+    if name in HF_WIKITEXT:
+        return _wikitext(name, canonical_split(split), path)
+    if name == "bin" or (name in HF_FINEWEB and path is not None):
+        if path is None:
+            raise DataError("source 'bin' needs --path: a .bin shard or a folder of them")
+        return _bin(name, canonical_split(split, allow_all=True), path)
+    if name in HF_FINEWEB:
+        return _fineweb_hub(name, canonical_split(split), config or "sample-10BT", holdout_docs)
+    if name == "pycode":
+        return _pycode(canonical_split(split, allow_all=True), site_packages)
+    if name == "text":
+        if path is None:
+            raise DataError("source 'text' needs --path: a .txt/.jsonl/.parquet file or a folder of them")
+        return _text(canonical_split(split, allow_all=True), path, text_field)
+    raise DataError(f"unknown source {name!r}; choose one of {', '.join(SOURCES)}")
+
+
+# ---------------------------------------------------------------- Wikitext
+
+def wikitext_articles(lines: Iterable[bytes]) -> Iterator[bytes]:
+    """Articles of raw Wikitext given its lines (each with its b"\\n"); see the module docstring."""
+    article: list[bytes] = []
+    prev_blank = True  # the start of the file counts as a blank line
+    it = iter(lines)
+    line = next(it, None)
+    while line is not None:
+        nxt = next(it, None)
+        if prev_blank and _is_title(line) and (nxt is None or not nxt.strip()):
+            if any(x.strip() for x in article):  # the blank lines before the first title are no article
+                yield b"".join(article)
+            article = []
+        article.append(line)
+        prev_blank = not line.strip()
+        line = nxt
+    if any(x.strip() for x in article):
+        yield b"".join(article)
+
+
+def wikitext_hub_line(row_text: str) -> bytes:
+    """A line of the raw file from a Hub row: rows keep their newline, but blank lines became ""."""
+    return (row_text or " \n").encode("utf-8")
+
+
+def _is_title(line: bytes) -> bool:
+    s = line.rstrip(b"\r\n")
+    return s.startswith(b" = ") and s.endswith(b" = ") and not s.startswith(b" = = ") and len(s) > 6
+
+
+def _wikitext(name: str, split: str, path: Path | None) -> Source:
+    if path is None:
+        config = HF_WIKITEXT[name]
+        hf_split = {"valid": "validation"}.get(split, split)
+
+        def hub_lines():
+            for row in _hub_rows("Salesforce/wikitext", config, hf_split):
+                yield wikitext_hub_line(row["text"])
+
+        identity = {"source": name, "hub": f"Salesforce/wikitext/{config}", "split": split}
+        return _decoded(Source(name, split, identity, lambda: wikitext_articles(hub_lines())))
+    file = path / f"wiki.{split}.raw" if path.is_dir() else path
+    if not file.is_file():
+        raise DataError(f"{name}: missing split file {file}")
+
+    def file_lines():
+        with open(file, "rb") as f:
+            yield from f
+
+    identity = {"source": name, "path": str(file), "split": split, "files": _stamp([file], file.parent)}
+    return _decoded(Source(name, split, identity, lambda: wikitext_articles(file_lines())))
+
+
+# ---------------------------------------------------------------- FineWeb
+
+def _fineweb_hub(name: str, split: str, config: str, holdout_docs: int) -> Source:
+    repo = HF_FINEWEB[name]
+    lo, hi = {"valid": (0, holdout_docs), "test": (holdout_docs, 2 * holdout_docs),
+              "train": (2 * holdout_docs, None)}[split]
+
+    def docs():
+        for i, row in enumerate(_hub_rows(repo, config, "train")):
+            if hi is not None and i >= hi:
+                return
+            if i >= lo:
+                yield row["text"]
+
+    identity = {"source": name, "hub": f"{repo}/{config}", "split": split, "holdout_docs": holdout_docs}
+    return Source(name, split, identity, docs)
+
+
+def _bin(name: str, split: str, path: Path) -> Source:
+    files = _files_for_split(path, split, (".bin",), name)
+    identity = {"source": "bin", "path": str(path), "split": split, "files": _stamp(files, path)}
+    return Source(name, split, identity, lambda: bin_documents(files, GPT2_EOT), pretokenized="gpt2")
+
+
+def _hub_rows(repo: str, config: str, split: str) -> Iterator[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading {repo} from the Hub needs the `datasets` package (pip install datasets), "
+                        "or give --path to a local copy") from None
+    try:
+        for row in datasets.load_dataset(repo, config, split=split, streaming=True):
+            yield row
+    except Exception as e:
+        raise DataError(f"cannot stream {repo} ({config}, split {split}) from the Hugging Face Hub: "
+                        f"{type(e).__name__}; give --path to a local copy instead") from None
+
+
+# ---------------------------------------------------------------- Python standard library
+
+def pycode_files(split: str, site_packages: bool = False) -> list[tuple[Path, str]]:
+    """(file, relative path) of the stdlib's .py files in `split`, sorted by relative path."""
+    roots = [("", Path(sysconfig.get_paths()["stdlib"]))]
+    if site_packages:
+        roots.append(("site-packages/", Path(sysconfig.get_paths()["purelib"])))
+    out = []
+    for prefix, root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d not in PYCODE_SKIP_DIRS]
+            for fn in filenames:
+                if fn.endswith(".py"):
+                    file = Path(dirpath, fn)
+                    rel = prefix + file.relative_to(root).as_posix()
+                    if split == "all" or hash_split(rel) == split:
+                        out.append((file, rel))
+    return sorted(out, key=lambda fr: fr[1])
+
+
+def hash_split(key: str, valid_pct: int = 5, test_pct: int = 5) -> str:
+    """A deterministic train/valid/test assignment of `key` by its sha256 (stable across machines)."""
+    bucket = int(hashlib.sha256(key.encode("utf-8")).hexdigest()[:8], 16) % 100
+    return "valid" if bucket < valid_pct else "test" if bucket < valid_pct + test_pct else "train"
+
+
+def _pycode(split: str, site_packages: bool) -> Source:
+    files = pycode_files(split, site_packages)
+    if not files:
+        raise DataError(f"pycode: no .py files for split {split!r} under {sysconfig.get_paths()['stdlib']}")
+    identity = {"source": "pycode", "split": split, "python": sys.version.split()[0],
+                "stdlib": sysconfig.get_paths()["stdlib"], "site_packages": site_packages,
+                "files": _stamp([f for f, _ in files], None)}
+
+    def docs():
+        for file, _ in files:
+            yield file.read_bytes()
+
+    return _decoded(Source("pycode", split, identity, docs))
+
+
+# ---------------------------------------------------------------- local text files
+
+def _text(split: str, path: Path, text_field: str) -> Source:
+    files = _files_for_split(path, split, TEXT_EXTS, "text")
+    identity = {"source": "text", "path": str(path), "split": split, "text_field": text_field,
+                "files": _stamp(files, path)}
+
+    def docs():
+        for file in files:
+            if file.suffix == ".txt":
+                yield file.read_bytes()
+            elif file.suffix == ".jsonl":
+                yield from _jsonl_texts(file, text_field)
+            else:
+                yield from _parquet_texts(file, text_field)
+
+    return _decoded(Source("text", split, identity, docs))
+
+
+def _jsonl_texts(file: Path, text_field: str) -> Iterator[bytes]:
+    with open(file, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                # surrogateescape keeps invalid bytes as lone surrogates, which the encode below turns
+                # back into invalid UTF-8 for _decoded() to replace and count.
+                row = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                raise DataError(f"{file}:{lineno}: no string field {text_field!r} (set --text-field)")
+            try:
+                yield row[text_field].encode("utf-8", errors="surrogateescape")
+            except UnicodeEncodeError:  # a lone surrogate from a JSON \u escape
+                yield row[text_field].encode("utf-8", errors="surrogatepass")
+
+
+def _parquet_texts(file: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{file}: reading .parquet needs the `pyarrow` package "
+                        "(pip install pyarrow)") from None
+    try:
+        pf = pq.ParquetFile(file)
+    except Exception as e:
+        raise DataError(f"{file}: not a readable parquet file ({type(e).__name__})") from None
+    if text_field not in pf.schema_arrow.names:
+        raise DataError(f"{file}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                        "set --text-field")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+def _files_for_split(path: Path, split: str, exts: tuple[str, ...], name: str) -> list[Path]:
+    if path.is_file():
+        if path.suffix not in exts:
+            raise DataError(f"{name}: {path} is not a {'/'.join(exts)} file")
+        return [path]
+    aliases = SPLIT_ALIASES.get(split, ())
+    files = []
+    for file in sorted(path.rglob("*")):
+        if file.suffix in exts and file.is_file():
+            parts = re.split(r"[._\-/]", file.relative_to(path).with_suffix("").as_posix().lower())
+            if split == "all" or any(p in aliases for p in parts):
+                files.append(file)
+    if not files:
+        raise DataError(f"{name}: no {'/'.join(exts)} files for split {split!r} under {path} (file or "
+                        f"folder names must contain one of: {', '.join(aliases) or 'anything'})")
+    return files
+
+
+# ---------------------------------------------------------------- helpers
+
+def _decoded(source: Source) -> Source:
+    """Wrap a source of UTF-8 bytes (or str) so it yields str, replacing and counting invalid bytes."""
+    raw_docs = source.documents
+
+    def docs():
+        source.stats["invalid_utf8_docs"] = 0
+        for doc in raw_docs():
+            if isinstance(doc, bytes):
+                try:
+                    doc = doc.decode("utf-8")
+                except UnicodeDecodeError:
+                    source.stats["invalid_utf8_docs"] += 1
+                    doc = doc.decode("utf-8", errors="replace")
+            yield doc
+
+    source.documents = docs
+    return source
+
+
+def _stamp(files: list[Path], root: Path | None) -> str:
+    """A hash of the names, sizes and modification times of `files`: a changed file changes it."""
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        rel = f.relative_to(root).as_posix() if root is not None else str(f)
+        h.update(f"{rel}\t{st.st_size}\t{st.st_mtime_ns}\n".encode("utf-8"))
+    return h.hexdigest()[:16]
+

@@ -1,0 +1,138 @@
+"""RollingChunkBatcher: every token once, in order, one lane per document, exact resume, disjoint ranks."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from data_packing import DataError, RollingChunkBatcher, TokenizedCorpus
+
+
+def corpus_of(lengths):
+    """Documents whose tokens are all distinct (1, 2, 3, ...), so any misplaced token shows."""
+    bounds = np.cumsum([0, *lengths])
+    return TokenizedCorpus.from_documents([np.arange(a, b) + 1 for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def replay(batcher):
+    """Rebuild each document from the batches: {doc: (lane, tokens seen, resets, chunks)}."""
+    seen = {}
+    for batch in batcher:
+        for b, d in enumerate(batch.doc_ids.tolist()):
+            row, mask = batch.tokens[b], batch.loss_mask[b]
+            if d < 0:
+                assert not mask.any() and not batch.reset[b] and not row.any()
+                continue
+            n = int(mask.sum())
+            assert mask[:n].all() and not mask[n:].any() and not row[n + 1 :].any()  # real, then padding
+            if d not in seen:
+                seen[d] = {"lane": b, "tokens": [int(row[0])], "resets": [], "chunks": 0}
+            s = seen[d]
+            assert s["lane"] == b  # a document stays in its lane
+            assert int(row[0]) == s["tokens"][-1]  # chunks overlap by one token
+            s["tokens"] += row[1 : n + 1].tolist()
+            s["resets"].append(bool(batch.reset[b]))
+            s["chunks"] += 1
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=25), lanes=st.integers(1, 6),
+       chunk_len=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_one_epoch_yields_every_token_once_in_order_one_lane_per_document(lengths, lanes, chunk_len, seed):
+    corpus = corpus_of(lengths)
+    batcher = RollingChunkBatcher(corpus, lanes, chunk_len, seed=seed, loop=False)
+    seen = replay(batcher)
+    readable = [i for i, n in enumerate(lengths) if n >= 2]
+    assert sorted(seen) == readable
+    assert batcher.skipped_short_docs == len(lengths) - len(readable)
+    assert batcher.docs_completed == len(readable) and batcher.epoch == 0
+    for d, s in seen.items():
+        assert s["tokens"] == corpus.doc(d).tolist()
+        assert s["resets"] == [True] + [False] * (s["chunks"] - 1)
+        assert s["chunks"] == -(-(lengths[d] - 1) // chunk_len)
+    predicted = sum(n - 1 for n in lengths if n >= 2)
+    assert batcher.real_tokens == predicted and batcher.total_tokens == batcher.batches * lanes * chunk_len
+
+
+def test_batches_have_the_contract_shapes_and_dtypes():
+    batch = next(iter(RollingChunkBatcher(corpus_of([30, 5, 9]), lanes=4, chunk_len=8, seed=1)))
+    assert batch.tokens.shape == (4, 9) and batch.tokens.dtype == torch.int64
+    assert batch.reset.shape == (4,) and batch.reset.dtype == torch.bool and batch.reset.all()
+    assert batch.loss_mask.shape == (4, 8) and batch.loss_mask.dtype == torch.bool
+    assert batch.doc_ids.shape == (4,) and batch.doc_ids.dtype == torch.int64
+
+
+def test_fill_counts_real_targets_and_padding_is_masked():
+    batcher = RollingChunkBatcher(corpus_of([11, 3]), lanes=2, chunk_len=4, seed=0, shuffle=False, loop=False)
+    batches = list(batcher)
+    # Lane 0: 10 targets in chunks of 4, 4, 2; lane 1: 2 targets, then idle.
+    assert [b.loss_mask.sum(1).tolist() for b in batches] == [[4, 2], [4, 0], [2, 0]]
+    assert [b.doc_ids.tolist() for b in batches] == [[0, 1], [0, -1], [0, -1]]
+    assert batcher.fill == pytest.approx(12 / 24) and batcher.last_fill == pytest.approx(2 / 8)
+    assert batches[2].tokens[0].tolist() == [9, 10, 11, 0, 0]
+
+
+def test_a_finished_lane_takes_the_next_document_at_its_next_chunk_with_reset():
+    batcher = RollingChunkBatcher(corpus_of([3, 20, 4]), lanes=2, chunk_len=4, seed=0, shuffle=False)
+    first, second = next(batcher), next(batcher)
+    assert first.doc_ids.tolist() == [0, 1] and first.reset.tolist() == [True, True]
+    assert second.doc_ids.tolist() == [2, 1] and second.reset.tolist() == [True, False]
+
+
+def test_looping_continues_into_the_next_epoch_with_a_new_shuffle():
+    lengths = [5] * 40
+    batcher = RollingChunkBatcher(corpus_of(lengths), lanes=3, chunk_len=4, seed=7)
+    order = []
+    while batcher.epoch < 3:
+        batch = next(batcher)
+        order += [d for d, r in zip(batch.doc_ids.tolist(), batch.reset.tolist()) if r]
+    epochs = [order[i : i + 40] for i in (0, 40)]
+    assert all(sorted(e) == list(range(40)) for e in epochs) and epochs[0] != epochs[1]
+    assert epochs[0] == batcher.epoch_order(0).tolist() and epochs[1] == batcher.epoch_order(1).tolist()
+
+
+def test_two_ranks_get_disjoint_documents_whose_union_is_the_split():
+    lengths = [1, *range(2, 40)]
+    for world_size in (2, 3):
+        docs = [set(replay(RollingChunkBatcher(corpus_of(lengths), 4, 8, seed=3, rank=r,
+                                               world_size=world_size, loop=False)))
+                for r in range(world_size)]
+        assert sum(map(len, docs)) == len(set().union(*docs)) == len(lengths) - 1
+        assert set().union(*docs) == set(range(1, len(lengths)))
+        assert max(map(len, docs)) - min(map(len, docs)) <= 1
+
+
+@pytest.mark.parametrize("loop, stop_after", [(True, 17), (True, 60), (False, 9)])
+def test_resuming_mid_epoch_gives_the_identical_remaining_stream(loop, stop_after):
+    lengths = np.random.default_rng(0).integers(1, 60, size=30).tolist()
+    make = lambda: RollingChunkBatcher(corpus_of(lengths), lanes=5, chunk_len=7, seed=11, loop=loop)
+    original = make()
+    for _ in range(stop_after):
+        next(original)
+    state = json.loads(json.dumps(original.state_dict()))  # plain JSON, no pickling
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = lambda b: [next(b, None) for _ in range(40)]
+    for a, b in zip(rest(original), rest(resumed)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            for field in ("tokens", "reset", "loss_mask", "doc_ids"):
+                assert torch.equal(getattr(a, field), getattr(b, field))
+    assert original.state_dict() == resumed.state_dict()
+    assert original.epoch >= 1 or not loop
+
+
+def test_resume_refuses_a_different_setup():
+    state = RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0).state_dict()
+    with pytest.raises(DataError, match=r"saved with chunk_len=4, this batcher has chunk_len=8"):
+        RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=8, seed=0).load_state_dict(state)
+    with pytest.raises(DataError, match=r"saved with n_docs=2"):
+        RollingChunkBatcher(corpus_of([5, 6, 7]), lanes=2, chunk_len=4, seed=0).load_state_dict(state)
+
+
+def test_a_rank_without_documents_is_refused_when_looping():
+    with pytest.raises(DataError, match=r"rank 2 of 3 gets no documents"):
+        RollingChunkBatcher(corpus_of([1, 4, 4]), lanes=2, chunk_len=4, rank=2, world_size=3)
+    assert list(RollingChunkBatcher(corpus_of([1, 4, 4]), 2, 4, rank=2, world_size=3, loop=False)) == []
