@@ -229,7 +229,7 @@ def _pycode(split: str, site_packages: bool) -> Source:
 
     def docs():
         for file, _ in files:
-            yield file.read_bytes()
+            yield _read_bytes(file)
 
     return _decoded(Source("pycode", split, identity, docs))
 
@@ -244,7 +244,7 @@ def _text(split: str, path: Path, text_field: str) -> Source:
     def docs():
         for file in files:
             if file.suffix == ".txt":
-                yield file.read_bytes()
+                yield _read_bytes(file)
             elif file.suffix == ".jsonl":
                 yield from _jsonl_texts(file, text_field)
             else:
@@ -327,6 +327,13 @@ def _decoded(source: Source) -> Source:
 
     source.documents = docs
     return source
+
+
+def _read_bytes(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {file}: {e.strerror or e}") from None
 
 
 def _stamp(files: list[Path], root: Path | None) -> str:
