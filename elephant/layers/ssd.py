@@ -56,7 +56,6 @@ def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     backend = get_backend()
     if backend == "ref":
         return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
-    from elephant.layers import ssd_triton
     if backend == "triton":
         return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size)
     if x.is_cuda and ssd_triton.supports(x, B, chunk_size):
@@ -157,3 +156,7 @@ def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64
     if D is not None:
         y = y + D.to(cdt)[:, None] * xf[:, :l]
     return y.to(x.dtype), final.reshape(b, h, p, n)
+
+
+# at the end: ssd_triton imports check_shapes from this module (and imports without Triton or CUDA)
+from elephant.layers import ssd_triton  # noqa: E402

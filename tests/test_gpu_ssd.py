@@ -1,0 +1,134 @@
+"""The Triton SSD kernels on CUDA against the chunked PyTorch reference, at realistic shapes.
+
+Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_ssd.py` (skipped without CUDA).
+The reference is `ssd_chunked` in float64 on the same (already rounded) inputs; tolerances are on the
+relative error ||got - want|| / ||want||: float32 inputs (3xTF32 products) 1e-4, bfloat16 inputs
+(bf16 matmul operands, float32 accumulation and states) 2e-2.
+"""
+import pytest
+import torch
+
+from elephant.config import ModelConfig
+from elephant.layers import ssd, ssd_triton
+from elephant.layers.mamba import Mamba2
+from elephant.layers.ssd import ssd_chunked, ssd_scan
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+NAMES = ["x", "dt", "A", "B", "C", "D", "initial_state"]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(b, l, h, g, p, n, dtype, init=True, D=True, seed=0):
+    """Mamba-2-like magnitudes: dt in [1e-3, 0.1], A in -[1, 16]; x, B, C, state ~ N(0, 1)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    r = lambda *s: torch.rand(*s, device=DEVICE, generator=gen)
+    rn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)
+    x, B, C = rn(b, l, h, p).to(dtype), rn(b, l, g, n).to(dtype), rn(b, l, g, n).to(dtype)
+    dt = torch.exp(r(b, l, h) * 4.6 - 6.9)          # log-uniform in [1e-3, 1e-1]
+    A = -(1 + 15 * r(h))
+    Dv = rn(h) if D else None
+    s0 = rn(b, h, p, n) if init else None
+    return [t.requires_grad_() if t is not None else None for t in (x, dt, A, B, C, Dv, s0)]
+
+
+def run(fn, inputs, wy, wf, **kw):
+    y, final = fn(*inputs, **kw)
+    loss = (y.double() * wy).sum() + (final.double() * wf).sum()
+    live = [t for t in inputs if t is not None]
+    return y, final, torch.autograd.grad(loss, live)
+
+
+def check_against_reference(inputs, chunk_size, dtype):
+    ref_inputs = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    b, l, h, p = inputs[0].shape
+    gen = torch.Generator(device=DEVICE).manual_seed(123)
+    wy = torch.randn(b, l, h, p, device=DEVICE, generator=gen, dtype=torch.float64)
+    wf = torch.randn(b, h, p, inputs[3].shape[-1], device=DEVICE, generator=gen, dtype=torch.float64)
+    y, final, grads = run(ssd_triton.ssd_triton, inputs, wy, wf, chunk_size=chunk_size)
+    y_ref, final_ref, grads_ref = run(ssd_chunked, ref_inputs, wy, wf, chunk_size=chunk_size)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    tol = REL_TOL[dtype]
+    errors = {"y": rel_err(y, y_ref), "final_state": rel_err(final, final_ref)}
+    names = [k for k, t in zip(NAMES, inputs) if t is not None]
+    for name, got, want, t in zip(names, grads, grads_ref, [t for t in inputs if t is not None]):
+        assert got.shape == t.shape and got.dtype == t.dtype, name
+        errors["d" + name] = rel_err(got, want)
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errors})"
+
+
+CASES = [  # b, l, h, g, p, n, chunk, init, D
+    (2, 2048, 16, 1, 64, 64, 64, True, True),    # the benchmark's head shape
+    (3, 1000, 8, 1, 64, 128, 64, True, True),    # length not a multiple of the chunk; d_state 128
+    (2, 300, 4, 2, 32, 64, 32, False, True),     # two groups, no initial state, chunk 32
+    (1, 45, 2, 1, 128, 64, 128, True, False),    # shorter than one chunk; chunk 128; no D
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,l,h,g,p,n,chunk,init,D", CASES)
+def test_triton_equals_chunked_on_cuda(dtype, b, l, h, g, p, n, chunk, init, D):
+    inputs = make_inputs(b, l, h, g, p, n, dtype, init=init, D=D)
+    check_against_reference(inputs, chunk, dtype)
+
+
+def test_triton_carried_state_equals_one_pass_on_cuda():
+    x, dt, A, B, C, D, s0 = make_inputs(2, 1000, 8, 1, 64, 64, torch.float32)
+    with torch.no_grad():
+        y, s = ssd_triton.ssd_triton(x, dt, A, B, C, D, s0)
+        y1, s1 = ssd_triton.ssd_triton(x[:, :333], dt[:, :333], A, B[:, :333], C[:, :333], D, s0)
+        y2, s2 = ssd_triton.ssd_triton(x[:, 333:], dt[:, 333:], A, B[:, 333:], C[:, 333:], D, s1)
+    assert rel_err(torch.cat([y1, y2], 1), y) < 1e-5 and rel_err(s2, s) < 1e-5
+
+
+def test_auto_dispatch_picks_triton_on_cuda(monkeypatch):
+    calls = []
+    real = ssd_triton.ssd_triton
+    monkeypatch.setattr(ssd_triton, "ssd_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    before = ssd.get_backend()
+    ssd.set_backend("auto")
+    try:
+        ssd_scan(*make_inputs(1, 64, 2, 1, 64, 64, torch.bfloat16))
+    finally:
+        ssd.set_backend(before)
+    assert calls, "ssd_scan did not take the Triton path for CUDA bf16 inputs"
+
+
+def _mixer_grads(m, x, conv0, ssm0, backend, compiled=False):
+    before = ssd.get_backend()
+    ssd.set_backend(backend)
+    try:
+        fn = torch.compile(m) if compiled else m
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, conv, ssm = fn(x, conv0, ssm0)
+        loss = (y.float() ** 2).mean() + ssm.square().mean()
+        grads = torch.autograd.grad(loss, list(m.parameters()) + [conv0, ssm0])
+    finally:
+        ssd.set_backend(before)
+    return y, ssm, grads
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mamba2_triton_equals_reference_on_cuda(compiled):
+    """The whole mixer under bf16 autocast, eager and under torch.compile, with carried state."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=512, expand=2, mamba_head_dim=64, d_state=64, ssd_chunk=64)
+    m = Mamba2(cfg).to(DEVICE)
+    x = torch.randn(4, 300, 512, device=DEVICE)
+    conv0, ssm0 = m.init_state(4, device=DEVICE, dtype=torch.bfloat16)
+    conv0 = torch.randn_like(conv0).requires_grad_()
+    ssm0 = torch.randn_like(ssm0).requires_grad_()
+    y_r, s_r, g_r = _mixer_grads(m, x, conv0, ssm0, "ref")
+    y_t, s_t, g_t = _mixer_grads(m, x, conv0, ssm0, "triton", compiled=compiled)
+    tol = REL_TOL[torch.bfloat16]
+    assert rel_err(y_t, y_r) < tol and rel_err(s_t, s_r) < tol
+    names = [n for n, _ in m.named_parameters()] + ["conv_state", "ssm_state"]
+    errors = {n: rel_err(a, b) for n, a, b in zip(names, g_t, g_r)}
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
