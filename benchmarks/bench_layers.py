@@ -1,0 +1,279 @@
+"""Benchmark of the layer kernels: attention paths and the fused elephant MLP (forward + backward).
+
+    python benchmarks/bench_layers.py               # on a GPU, ~1-2 minutes; writes
+                                                    # benchmarks/results/layers_<gpu>.json
+    python benchmarks/bench_layers.py --cpu-smoke   # tiny shapes on CPU: checks that it runs
+
+What it measures (bf16, median of timed iterations, CUDA events; peak = max_memory_allocated
+during the timed iterations above what was allocated before them):
+  attention_causal  B16 T2048 H16 hd64, no cache: SDPA is_causal (auto / flash / cuDNN) and the
+                    explicit-mask reference, for scale.
+  attention_cache   B32 S528 (512 tokens + 16 memory) H8 hd64 over a W512 cache, some lanes
+                    partly filled: SDPA with the boolean mask (auto / efficient / cuDNN) vs
+                    FlexAttention with a block mask (compiled; block-mask build included).
+  mlp               ElephantMLP d_model 512, d_mlp 1536, 32 x 512 tokens under bf16 autocast:
+                    reference vs fused (glu_down), eager and torch.compile'd; also the bytes
+                    autograd saves per forward (saved_tensors_hooks).
+A variant that fails records its error string; a variant that would start after the time budget
+is recorded as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elephant.config import ModelConfig  # noqa: E402
+from elephant.layers.attention import attend, attend_flex, attend_reference  # noqa: E402
+from elephant.layers.elephant import ElephantMLP, elephant_glu, elephant_glu_ref  # noqa: E402
+
+SDPB = torch.nn.attention.SDPBackend
+
+
+class Bench:
+    def __init__(self, device: str, budget_s: float, iters: int, warmup: int):
+        self.device, self.budget_s, self.iters, self.warmup = device, budget_s, iters, warmup
+        self.start = time.time()
+        self.results: dict[str, dict] = {}
+
+    def run(self, group: str, name: str, make, **info):
+        """make() -> a closure that runs one forward + backward; record its time and peak memory."""
+        entry = dict(info)
+        self.results.setdefault(group, {})[name] = entry
+        if time.time() - self.start > self.budget_s:
+            entry["skipped"] = f"time budget of {self.budget_s:.0f} s spent"
+            print(f"{group:18s} {name:28s} skipped (budget)", flush=True)
+            return
+        t0 = time.time()
+        try:
+            step = make()
+            entry.update(self.measure(step))
+        except Exception as e:  # a failing variant is a result, not a crash
+            entry["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            entry["traceback_tail"] = traceback.format_exc()[-800:]
+        finally:
+            step = None
+            self.free()
+        entry["wall_s"] = round(time.time() - t0, 2)
+        shown = entry.get("error") or f"{entry['ms']:.3f} ms, peak {entry.get('peak_mib', 0):.0f} MiB"
+        print(f"{group:18s} {name:28s} {shown}", flush=True)
+
+    def measure(self, step) -> dict:
+        cuda = self.device == "cuda"
+        for _ in range(self.warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(self.iters)]
+            for start, end in events:
+                start.record()
+                step()
+                end.record()
+            torch.cuda.synchronize()
+            times = [s.elapsed_time(e) for s, e in events]
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            return {"ms": statistics.median(times), "ms_min": min(times), "peak_mib": round(peak, 1)}
+        times = []
+        for _ in range(self.iters):
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+        return {"ms": statistics.median(times), "ms_min": min(times)}
+
+    def free(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------- attention
+def attention_step(q, k, v, do, cache=(None, None, None), backend="sdpa", sdpa=None, flex=False):
+    ck, cv, valid = cache
+
+    def step():
+        if flex:
+            o = attend_flex(q, k, v, ck, cv, valid)
+        elif backend == "reference":
+            o = attend_reference(q, k, v, ck, cv, valid)
+        elif sdpa is not None:
+            with torch.nn.attention.sdpa_kernel(sdpa):
+                o = attend(q, k, v, ck, cv, valid)
+        else:
+            o = attend(q, k, v, ck, cv, valid)
+        torch.autograd.grad(o, (q, k, v), do)
+    return step
+
+
+def bench_attention(bench: Bench, dev: str, smoke: bool):
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    B, H, S, hd = (2, 2, 64, 16) if smoke else (16, 16, 2048, 64)
+    qkv = [torch.randn(B, H, S, hd, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
+    do = torch.randn(B, H, S, hd, device=dev, dtype=dt)
+    flops = 4 * B * H * S * S / 2 * hd * 3.5  # causal half; backward = 2.5 x forward
+    shape = dict(B=B, H=H, S=S, hd=hd, dtype=str(dt), tflop_per_step=flops / 1e12)
+    for name, kw in [("sdpa_causal_auto", {}), ("sdpa_causal_flash", dict(sdpa=SDPB.FLASH_ATTENTION)),
+                     ("sdpa_causal_cudnn", dict(sdpa=SDPB.CUDNN_ATTENTION)),
+                     ("reference_mask", dict(backend="reference"))]:
+        bench.run("attention_causal", name, lambda kw=kw: attention_step(*qkv, do, **kw), **shape)
+    add_tflops(bench.results["attention_causal"], flops)
+    del qkv, do
+
+    B, H, S, W, hd = (2, 2, 24, 32, 16) if smoke else (32, 8, 528, 512, 64)
+    qkv = [torch.randn(B, H, S, hd, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
+    do = torch.randn(B, H, S, hd, device=dev, dtype=dt)
+    ck, cv = (torch.randn(B, H, W, hd, device=dev, dtype=dt) for _ in range(2))
+    filled = torch.full((B,), W, device=dev)
+    filled[: B // 4] = torch.randint(0, W, (B // 4,), device=dev)  # lanes after a recent reset
+    valid = torch.arange(W, device=dev) >= (W - filled[:, None])    # right-aligned, (B, W)
+    cache = (ck, cv, valid)
+    keys = valid.float().sum(1).mean().item() + (S + 1) / 2
+    flops = 4 * B * H * S * keys * hd * 3.5
+    shape = dict(B=B, H=H, S=S, W=W, hd=hd, dtype=str(dt), valid_frac=valid.float().mean().item(),
+                 tflop_per_step=flops / 1e12)
+    for name, kw in [("sdpa_mask_auto", {}), ("sdpa_mask_efficient", dict(sdpa=SDPB.EFFICIENT_ATTENTION)),
+                     ("sdpa_mask_cudnn", dict(sdpa=SDPB.CUDNN_ATTENTION)),
+                     ("flex_block_mask", dict(flex=True))]:
+        bench.run("attention_cache", name, lambda kw=kw: attention_step(*qkv, do, cache, **kw), **shape)
+    add_tflops(bench.results["attention_cache"], flops)
+
+
+def add_tflops(group: dict, flops: float):
+    for entry in group.values():
+        if "ms" in entry:
+            entry["tflops"] = round(flops / (entry["ms"] * 1e-3) / 1e12, 1)
+
+
+# ------------------------------------------------------------------------------- MLP
+def saved_mib(fn, *args, exclude=()) -> float:
+    weights = {p.untyped_storage().data_ptr() for p in exclude}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return round(sum(seen.values()) / 2**20, 2)
+
+
+def bench_mlp(bench: Bench, dev: str, smoke: bool):
+    d_model, d_mlp, lanes, T = (64, 192, 2, 128) if smoke else (512, 1536, 32, 512)
+    tokens = lanes * T
+    cfg = ModelConfig(d_model=d_model, d_mlp=d_mlp)
+    mlp = ElephantMLP(cfg).to(dev)
+    params = list(mlp.parameters())
+    h = torch.randn(lanes, T, d_model, device=dev, requires_grad=True)
+    dy = torch.randn(*h.shape[:-1], d_model, device=dev, dtype=torch.bfloat16)
+    shape = dict(d_model=d_model, d_mlp=d_mlp, tokens=tokens, autocast="bf16")
+    compile_ok = dev == "cuda"
+
+    def make(fused: bool, compiled: bool):
+        def build():
+            if compiled and not compile_ok:
+                raise RuntimeError("skipped: torch.compile not exercised in --cpu-smoke")
+            module = ElephantMLP(cfg, fused=fused).to(dev)
+            module.load_state_dict(mlp.state_dict())
+            run = torch.compile(module) if compiled else module
+
+            def step():
+                with torch.autocast(dev, dtype=torch.bfloat16):
+                    y = run(h)
+                torch.autograd.grad(y, [h, *module.parameters()], dy)
+            return step
+        return build
+
+    for fused in (False, True):
+        def fwd(x, fused=fused):
+            mlp.fused = fused
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                return mlp(x)
+        shape_f = dict(shape, saved_mib_per_forward=saved_mib(fwd, h, exclude=params))
+        for compiled in (False, True):
+            name = f"{'fused' if fused else 'reference'}_{'compiled' if compiled else 'eager'}"
+            bench.run("mlp", name, make(fused, compiled), **shape_f)
+
+    # the elementwise op alone, (tokens, d_mlp) bf16
+    u, g = (torch.randn(tokens, d_mlp, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    dz = torch.randn(tokens, d_mlp, device=dev, dtype=torch.bfloat16)
+    ref_compiled = torch.compile(elephant_glu_ref) if compile_ok else None
+    for name, fn in [("glu_reference_eager", elephant_glu_ref), ("glu_fused", elephant_glu),
+                     ("glu_reference_compiled", ref_compiled)]:
+        def build(fn=fn):
+            if fn is None:
+                raise RuntimeError("skipped: torch.compile not exercised in --cpu-smoke")
+            return lambda: torch.autograd.grad(fn(u, g), (u, g), dz)
+        bench.run("glu_elementwise", name, build, shape=[tokens, d_mlp], dtype="bf16")
+
+
+# ------------------------------------------------------------------------------- main
+def environment(dev: str) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if dev == "cuda":
+        env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env["device"] = "cpu"
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True, timeout=10).stdout.strip()
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, to check that it runs")
+    ap.add_argument("--budget-s", type=float, default=80.0, help="start no variant after this many s")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", type=str, default=None, help="result file (default: results/layers_<gpu>.json)")
+    args = ap.parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        sys.exit("bench_layers.py: no CUDA device; use --cpu-smoke to check the script on CPU")
+    dev = "cpu" if args.cpu_smoke else "cuda"
+    torch.manual_seed(0)
+    bench = Bench(dev, args.budget_s, iters=2 if args.cpu_smoke else args.iters,
+                  warmup=1 if args.cpu_smoke else 3)
+    env = environment(dev)
+    for part in (bench_attention, bench_mlp):
+        try:
+            part(bench, dev, args.cpu_smoke)
+        except Exception as e:
+            bench.results[part.__name__] = {"error": f"{type(e).__name__}: {str(e)[:400]}",
+                                            "traceback_tail": traceback.format_exc()[-800:]}
+    report = {"env": env, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "total_s": round(time.time() - bench.start, 1), "results": bench.results}
+    tag = "cpu-smoke" if args.cpu_smoke else re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layers_{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out} in {report['total_s']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Causal attention over [cached K/V of the lane | this chunk], with rotary positions per lane.
+
+    Attention(cfg)(x, pos, cache_k=None, cache_v=None, cache_valid=None) -> (y, k, v)
+
+Every query of the chunk sees the valid slots of its lane's cache (keys and values of earlier
+chunks, rotated with their own absolute positions, carrying no gradient) and the keys j <= i of
+the chunk. Rotary angles come from `pos` (B, S), so positions run on per lane across chunks and a
+cached key keeps its position; a negative position means "not rotated" (memory tokens).
+
+Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
+validity mask of the cache, which flash kernels cannot take. So:
+  * no cache:     SDPA with is_causal=True (flash / cuDNN on GPU);
+  * with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (memory-efficient kernel on
+                  GPU; also the reference path, forward and backward on CPU), or FlexAttention
+                  with a block mask (`backend="flex"`, CUDA + torch.compile; no CPU backward).
+Shapes depend only on (B, S, W), never on how many cache slots are valid, so torch.compile
+compiles once. `benchmarks/bench_layers.py` times the two cache paths; the default is
+`ELEPHANT_ATTN` from the environment (sdpa | flex | reference), else sdpa.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+BACKENDS = ("sdpa", "flex", "reference")
+DEFAULT_BACKEND = os.environ.get("ELEPHANT_ATTN", "sdpa")
+
+
+# ------------------------------------------------------------------------------- rotary
+def rotary_cos_sin(pos: Tensor, head_dim: int, base: float, dtype: torch.dtype
+                   ) -> tuple[Tensor, Tensor]:
+    """cos, sin (B, 1, S, head_dim / 2) of the rotary angles pos * base^(-2i / head_dim).
+
+    Angles are formed in float64 (a few hundred thousand elements) so that positions in the
+    millions keep their fraction; a negative position gives cos = 1, sin = 0 (no rotation).
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device)
+                        / head_dim)                                   # (hd/2,)
+    angle = pos.clamp(min=0).to(torch.float64).unsqueeze(-1) * inv_freq  # (B, S, hd/2)
+    rotate = (pos >= 0).unsqueeze(-1)
+    cos = torch.where(rotate, angle.cos(), 1.0).to(dtype)
+    sin = torch.where(rotate, angle.sin(), 0.0).to(dtype)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half rotary: pairs (x[i], x[i + hd/2]) turn by the angle of frequency i."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ------------------------------------------------------------------------------- kernels
+def attention_mask(S: int, cache_valid: Tensor | None, device=None) -> Tensor:
+    """Boolean mask (B, 1, S, W + S) over [cache | chunk]: valid cache slots, then causal.
+
+    Without a cache: (1, 1, S, S) causal. The diagonal is always true, so no query row is empty.
+    """
+    device = cache_valid.device if cache_valid is not None else device
+    causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()  # (S, S)
+    if cache_valid is None:
+        return causal[None, None]
+    B, W = cache_valid.shape
+    return torch.cat([cache_valid[:, None, None, :].expand(B, 1, S, W),
+                      causal.expand(B, 1, S, S)], dim=-1)
+
+
+def _with_cache(k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> tuple[Tensor, Tensor]:
+    # (B, H, W + S, hd); the cache carries no gradient (Transformer-XL)
+    K = torch.cat([cache_k.detach().to(k.dtype), k], dim=2)
+    V = torch.cat([cache_v.detach().to(v.dtype), v], dim=2)
+    return K, V
+
+
+def attend_reference(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
+                     cache_v: Tensor | None = None, cache_valid: Tensor | None = None) -> Tensor:
+    """SDPA with the explicit boolean mask. q, k, v (B, H, S, hd) -> (B, H, S, hd)."""
+    mask = attention_mask(q.shape[2], cache_valid, q.device)
+    if cache_k is not None:
+        k, v = _with_cache(k, v, cache_k, cache_v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_compiled_flex = None
+
+
+def attend_flex(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
+                cache_valid: Tensor, compiled: bool = True) -> Tensor:
+    """FlexAttention with a block mask over [cache | chunk] (compiled; CUDA for backward)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    B, H, S, hd = q.shape
+    W = cache_valid.shape[1]
+    K, V = _with_cache(k, v, cache_k, cache_v)
+    kv_valid = torch.cat([cache_valid, cache_valid.new_ones(B, S)], dim=1)  # (B, W + S)
+
+    def mask_mod(b, h, qi, kj):
+        # a cache slot (kj < W) has kj - W < 0 <= qi: only its validity counts
+        return kv_valid[b, kj] & (kj - W <= qi)
+
+    inside = torch.compiler.is_compiling()  # the caller's torch.compile compiles both
+    block_mask = create_block_mask(mask_mod, B, None, S, W + S, device=q.device,
+                                   _compile=compiled and not inside)
+    if inside or not compiled:
+        return flex_attention(q, K, V, block_mask=block_mask)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, K, V, block_mask=block_mask)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
+           cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
+           backend: str = "sdpa") -> Tensor:
+    """The fast path: is_causal SDPA without a cache, else the backend's masked kernel."""
+    if backend == "reference":
+        return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
+    if cache_k is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == "flex":
+        return attend_flex(q, k, v, cache_k, cache_v, cache_valid)
+    return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
+
+
+# ------------------------------------------------------------------------------- the layer
+class Attention(nn.Module):
+    """Multi-head causal self-attention with per-lane rotary positions and a carried K/V window.
+
+    Parameters: `qkv` (D -> 3D), `o` (D -> D), no biases; with cfg.qk_norm, `q_norm` / `k_norm`
+    (RMS norm over the head dimension, one gain per head channel shared by the heads). Weights keep
+    nn.Linear's default init; the model's `reset_parameters` sets them (`o` by name as a residual
+    output). `backend` (sdpa | flex | reference) picks the kernel when a cache is given.
+    """
+
+    def __init__(self, cfg, backend: str | None = None):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.rope_base = float(cfg.rope_base)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.backend = backend or DEFAULT_BACKEND
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention backend: expected one of {', '.join(BACKENDS)} "
+                             f"(ELEPHANT_ATTN), got {self.backend!r}")
+
+    def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
+                cache_v: Tensor | None = None, cache_valid: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
+
+        Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each.
+        """
+        B, S, D = x.shape
+        H, hd = self.n_heads, self.head_dim
+        q, k, v = self.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
+        dtype = v.dtype
+        work = torch.promote_types(dtype, torch.float32)  # norm and rotary in float32 (or 64)
+        q, k = q.to(work), k.to(work)
+        if self.q_norm is not None:
+            eps = self.q_norm.eps
+            q = F.rms_norm(q, (hd,), self.q_norm.weight.to(work), eps)
+            k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
+        cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work)     # (B, 1, S, hd/2)
+        q = apply_rotary(q, cos, sin).to(dtype)
+        k = apply_rotary(k, cos, sin).to(dtype)
+        if cache_k is not None and cache_valid is None:
+            raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
+        y = attend(q, k, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, D)
+        return self.o(y), k, v

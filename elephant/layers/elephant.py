@@ -1,0 +1,326 @@
+"""The elephant activation and the elephant-gated GLU MLP, with a fused forward/backward.
+
+    f(x) = 1 / (1 + |x / a|^d)                (a > 0, d > 0; defaults a = 1, d = 8)
+    MLP(h) = down(up(h) * f(gate(h)))
+
+(Elephant activation: Lan & Mahmood, "Elephant Neural Networks", arXiv:2310.01365.)
+
+Why a fused op: autograd through the plain expression keeps five tensors of the MLP's hidden size
+per layer (|g/a|, its power, f, u and the product), and its pow backward turns inf * 0 into NaN
+once |g/a|^d overflows. `elephant_glu(u, g)` is one op that keeps only u and g and recomputes f in
+backward; `glu_down(u, g, W)` goes one step further and also recomputes the product that the down
+projection would otherwise keep, so the whole MLP keeps its input, u and g.
+
+Derivative, written so that it is finite everywhere (z = |x| / a, f = f(x)):
+    f'(x) = -sign(x) * d / a * w,   w = z^(d-1) f^2
+    z <= 1:  f = 1 / (1 + z^d),          w = z^(d-1) f^2          (no overflow: z^d <= 1)
+    z >  1:  q = z^-d,  f = q / (1 + q),  w = f / ((1 + q) z)      (q <= 1, may underflow to 0)
+    x == 0:  f'(0) = 0 (f is even; for d <= 1 the one-sided limits differ and 0 is the
+             symmetric derivative).
+Everything is computed in float32 (float64 for float64 inputs) and returned in the input's dtype.
+
+Fast path: Triton elementwise kernels on CUDA (they also run on CPU tensors under
+TRITON_INTERPRET=1, which is how the CPU tests check them); eager PyTorch elsewhere. Both are
+wrapped as `torch.library.custom_op`s, so `torch.compile` treats them as opaque ops without graph
+breaks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # triton is optional: the eager path needs nothing
+    HAS_TRITON = False
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------- reference
+def elephant_ref(x: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    """The plain autograd expression (its gradient is NaN where |x/a|^d overflows)."""
+    return 1.0 / (1.0 + (x / a).abs().pow(d))
+
+
+def elephant_glu_ref(u: Tensor, g: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    return u * elephant_ref(g, a, d)
+
+
+# ------------------------------------------------------------------------------- eager math
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _f_eager(g: Tensor, a: float, d: float) -> Tensor:
+    g = g.to(_compute_dtype(g))
+    return 1.0 / (1.0 + (g.abs() / a).pow(d))  # pow overflowing to inf gives f = 0: fine forward
+
+
+def _f_df_eager(g: Tensor, a: float, d: float) -> tuple[Tensor, Tensor]:
+    """f(g) and f'(g) in the compute dtype, by the stable split of the module docstring."""
+    g = g.to(_compute_dtype(g))
+    z = g.abs() / a
+    small = z <= 1.0
+    p = z.pow(d)            # used only where z <= 1
+    q = z.pow(-d)           # used only where z > 1
+    f = torch.where(small, 1.0 / (1.0 + p), q / (1.0 + q))
+    w = torch.where(small, z.pow(d - 1.0) * f * f, f / ((1.0 + q) * z))
+    w = torch.where(g == 0, torch.zeros_like(w), w)
+    return f, -torch.sign(g) * (d / a) * w
+
+
+# ------------------------------------------------------------------------------- Triton kernels
+if HAS_TRITON:
+    @triton.jit
+    def _f_tl(g, inv_a, d):
+        z = tl.abs(g) * inv_a
+        lz = tl.log2(z)                       # -inf at 0 -> z^d = 0, f = 1
+        return 1.0 / (1.0 + tl.exp2(d * lz))  # z^d overflowing to inf gives f = 0
+
+    @triton.jit
+    def _f_df_tl(g, inv_a, d):
+        z = tl.abs(g) * inv_a
+        lz = tl.log2(z)
+        small = z <= 1.0
+        p = tl.exp2(d * lz)
+        q = tl.exp2(-d * lz)
+        f = tl.where(small, 1.0 / (1.0 + p), q / (1.0 + q))
+        w = tl.where(small, tl.exp2((d - 1.0) * lz) * f * f, f / ((1.0 + q) * z))
+        w = tl.where(g == 0.0, 0.0, w)
+        sgn = tl.where(g < 0.0, -1.0, 1.0)
+        return f, -sgn * d * inv_a * w
+
+    @triton.jit
+    def _fwd_kernel(u_ptr, g_ptr, y_ptr, n, inv_a, d, HAS_U: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        y = _f_tl(g, inv_a, d)
+        if HAS_U:
+            y = y * tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _bwd_kernel(dy_ptr, u_ptr, g_ptr, du_ptr, dg_ptr, n, inv_a, d,
+                    HAS_U: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        f, df = _f_df_tl(g, inv_a, d)
+        if HAS_U:
+            u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(du_ptr + offs, (dy * f).to(du_ptr.dtype.element_ty), mask=m)
+            dy = dy * u
+        tl.store(dg_ptr + offs, (dy * df).to(dg_ptr.dtype.element_ty), mask=m)
+
+_BLOCK = 1024
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, _BLOCK),)
+
+
+def forward_triton(u: Tensor | None, g: Tensor, a: float, d: float) -> Tensor:
+    """u * f(g) (or f(g) when u is None) by the Triton kernel; any device under TRITON_INTERPRET."""
+    g = g.contiguous()
+    has_u = u is not None
+    u = u.contiguous() if has_u else g
+    y = torch.empty(g.shape, dtype=u.dtype, device=g.device)
+    n = g.numel()
+    if n:
+        _fwd_kernel[_grid(n)](u, g, y, n, 1.0 / a, float(d), HAS_U=has_u, BLOCK=_BLOCK,
+                              num_warps=4)
+    return y
+
+
+def backward_triton(dy: Tensor, u: Tensor | None, g: Tensor, a: float, d: float
+                    ) -> tuple[Tensor | None, Tensor]:
+    """(du, dg) of forward_triton by the Triton kernel."""
+    dy, g = dy.contiguous(), g.contiguous()
+    has_u = u is not None
+    u = u.contiguous() if has_u else g
+    du = torch.empty(u.shape, dtype=u.dtype, device=g.device) if has_u else None
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    n = g.numel()
+    if n:
+        _bwd_kernel[_grid(n)](dy, u, g, du if has_u else dg, dg, n, 1.0 / a, float(d),
+                              HAS_U=has_u, BLOCK=_BLOCK, num_warps=4)
+    return du, dg
+
+
+def _use_triton(t: Tensor) -> bool:
+    return HAS_TRITON and t.is_cuda and t.dtype in _TRITON_DTYPES
+
+
+# ------------------------------------------------------------------------------- the ops
+def _forward(u: Tensor | None, g: Tensor, a: float, d: float) -> Tensor:
+    if _use_triton(g):
+        return forward_triton(u, g, a, d)
+    f = _f_eager(g, a, d)
+    out_dtype = g.dtype if u is None else u.dtype
+    y = f if u is None else u.to(f.dtype) * f
+    return y.to(out_dtype).contiguous()
+
+
+def _backward(dy: Tensor, u: Tensor | None, g: Tensor, a: float, d: float
+              ) -> tuple[Tensor | None, Tensor]:
+    if _use_triton(g):
+        return backward_triton(dy, u, g, a, d)
+    f, df = _f_df_eager(g, a, d)
+    dy = dy.to(f.dtype)
+    if u is None:
+        return None, (dy * df).to(g.dtype).contiguous()
+    du = (dy * f).to(u.dtype).contiguous()
+    dg = (dy * u.to(f.dtype) * df).to(g.dtype).contiguous()
+    return du, dg
+
+
+def _check_glu(u: Tensor, g: Tensor) -> None:
+    torch._check(u.shape == g.shape, lambda: f"elephant_glu: u {tuple(u.shape)} and g "
+                                             f"{tuple(g.shape)} must have the same shape")
+    torch._check(u.dtype == g.dtype, lambda: f"elephant_glu: u ({u.dtype}) and g ({g.dtype}) "
+                                             f"must have the same dtype")
+
+
+@torch.library.custom_op("elephant::act", mutates_args=())
+def _act_op(x: Tensor, a: float, d: float) -> Tensor:
+    return _forward(None, x, a, d)
+
+
+@_act_op.register_fake
+def _(x, a, d):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("elephant::act_backward", mutates_args=())
+def _act_bwd_op(dy: Tensor, x: Tensor, a: float, d: float) -> Tensor:
+    return _backward(dy, None, x, a, d)[1]
+
+
+@_act_bwd_op.register_fake
+def _(dy, x, a, d):
+    return x.new_empty(x.shape)
+
+
+def _act_setup(ctx, inputs, output):
+    x, a, d = inputs
+    ctx.save_for_backward(x)
+    ctx.a, ctx.d = a, d
+
+
+def _act_grad(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _act_bwd_op(dy, x, ctx.a, ctx.d), None, None
+
+
+torch.library.register_autograd("elephant::act", _act_grad, setup_context=_act_setup)
+
+
+@torch.library.custom_op("elephant::glu", mutates_args=())
+def _glu_op(u: Tensor, g: Tensor, a: float, d: float) -> Tensor:
+    _check_glu(u, g)
+    return _forward(u, g, a, d)
+
+
+@_glu_op.register_fake
+def _(u, g, a, d):
+    _check_glu(u, g)
+    return u.new_empty(u.shape)
+
+
+@torch.library.custom_op("elephant::glu_backward", mutates_args=())
+def _glu_bwd_op(dy: Tensor, u: Tensor, g: Tensor, a: float, d: float) -> tuple[Tensor, Tensor]:
+    return _backward(dy, u, g, a, d)
+
+
+@_glu_bwd_op.register_fake
+def _(dy, u, g, a, d):
+    return u.new_empty(u.shape), g.new_empty(g.shape)
+
+
+def _glu_setup(ctx, inputs, output):
+    u, g, a, d = inputs
+    ctx.save_for_backward(u, g)
+    ctx.a, ctx.d = a, d
+
+
+def _glu_grad(ctx, dy):
+    u, g = ctx.saved_tensors
+    du, dg = _glu_bwd_op(dy, u, g, ctx.a, ctx.d)
+    return du, dg, None, None
+
+
+torch.library.register_autograd("elephant::glu", _glu_grad, setup_context=_glu_setup)
+
+
+def elephant(x: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    """f(x), fused: keeps only x for backward and recomputes f there."""
+    return _act_op(x, float(a), float(d))
+
+
+def elephant_glu(u: Tensor, g: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    """u * f(g), fused: keeps only u and g for backward (same shape and dtype)."""
+    return _glu_op(u, g, float(a), float(d))
+
+
+class _GLUDown(torch.autograd.Function):
+    """y = (u * f(g)) @ W^T keeping u, g (and W); the product is recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor, g: Tensor, weight: Tensor, a: float, d: float) -> Tensor:
+        h = _glu_op(u, g, a, d)
+        ctx.save_for_backward(u, g, weight)
+        ctx.a, ctx.d = a, d
+        return F.linear(h, weight.to(h.dtype))
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        u, g, weight = ctx.saved_tensors
+        h = _glu_op(u, g, ctx.a, ctx.d)                               # (..., d_mlp) recomputed
+        dy = dy.to(h.dtype)
+        dh = dy @ weight.to(h.dtype)                                   # (..., d_mlp)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (d_model, d_mlp)
+        du, dg = _glu_bwd_op(dh, u, g, ctx.a, ctx.d)
+        return du, dg, dw.to(weight.dtype), None, None
+
+
+def glu_down(u: Tensor, g: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    """down(u * f(g)) with down = F.linear(., weight), keeping only u and g for backward."""
+    return _GLUDown.apply(u, g, weight, float(a), float(d))
+
+
+# ------------------------------------------------------------------------------- the MLP
+class ElephantMLP(nn.Module):
+    """down(up(h) * f(gate(h))), no biases.
+
+    `fused=True` (default) uses `glu_down` (keeps h, u, g per layer); `fused=False` is the plain
+    autograd reference. Initialization: normal(cfg.init_std) for every weight here; the model's
+    own `reset_parameters` rescales `down` (a residual output) by name. `reset_parameters(std,
+    out_std)` does both explicitly.
+    """
+
+    def __init__(self, cfg, fused: bool = True):
+        super().__init__()
+        self.a, self.d = float(cfg.elephant_a), float(cfg.elephant_d)
+        self.fused = fused
+        self.up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=False)
+        self.reset_parameters(cfg.init_std, cfg.init_std)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.up.weight, std=std)
+        nn.init.normal_(self.gate.weight, std=std)
+        nn.init.normal_(self.down.weight, std=std if out_std is None else out_std)
+
+    def forward(self, h: Tensor) -> Tensor:
+        u, g = self.up(h), self.gate(h)                                # (B, T, d_mlp) each
+        if self.fused:
+            return glu_down(u, g, self.down.weight, self.a, self.d)
+        return self.down(elephant_glu_ref(u, g, self.a, self.d))

@@ -1,0 +1,242 @@
+"""Attention over [cached K/V | chunk] with per-lane rotary positions (CPU, float64)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elephant.config import ModelConfig
+from elephant.layers.attention import (Attention, apply_rotary, attend, attend_flex,
+                                       attend_reference, attention_mask, rotary_cos_sin)
+
+B, D, H = 3, 32, 4
+HD = D // H
+
+
+def make_attention(qk_norm: bool = True, backend: str = "sdpa", seed: int = 0) -> Attention:
+    torch.manual_seed(seed)
+    attn = Attention(ModelConfig(d_model=D, n_heads=H, qk_norm=qk_norm, rope_base=100.0),
+                     backend=backend).double()
+    if qk_norm:  # non-trivial gains
+        for norm in (attn.q_norm, attn.k_norm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return attn
+
+
+def garbage(*shape, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 5
+
+
+def run_in_chunks(attn, x, pos, sizes, W, seed=0):
+    """Feed x (B, L, D) chunk by chunk; each chunk's cache is the last W of the previous k/v,
+    right-aligned, with the unfilled slots invalid and full of garbage."""
+    cache_k, cache_v = garbage(B, H, W, HD, seed=seed), garbage(B, H, W, HD, seed=seed + 1)
+    valid = torch.zeros(B, W, dtype=torch.bool)
+    ys, ks, vs, start = [], [], [], 0
+    for size in sizes:
+        sl = slice(start, start + size)
+        y, k, v = attn(x[:, sl], pos[:, sl], cache_k, cache_v, valid)
+        ys.append(y), ks.append(k), vs.append(v)
+        cache_k = torch.cat([cache_k, k.detach()], dim=2)[:, :, -W:]
+        cache_v = torch.cat([cache_v, v.detach()], dim=2)[:, :, -W:]
+        valid = torch.cat([valid, torch.ones(B, size, dtype=torch.bool)], dim=1)[:, -W:]
+        start += size
+    return torch.cat(ys, 1), torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def naive_attention(q, k, v, mask):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+# ------------------------------------------------------------------------------- the contract
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_chunked_equals_whole_sequence(backend, qk_norm):
+    attn = make_attention(qk_norm, backend)
+    L = 24
+    x = garbage(B, L, D, seed=7)
+    pos = torch.arange(L).expand(B, L) + torch.tensor([[0], [5], [1000]])  # lanes mid-document
+    y_whole, k_whole, v_whole = attn(x, pos)
+    for sizes, W in [([5, 8, 11], L), ([1, 23], 30), ([24], 8), ([7, 7, 7, 3], 24)]:
+        y, k, v = run_in_chunks(attn, x, pos, sizes, W)
+        torch.testing.assert_close(y, y_whole, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(k, k_whole, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, v_whole, rtol=1e-12, atol=1e-12)
+
+
+def test_window_sees_only_the_last_w_keys():
+    """With W smaller than the history, a query sees the last W cached keys and its chunk."""
+    attn = make_attention()
+    L, W, S = 20, 6, 5
+    x = garbage(1, L, D, seed=8)
+    pos = torch.arange(L).expand(1, L)
+    _, k, v = attn(x[:, :L - S], pos[:, :L - S])
+    y, _, _ = attn(x[:, -S:], pos[:, -S:], k[:, :, -W:], v[:, :, -W:], torch.ones(1, W, dtype=torch.bool))
+    y_ref, _, _ = attn(x[:, L - S - W:], pos[:, L - S - W:])         # the same window, uncached
+    torch.testing.assert_close(y, y_ref[:, -S:], rtol=1e-12, atol=1e-12)
+
+
+def test_invalid_cache_slots_have_no_effect():
+    attn = make_attention()
+    S, W = 6, 10
+    x, pos = garbage(B, S, D, seed=1), torch.arange(S).expand(B, S) + 10
+    valid = torch.rand(B, W, generator=torch.Generator().manual_seed(0)) < 0.5
+    cache_k, cache_v = garbage(B, H, W, HD, seed=2), garbage(B, H, W, HD, seed=3)
+    y = attn(x, pos, cache_k, cache_v, valid)[0]
+    inv = ~valid[:, None, :, None]
+    other_k = torch.where(inv, garbage(B, H, W, HD, seed=4) * 100, cache_k)
+    other_v = torch.where(inv, garbage(B, H, W, HD, seed=5) * 100, cache_v)
+    assert torch.equal(attn(x, pos, other_k, other_v, valid)[0], y)
+    # an all-invalid cache is no cache: a lane after its reset
+    none_valid = torch.zeros(B, W, dtype=torch.bool)
+    torch.testing.assert_close(attn(x, pos, cache_k, cache_v, none_valid)[0], attn(x, pos)[0],
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_lanes_are_independent():
+    attn = make_attention()
+    S, W = 5, 7
+    x, pos = garbage(B, S, D, seed=1), torch.arange(S).expand(B, S) + 3
+    cache_k, cache_v = garbage(B, H, W, HD, seed=2), garbage(B, H, W, HD, seed=3)
+    valid = torch.ones(B, W, dtype=torch.bool)
+    y = attn(x, pos, cache_k, cache_v, valid)[0]
+    x2, pos2, k2, v2, valid2 = x.clone(), pos.clone(), cache_k.clone(), cache_v.clone(), valid.clone()
+    x2[1] += 1
+    pos2[1] += 50
+    k2[1] *= -1
+    v2[1] += 3
+    valid2[1, :4] = False
+    y2 = attn(x2, pos2, k2, v2, valid2)[0]
+    torch.testing.assert_close(y2[[0, 2]], y[[0, 2]], rtol=1e-13, atol=1e-13)
+    assert not torch.allclose(y2[1], y[1])
+    for lane in range(B):                                            # one lane alone = in the batch
+        one = attn(x[lane:lane + 1], pos[lane:lane + 1], cache_k[lane:lane + 1],
+                   cache_v[lane:lane + 1], valid[lane:lane + 1])[0]
+        torch.testing.assert_close(one, y[lane:lane + 1], rtol=1e-13, atol=1e-13)
+
+
+def test_negative_position_means_no_rotation():
+    cos, sin = rotary_cos_sin(torch.tensor([[-1, -7, 0, 3]]), HD, 100.0, torch.float64)
+    assert torch.equal(cos[0, 0, :3], torch.ones(3, HD // 2))
+    assert torch.equal(sin[0, 0, :3], torch.zeros(3, HD // 2))
+    attn = make_attention()
+    x = garbage(1, 4, D, seed=9)
+    _, k_neg, _ = attn(x, torch.full((1, 4), -1))
+    _, k_zero, _ = attn(x, torch.zeros(1, 4, dtype=torch.long))
+    _, k_pos, _ = attn(x, torch.full((1, 4), 9))
+    assert torch.equal(k_neg, k_zero)
+    assert not torch.allclose(k_neg, k_pos)
+    # unrotated = the normalized projection
+    k_raw = attn.qkv(x).view(1, 4, 3, H, HD)[:, :, 1].transpose(1, 2)
+    k_raw = F.rms_norm(k_raw, (HD,), attn.k_norm.weight, attn.k_norm.eps)
+    torch.testing.assert_close(k_neg, k_raw, rtol=1e-14, atol=1e-14)
+
+
+def test_rotary_keeps_norms_and_rotates_by_position():
+    x = garbage(2, H, 5, HD, seed=10)
+    pos = torch.arange(5).expand(2, 5) * 37
+    cos, sin = rotary_cos_sin(pos, HD, 10000.0, torch.float64)
+    xr = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(xr.norm(dim=-1), x.norm(dim=-1), rtol=1e-13, atol=1e-13)
+    # frequency 0 turns by exactly pos radians on the pair (0, hd/2)
+    angle = torch.atan2(xr[..., HD // 2], xr[..., 0]) - torch.atan2(x[..., HD // 2], x[..., 0])
+    torch.testing.assert_close(torch.remainder(angle - pos[:, None].double(), 2 * math.pi).sin(),
+                               torch.zeros(2, H, 5, dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+def test_shifting_all_positions_leaves_output_unchanged():
+    attn = make_attention()
+    L = 16
+    x = garbage(B, L, D, seed=11)
+    pos = torch.arange(L).expand(B, L)
+    y0, _, _ = attn(x, pos)
+    for shift in (1, 977, 123_456):
+        y1, _, _ = attn(x, pos + shift)
+        torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+        y2, _, _ = run_in_chunks(attn, x, pos + shift, [6, 10], W=12)
+        torch.testing.assert_close(y2[:, 6:], y0[:, 6:], rtol=1e-9, atol=1e-9)
+
+
+def test_gradients_reach_x_and_weights_not_the_cache():
+    attn = make_attention()
+    S, W = 5, 4
+    x = garbage(B, S, D, seed=12).requires_grad_()
+    pos = torch.arange(S).expand(B, S) + W
+    cache_k = garbage(B, H, W, HD, seed=13).requires_grad_()       # even if the caller forgot to detach
+    cache_v = garbage(B, H, W, HD, seed=14)
+    y, k, v = attn(x, pos, cache_k, cache_v, torch.ones(B, W, dtype=torch.bool))
+    (y.square().sum() + k.sum() + v.sum()).backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is not None for p in attn.parameters())
+    assert cache_k.grad is None
+    # a detached cache (what the model passes) needs no gradient at all
+    y, _, _ = attn(x, pos, cache_k.detach(), cache_v, torch.ones(B, W, dtype=torch.bool))
+    assert y.requires_grad
+
+
+def test_no_cache_gradients_equal_reference_path():
+    x = garbage(B, 9, D, seed=15).requires_grad_()
+    pos = torch.arange(9).expand(B, 9)
+    grads = []
+    for backend in ("sdpa", "reference"):
+        attn = make_attention(backend=backend)
+        x.grad = None
+        y, _, _ = attn(x, pos)
+        y.pow(3).sum().backward()
+        grads.append([y.detach(), x.grad.clone()] + [p.grad for p in attn.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------- the kernels
+def test_mask_is_valid_cache_then_causal():
+    valid = torch.tensor([[False, True, True], [True, False, True]])
+    mask = attention_mask(4, valid)
+    assert mask.shape == (2, 1, 4, 7)
+    assert torch.equal(mask[:, 0, :, :3], valid[:, None, :].expand(2, 4, 3))
+    assert torch.equal(mask[0, 0, :, 3:], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert mask.any(-1).all()                                        # no empty row
+    assert attention_mask(4, None).shape == (1, 1, 4, 4)
+
+
+def test_paths_match_naive_softmax():
+    S, W = 6, 5
+    q, k, v = (garbage(B, H, S, HD, seed=s) for s in (20, 21, 22))
+    ck, cv = garbage(B, H, W, HD, seed=23), garbage(B, H, W, HD, seed=24)
+    valid = torch.rand(B, W, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask = attention_mask(S, valid)
+    want = naive_attention(q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask)
+    for got in (attend_reference(q, k, v, ck, cv, valid), attend(q, k, v, ck, cv, valid)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want = naive_attention(q, k, v, attention_mask(S, None))
+    torch.testing.assert_close(attend(q, k, v), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_flex_block_mask_matches_reference_forward():
+    """FlexAttention's mask logic, forward only (its CPU backward does not exist)."""
+    S, W = 7, 5
+    q, k, v = (garbage(B, H, S, HD, seed=s).float() for s in (30, 31, 32))
+    ck, cv = garbage(B, H, W, HD, seed=33).float(), garbage(B, H, W, HD, seed=34).float()
+    valid = torch.rand(B, W, generator=torch.Generator().manual_seed(2)) < 0.5
+    with torch.no_grad():
+        got = attend_flex(q, k, v, ck, cv, valid, compiled=False)
+    torch.testing.assert_close(got, attend_reference(q, k, v, ck, cv, valid), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_in_another_dtype_is_cast():
+    attn = make_attention()
+    S, W = 4, 3
+    x, pos = garbage(1, S, D, seed=40), torch.arange(S).expand(1, S) + W
+    ck, cv = garbage(1, H, W, HD, seed=41), garbage(1, H, W, HD, seed=42)
+    valid = torch.ones(1, W, dtype=torch.bool)
+    y64 = attn(x, pos, ck, cv, valid)[0]
+    y32 = attn(x, pos, ck.float(), cv.float(), valid)[0]
+    assert y32.dtype == torch.float64
+    torch.testing.assert_close(y32, y64, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="ELEPHANT_ATTN"):
+        Attention(ModelConfig(d_model=D, n_heads=H), backend="flash3")

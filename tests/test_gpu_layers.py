@@ -1,0 +1,179 @@
+"""GPU paths of the layers against their references: the Triton elephant kernels, the attention
+kernels (flash / memory-efficient SDPA, FlexAttention) and their compiled use.
+
+Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_layers.py` (skipped without CUDA).
+Tolerances are on the relative error ||got - want|| / ||want|| against a float64 reference.
+"""
+import pytest
+import torch
+
+from elephant.config import ModelConfig
+from elephant.layers import elephant as E
+from elephant.layers.attention import Attention, attend, attend_reference
+from elephant.layers.elephant import ElephantMLP, elephant, elephant_glu, elephant_glu_ref
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+REL_TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, device=DEVICE, generator=gen) * scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------- elephant
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_elephant_on_cuda_matches_reference(dtype):
+    u = randn(4096, 1536 // 4, dtype=dtype, scale=2, seed=1).requires_grad_()
+    g = randn(4096, 1536 // 4, dtype=dtype, scale=2, seed=2).requires_grad_()
+    dy = randn(4096, 1536 // 4, dtype=dtype, seed=3)
+    assert E._use_triton(g) == (DEVICE == "cuda")
+    u64, g64 = (t.detach().double().requires_grad_() for t in (u, g))
+    want = elephant_glu_ref(u64, g64, 0.9, 8.0)
+    want.backward(dy.double())
+    got = elephant_glu(u, g, 0.9, 8.0)
+    got.backward(dy)
+    assert got.dtype == u.grad.dtype == g.grad.dtype == dtype
+    tol = REL_TOL[dtype]
+    assert rel_err(got, want) < tol
+    assert rel_err(u.grad, u64.grad) < tol
+    assert rel_err(g.grad, g64.grad) < tol
+    x = g.detach().clone().requires_grad_()
+    elephant(x).backward(dy)
+    g64.grad = None
+    E.elephant_ref(g64).backward(dy.double())
+    assert rel_err(x.grad, g64.grad) < tol
+
+
+def test_fused_elephant_on_cuda_special_values():
+    x = torch.tensor([0.0, -0.0, 1e-30, 1.0, -1.0, 3e5, -1e30, 3e38], device=DEVICE,
+                     requires_grad=True)
+    y = elephant(x)
+    y.sum().backward()
+    want = torch.tensor([1, 1, 1, 0.5, 0.5, 0, 0, 0], device=DEVICE, dtype=torch.float32)
+    torch.testing.assert_close(y, want)
+    assert x.grad.isfinite().all()
+    torch.testing.assert_close(x.grad[[0, 1, 2, 5, 6, 7]].abs(), torch.zeros(6, device=DEVICE))
+    torch.testing.assert_close(x.grad[[3, 4]], torch.tensor([-2.0, 2.0], device=DEVICE))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_mlp_on_cuda_matches_reference_mlp(compiled):
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=256, d_mlp=768)
+    mlp = ElephantMLP(cfg).to(DEVICE)
+    h = randn(4, 128, 256, seed=4).requires_grad_()
+    results = []
+    for fused in (True, False):
+        mlp.fused = fused
+        mlp.zero_grad()
+        h.grad = None
+        run = torch.compile(mlp) if compiled and fused else mlp
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            y = run(h)
+        y.float().square().sum().backward()
+        results.append([y, h.grad] + [p.grad for p in mlp.parameters()])
+    for got, want in zip(*results):
+        assert rel_err(got, want) < 2e-2
+
+
+def test_fused_mlp_uses_less_peak_memory():
+    cfg = ModelConfig(d_model=512, d_mlp=1536)
+    mlp = ElephantMLP(cfg).to(DEVICE, torch.bfloat16)
+    h = randn(8 * 512, 512, dtype=torch.bfloat16, seed=5).requires_grad_()
+    peak = {}
+    for fused in (True, False):
+        mlp.fused = fused
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        mlp(h).sum().backward()
+        torch.cuda.synchronize()
+        peak[fused] = torch.cuda.max_memory_allocated() - base
+        h.grad = None
+        mlp.zero_grad(set_to_none=True)
+    assert peak[True] < peak[False]
+
+
+# ------------------------------------------------------------------------------- attention kernels
+def attention_inputs(dtype, cache: bool, B=2, H=4, S=200, W=96, hd=64):
+    q, k, v = (randn(B, H, S, hd, dtype=dtype, seed=s).requires_grad_() for s in (10, 11, 12))
+    if not cache:
+        return q, k, v, None, None, None
+    ck, cv = randn(B, H, W, hd, dtype=dtype, seed=13), randn(B, H, W, hd, dtype=dtype, seed=14)
+    gen = torch.Generator(device=DEVICE).manual_seed(15)
+    valid = torch.rand(B, W, device=DEVICE, generator=gen) < 0.7
+    valid[0] = torch.arange(W, device=DEVICE) >= W // 3          # right-aligned, as the model keeps it
+    return q, k, v, ck, cv, valid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend,cache", [("sdpa", False), ("sdpa", True), ("flex", True)])
+def test_attention_kernel_matches_reference(backend, cache, dtype):
+    q, k, v, ck, cv, valid = attention_inputs(dtype, cache)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    c64 = (ck.double(), cv.double()) if cache else (None, None)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = attend_reference(q64, k64, v64, *c64, valid)
+    do = randn(*want.shape, seed=16)
+    want.backward(do.double())
+    got = attend(q, k, v, ck, cv, valid, backend=backend)
+    got.backward(do.to(dtype))
+    tol = REL_TOL[dtype]
+    assert got.dtype == dtype
+    for a, b, name in ((got, want, "out"), (q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"),
+                       (v.grad, v64.grad, "dv")):
+        assert rel_err(a, b) < tol, f"{backend} {dtype} {name}: {rel_err(a, b):.2e}"
+
+
+def run_chunks(attn, x, pos, sizes, W):
+    B, H, hd = x.shape[0], attn.n_heads, attn.head_dim
+    cache_k = torch.zeros(B, H, W, hd, device=x.device, dtype=x.dtype)
+    cache_v = torch.zeros_like(cache_k)
+    valid = torch.zeros(B, W, dtype=torch.bool, device=x.device)
+    ys, start = [], 0
+    for size in sizes:
+        chunk = slice(start, start + size)
+        y, k, v = attn(x[:, chunk].contiguous(), pos[:, chunk].contiguous(), cache_k, cache_v, valid)
+        ys.append(y)
+        # contiguous: a compiled caller that gets a strided view of [cache | k] recompiles once
+        cache_k = torch.cat([cache_k, k.detach()], 2)[:, :, -W:].contiguous()
+        cache_v = torch.cat([cache_v, v.detach()], 2)[:, :, -W:].contiguous()
+        valid = torch.cat([valid, torch.ones_like(valid[:, :size])], 1)[:, -W:].contiguous()
+        start += size
+    return torch.cat(ys, 1)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_attention_layer_chunked_equals_whole_on_cuda(backend):
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=256, n_heads=4)
+    attn = Attention(cfg, backend=backend).to(DEVICE)
+    x = randn(2, 384, 256, seed=20)
+    pos = torch.arange(384, device=DEVICE).expand(2, 384) + torch.tensor([[0], [777]], device=DEVICE)
+    whole = attn(x, pos)[0]
+    chunked = run_chunks(attn, x, pos, [128, 128, 128], W=256)
+    assert rel_err(chunked, whole) < 1e-3
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_compiled_attention_does_not_recompile_across_chunks(backend):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    cfg = ModelConfig(d_model=256, n_heads=4)
+    attn = Attention(cfg, backend=backend).to(DEVICE)
+    compiled = torch.compile(attn)
+    x = randn(2, 4 * 96, 256, seed=21)
+    pos = torch.arange(4 * 96, device=DEVICE).expand(2, -1)
+    eager = run_chunks(attn, x, pos, [96] * 4, W=128)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = run_chunks(compiled, x, pos, [96] * 4, W=128)   # valid masks differ per chunk
+    got.sum().backward()
+    assert rel_err(got, eager) < 1e-3
