@@ -1,0 +1,191 @@
+"""build_optimizers: which parameter goes to which optimizer, and the one object the trainer drives.
+
+Assignment rule (by module type, not by shape, so a 2-D parameter that is not a linear map, such
+as the RMT memory `mem_init`, never lands in Muon by accident):
+    Muon   the `.weight` of every nn.Linear except the one named `lm_head` (attention q/k/v/o,
+           MLP up/gate/down, Mamba in_proj/out_proj); lr muon_lr, weight decay muon_wd.
+    Adam   "embed": nn.Embedding weights, lr embed_lr, weight decay adam_wd;
+           "head":  lm_head.weight (absent when tied to the embedding), lr head_lr, adam_wd;
+           "other": everything else (norm gains, A_log, D, dt_bias, conv1d weights, mem_init,
+                    biases), lr adam_lr, no weight decay.
+Tied weights appear once (as "embed"). Weight decay is cautious when cfg.cautious_wd.
+
+Trainer protocol, per optimizer step (no DDP wrapper, no other all-reduce):
+    opt.set_step(step, total_steps)        # lr / wd / momentum schedules
+    ... forward, backward (gradients accumulate in p.grad on every rank) ...
+    norm = opt.clip_grad_norm_(cfg.grad_clip)   # optional; 0-d tensor, the global norm
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .adam import Adam
+from .dist import world
+from .muon import Muon, muon_lr_scale
+from .schedule import lr_multiplier, muon_momentum, wd_multiplier
+
+
+def assign_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, str, str]]:
+    """[(name, param, role, note)] with role muon | embed | head | other, each parameter once."""
+    uses: dict[int, list] = {}
+    order: list[tuple[str, nn.Parameter]] = []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            name = f"{mname}.{pname}" if mname else pname
+            if id(p) not in uses:
+                uses[id(p)] = []
+                order.append((name, p))
+            is_weight = pname == "weight"
+            if isinstance(module, nn.Embedding) and is_weight:
+                kind = "embed"
+            elif isinstance(module, nn.Linear) and is_weight:
+                kind = "head" if mname.rsplit(".", 1)[-1] == "lm_head" else "muon"
+            else:
+                kind = "other"
+            uses[id(p)].append((name, kind))
+    out = []
+    for name, p in order:
+        kinds = {k for _, k in uses[id(p)]}
+        role = next(r for r in ("embed", "head", "muon", "other") if r in kinds)
+        tied = [n for n, _ in uses[id(p)] if n != name]
+        out.append((name, p, role, f"tied: {', '.join(tied)}" if tied else ""))
+    return out
+
+
+class Optimizers:
+    """Muon + Adam behind one interface (see the module doc for the trainer's protocol).
+
+    state_dict(): {"muon": Muon.state_dict() (absent without Muon parameters), "adam": ...}: nested
+    dicts of tensors, ints, floats, strings and lists. With a process group each rank's
+    state_dict holds only the slice that rank owns (Muon: whole matrices, Adam: dim-0 rows) and
+    must be saved per rank and loaded by the same rank of the same world size.
+    """
+
+    def __init__(self, muon: Muon | None, adam: Adam | None, cfg, rows: list[tuple],
+                 process_group=None):
+        self.muon, self.adam, self.cfg, self.rows = muon, adam, cfg, rows
+        self.process_group = process_group
+        self.optimizers = [o for o in (muon, adam) if o is not None]
+
+    def set_step(self, step: int, total_steps: int) -> dict:
+        """Apply the lr, wd and momentum schedules for `step`; returns them (for logging)."""
+        lr_mult = lr_multiplier(step, total_steps, self.cfg)
+        wd_mult = wd_multiplier(step, total_steps, self.cfg)
+        momentum = muon_momentum(step, self.cfg)
+        for opt in self.optimizers:
+            opt.set_schedule(lr_mult, wd_mult, momentum)
+        return {"lr_mult": lr_mult, "wd_mult": wd_mult, "momentum": momentum}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def reduce_gradients(self) -> None:
+        """Start the gradient reduce-scatters of both optimizers (step() does it if not done)."""
+        for opt in self.optimizers:
+            opt.reduce_gradients()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (rank-averaged) gradient, computed on the reduced shards and
+        all-reduced; scales the shards so the norm is at most `max_norm` (max_norm <= 0: only
+        measure). Returns the norm before clipping as a 0-d fp32 tensor."""
+        self.reduce_gradients()
+        local = [opt.local_gradients() for opt in self.optimizers]
+        sq = torch.stack([g.float().square().sum() for g in local]).sum() if local else torch.zeros(())
+        if world(self.process_group)[1] > 1:
+            dist.all_reduce(sq, group=self.process_group)
+        norm = sq.sqrt()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in local:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce-scatter (unless done), update this rank's slices, all-gather."""
+        self.reduce_gradients()
+        handles = []
+        for opt in self.optimizers:
+            opt._update()
+            handles.append(opt.all_gather())   # Adam's update overlaps Muon's gather
+        for h in handles:
+            h.wait()
+
+    def state_dict(self) -> dict:
+        sd = {"format": "elephant.optim/1"}
+        if self.muon is not None:
+            sd["muon"] = self.muon.state_dict()
+        if self.adam is not None:
+            sd["adam"] = self.adam.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key, opt in (("muon", self.muon), ("adam", self.adam)):
+            if (opt is None) != (key not in sd):
+                raise ValueError(f"Optimizers.load_state_dict: the checkpoint "
+                                 f"{'has' if key in sd else 'lacks'} a {key} state, this model "
+                                 f"{'does not use' if opt is None else 'uses'} {key}")
+            if opt is not None:
+                opt.load_state_dict(sd[key])
+
+    def table(self) -> str:
+        """One line per parameter: name, shape, optimizer, group, lr, weight decay, notes."""
+        header = ("parameter", "shape", "optimizer", "lr", "wd", "notes")
+        lines = [header]
+        counts = {"Muon": 0, "Adam": 0}
+        for name, p, role, note, lr, wd in self.rows:
+            opt = "Muon" if role == "muon" else f"Adam/{role}"
+            if role == "muon":
+                scale = muon_lr_scale(*p.shape)
+                note = f"lr x {scale:.3g} (rows/cols {p.shape[0]}/{p.shape[1]})" + (f"; {note}" if note else "")
+            counts["Muon" if role == "muon" else "Adam"] += p.numel()
+            lines.append((name, "x".join(map(str, p.shape)) or "scalar", opt, f"{lr:g}", f"{wd:g}", note))
+        widths = [max(len(r[i]) for r in lines) for i in range(len(header) - 1)]
+        text = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in lines]
+        c = self.cfg
+        text.append(f"Muon {counts['Muon']:,} params ({c.orthogonalize}, normuon={c.normuon}), "
+                    f"Adam {counts['Adam']:,} params; cautious wd={c.cautious_wd}; "
+                    f"world size {world(self.process_group)[1]}")
+        return "\n".join(text)
+
+
+def build_optimizers(model: nn.Module, cfg, process_group=None,
+                     ortho_dtype: torch.dtype | None = None) -> Optimizers:
+    """Muon for hidden linear weights, Adam for the rest (rule in the module doc).
+
+    cfg: an OptimConfig. process_group: None = the default group when torch.distributed is
+    initialized, else local. ortho_dtype: Muon's iteration dtype (default bf16 on CUDA, fp32 on CPU).
+    """
+    cautious = bool(getattr(cfg, "cautious_wd", True))
+    groups = {"muon": ([], []), "embed": ([], []), "head": ([], []), "other": ([], [])}
+    hyper = {"muon": (cfg.muon_lr, cfg.muon_wd), "embed": (cfg.embed_lr, cfg.adam_wd),
+             "head": (cfg.head_lr, cfg.adam_wd), "other": (cfg.adam_lr, 0.0)}
+    rows = []
+    for name, p, role, note in assign_parameters(model):
+        groups[role][0].append(p)
+        groups[role][1].append(name)
+        rows.append((name, p, role, note, *hyper[role]))
+    muon = None
+    if groups["muon"][0]:
+        params, names = groups["muon"]
+        muon = Muon([{"params": params, "names": names}], lr=cfg.muon_lr,
+                    momentum=muon_momentum(0, cfg), nesterov=cfg.nesterov,
+                    weight_decay=cfg.muon_wd, cautious=cautious, normuon=cfg.normuon,
+                    beta2=cfg.normuon_beta2, orthogonalize=cfg.orthogonalize,
+                    ns_steps=cfg.ns_steps, ortho_dtype=ortho_dtype, process_group=process_group)
+    adam_groups = [{"params": groups[r][0], "names": groups[r][1], "lr": hyper[r][0],
+                    "weight_decay": hyper[r][1], "role": r}
+                   for r in ("embed", "head", "other") if groups[r][0]]
+    adam = None
+    if adam_groups:
+        adam = Adam(adam_groups, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, cautious=cautious,
+                    process_group=process_group)
+    return Optimizers(muon, adam, cfg, rows, process_group)
