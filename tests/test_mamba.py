@@ -158,6 +158,14 @@ def test_bfloat16_mixer_runs():
     assert torch.isfinite(y).all() and torch.isfinite(ssm).all()
 
 
+def test_states_keep_their_dtype_under_autocast():
+    m = make_mixer(dtype=torch.float32)
+    conv, ssm = m.init_state(2, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, conv2, ssm2 = m(torch.randn(2, 24, 32), conv, ssm)
+    assert conv2.dtype == conv.dtype and ssm2.dtype == ssm.dtype == torch.float32
+
+
 def test_triton_path_equals_reference_in_mixer():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

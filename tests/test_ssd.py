@@ -99,6 +99,15 @@ def test_low_precision_in_float32_out():
     assert torch.allclose(final, f32, atol=1e-5) and torch.allclose(y.float(), y32, atol=0.05)
 
 
+def test_autocast_does_not_lower_the_reference():
+    inputs = [t.float() if t is not None else None for t in make_inputs(l=30)]
+    y, s = ssd_chunked(*inputs, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ac, s_ac = ssd_chunked(*inputs, chunk_size=16)
+    assert y_ac.dtype == s_ac.dtype == torch.float32
+    assert torch.equal(y_ac, y) and torch.equal(s_ac, s)
+
+
 def test_bad_shapes_are_named():
     x, dt, A, B, C, D, s0 = make_inputs(l=8)
     with pytest.raises(ValueError, match="initial_state"):
@@ -185,3 +194,21 @@ def test_triton_strided_inputs_and_unused_final_state():
     assert rel_err(y, y_ref) < 1e-5
     for a, r in zip(g, g_ref):
         assert rel_err(a, r) < 1e-5
+
+
+def test_triton_half_precision_path():
+    """16-bit inputs take the other matmul path (operands cast to x's dtype). The interpreter has no
+    bfloat16 matmul, so float16 stands in here; bfloat16 is tested on CUDA (test_gpu_ssd.py)."""
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    inputs = make_inputs(1, 50, 2, 1, 16, 16, dtype=torch.float32)
+    half = [t.detach().half().requires_grad_() if i in (0, 3, 4) else t
+            for i, t in enumerate(inputs)]                   # x, B, C in float16
+    y, s, g = grads(ssd_triton, half, chunk_size=16)
+    up = [t.detach().float().requires_grad_() for t in half]
+    y_ref, s_ref, g_ref = grads(ssd_chunked, up, chunk_size=16)
+    assert y.dtype == torch.float16 and s.dtype == torch.float32
+    assert rel_err(y, y_ref) < 5e-3 and rel_err(s, s_ref) < 5e-3
+    for name, a, r in zip("x dt A B C D initial_state".split(), g, g_ref):
+        assert a.dtype == half["x dt A B C D initial_state".split().index(name)].dtype, name
+        assert rel_err(a, r) < 5e-3, name

@@ -9,7 +9,8 @@ The state is an explicit argument, never hidden in the module: `forward(x, conv_
 returns `(y, new_conv_state, new_ssm_state)`, so feeding a sequence in chunks of any lengths with the
 carried state is the same as one pass over the whole sequence, and gradients flow into both incoming
 states (training backpropagates through a few chunks). The conv state holds the last d_conv - 1 xBC
-inputs before activation, in the activation dtype; the SSM state is float32 (float64 for fp64 models).
+inputs before activation and keeps the dtype it came in (init_state's dtype); the SSM state is float32
+(float64 for fp64 models).
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class Mamba2(nn.Module):
 
         # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
-        new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):]
+        # in the incoming state's dtype, so that a state keeps its dtype from chunk to chunk
+        new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):].to(conv_state.dtype)
         xBC = F.conv1d(window, self.conv1d.weight.to(window.dtype), self.conv1d.bias.to(window.dtype),
                        groups=self.conv_dim)                                       # (B, conv_dim, L)
         xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)

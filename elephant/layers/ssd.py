@@ -90,6 +90,11 @@ def check_shapes(x, dt, A, B, C, D, initial_state) -> None:
 def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None):
     """Token-by-token recurrence; the ground truth. O(l) Python steps: tests only."""
     check_shapes(x, dt, A, B, C, D, initial_state)
+    with torch.autocast(x.device.type, enabled=False):
+        return _ssd_recurrent(x, dt, A, B, C, D, initial_state)
+
+
+def _ssd_recurrent(x, dt, A, B, C, D, initial_state):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     cdt = compute_dtype(x)
@@ -112,6 +117,11 @@ def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None):
 def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """Chunked SSD in PyTorch; any length (the tail is padded with dt = 0: no decay, no write)."""
     check_shapes(x, dt, A, B, C, D, initial_state)
+    with torch.autocast(x.device.type, enabled=False):  # float32 products even under autocast
+        return _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+
+
+def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g                                   # heads per group

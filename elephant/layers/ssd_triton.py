@@ -40,8 +40,12 @@ except ImportError:  # the reference path runs everywhere; this one needs Triton
 
 def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
     """Whether these kernels handle this problem (else ssd_scan falls back to ssd_chunked)."""
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    padded = b * (l + chunk_size) * h
     return (HAVE_TRITON and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and chunk_size in (16, 32, 64, 128) and x.shape[-1] <= 128 and B.shape[-1] <= 128)
+            and chunk_size in (16, 32, 64, 128) and p <= 128 and n <= 128
+            and max(padded * max(p, n), padded // chunk_size * p * n) < 2**31)  # 32-bit offsets
 
 
 if HAVE_TRITON:
@@ -310,7 +314,7 @@ def _fwd(x, dt, cs, B, C, D, init, Q):
     _chunk_scan_fwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, states, D if D is not None else x, y, l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=4)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=8 if max(Q, BP, BN) > 64 else 4)
     return y, final, states
 
 
@@ -387,9 +391,10 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64)
         raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
     check_shapes(x, dt, A, B, C, D, initial_state)
     if not supports(x, B, chunk_size):
-        raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size in 16..128 (a power "
-                         f"of 2), head_dim and d_state <= 128; got {x.dtype}, chunk_size={chunk_size}, "
-                         f"head_dim={x.shape[-1]}, d_state={B.shape[-1]}")
+        raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size 16, 32, 64 or 128, "
+                         f"head_dim and d_state <= 128, and tensors under 2**31 elements (split the "
+                         f"batch); got {x.dtype}, chunk_size={chunk_size}, x {tuple(x.shape)}, "
+                         f"d_state={B.shape[-1]}")
     b, l, h, _ = x.shape
     Q = chunk_size
     nc = max(1, math.ceil(l / Q))
