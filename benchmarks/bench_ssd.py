@@ -128,7 +128,8 @@ def main() -> None:
     if smoke:
         b, l, h, p, n, chunk, d_model, head, iters, warmup = 1, 40, 2, 16, 16, 16, 32, 16, 2, 1
     else:
-        b, l, h, p, n, chunk, d_model, head, iters, warmup = 16, 2048, 16, 64, 64, 64, 512, 64, args.iters, args.warmup
+        b, l, h, p, n, chunk, d_model, head = 16, 2048, 16, 64, 64, 64, 512, 64
+        iters, warmup = args.iters, args.warmup
     dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bf16 matmul
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu-smoke"
     results: dict = {}

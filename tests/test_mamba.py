@@ -1,6 +1,5 @@
 """The Mamba-2 mixer keeps the chunk contract: carried (conv, SSM) state makes chunks equal one pass,
 lanes never mix, and gradients flow through the carried state."""
-import math
 import os
 
 import pytest

@@ -209,6 +209,6 @@ def test_triton_half_precision_path():
     y_ref, s_ref, g_ref = grads(ssd_chunked, up, chunk_size=16)
     assert y.dtype == torch.float16 and s.dtype == torch.float32
     assert rel_err(y, y_ref) < 5e-3 and rel_err(s, s_ref) < 5e-3
-    for name, a, r in zip("x dt A B C D initial_state".split(), g, g_ref):
-        assert a.dtype == half["x dt A B C D initial_state".split().index(name)].dtype, name
+    for name, a, r, t in zip("x dt A B C D initial_state".split(), g, g_ref, half):
+        assert a.dtype == t.dtype, name
         assert rel_err(a, r) < 5e-3, name

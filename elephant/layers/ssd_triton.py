@@ -23,6 +23,7 @@ Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernels run on CPU 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -357,10 +358,17 @@ def _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, Q):
     return dx, ddt, dcs, dB, dC, dD, dinit
 
 
+def _on_device(x: torch.Tensor):
+    """Triton launches on the current CUDA device: make it x's (several GPUs per process)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 class _SSDTriton(torch.autograd.Function):
+    """(x, dt, cs, B, C, D, init) -> (y, final state); saves the states entering each chunk."""
+
     @staticmethod
     def forward(ctx, x, dt, cs, B, C, D, init, Q):
-        with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+        with _on_device(x):
             y, final, states = _fwd(x, dt, cs, B, C, D, init, Q)
         ctx.save_for_backward(x, dt, cs, B, C, D, init, states)
         ctx.Q = Q
@@ -369,18 +377,10 @@ class _SSDTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt, cs, B, C, D, init, states = ctx.saved_tensors
-        with torch.cuda.device(x.device) if x.is_cuda else _nullcontext():
+        with _on_device(x):
             dx, ddt, dcs, dB, dC, dD, dinit = _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, ctx.Q)
         return (dx, ddt.to(dt.dtype), dcs, dB.to(B.dtype), dC.to(C.dtype),
                 dD.to(D.dtype) if dD is not None else None, dinit, None)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @torch.compiler.disable
