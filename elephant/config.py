@@ -275,7 +275,13 @@ def _parse(text: str, hint, key: str):
         value = text  # a bare word is a string: data.source=pycode
     if hint is str and not isinstance(value, str):
         value = text
+    if hint is bool and isinstance(value, str):
+        value = _BOOLS.get(value.lower(), value)
     return _coerce(value, hint, key)
+
+
+_BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False,
+          "1": True, "0": False}
 
 
 def _closest(name: str, choices, prefix: str = "") -> str:

@@ -29,7 +29,7 @@ class KVCache:
         v = torch.cat([self.v, v.detach().to(self.v.dtype)], dim=2)
         fresh = torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W)  # (B, S_new)
         valid = torch.cat([self.valid, fresh], dim=1)[:, -W:]
-        return KVCache(k[:, :, -W:], v[:, :, -W:], valid)
+        return KVCache(k[:, :, -W:].contiguous(), v[:, :, -W:].contiguous(), valid.contiguous())
 
 
 @dataclass

@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Small shapes on a 2-core machine: two OpenMP threads contend (with each other and with the
+# subprocesses some tests start) and make every op many times slower than one thread.
+torch.set_num_threads(1)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -1,0 +1,107 @@
+"""Streaming evaluation over whole documents: every document of a split read chunk by chunk with
+carried state, so there is no context limit and memory does not grow with document length.
+
+Used by the trainer's validation pass and by eval.py. Every token of a document but the first is
+predicted once (the first has no context: the model has no beginning-of-document token), and the
+end-of-document token when the corpus appends one. Bits per byte and word perplexity divide the same
+summed NLL by the UTF-8 bytes and whitespace-separated words of the documents' raw text.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .metrics import NLLMeter
+
+
+def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
+    """(tokenizer, tokenized corpus) of a split, built into the cache by rank 0 first."""
+    from data_packing import get_corpus
+
+    main = rt is None or rt.rank == 0
+    distributed = rt is not None and rt.world > 1
+
+    def build(show):
+        return get_corpus(data_cfg.source, split, data_cfg.tokenizer, data_cfg.cache_dir,
+                          path=data_cfg.path or None, append_eot=data_cfg.append_eot,
+                          progress=show, text_field=data_cfg.text_field)
+    if main:
+        corpus = build(progress)
+    if distributed:
+        dist.barrier()
+    if not main:
+        corpus = build(False)
+    return corpus.tokenizer(), corpus
+
+
+def subset(corpus, max_docs: int):
+    """The first `max_docs` documents of a corpus (all of them for 0), as a corpus."""
+    if not max_docs or max_docs >= len(corpus):
+        return corpus
+    from data_packing import TokenizedCorpus
+    return TokenizedCorpus(corpus.tokens, corpus.offsets[: max_docs + 1], corpus.doc_bytes[:max_docs],
+                           corpus.doc_words[:max_docs], dict(corpus.manifest), corpus.path)
+
+
+@torch.no_grad()
+def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
+             rank: int = 0, world: int = 1, progress: bool = False) -> dict:
+    """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics.
+
+    With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
+    """
+    from data_packing import RollingChunkBatcher
+
+    corpus = subset(corpus, max_docs)
+    n_docs = len(corpus)
+    was_training = model.training
+    model.eval()
+    batcher = RollingChunkBatcher(corpus, lanes=lanes, chunk_len=chunk_len, seed=0, rank=rank,
+                                  world_size=world, loop=False, shuffle=False)
+    doc_nll = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)  # last slot: idle lanes
+    doc_tok = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)
+    meter = NLLMeter()
+    state = model.init_state(lanes, device=device)
+    lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
+    steps = np.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=int(steps), desc="evaluating", unit=" chunks", dynamic_ncols=True)
+    for batch in batcher:
+        tokens = batch.tokens.to(device, non_blocking=True)
+        mask = batch.loss_mask.to(device)
+        reset = batch.reset.to(device)
+        with autocast() if autocast else nullcontext():
+            nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], loss_mask=mask,
+                               reduction="none")
+        nll = nll.double()
+        ids = batch.doc_ids.to(device).clone()
+        ids[ids < 0] = n_docs
+        doc_nll.index_add_(0, ids, nll.sum(1))
+        doc_tok.index_add_(0, ids, mask.sum(1).double())
+        lane_pos = torch.where(reset, torch.zeros_like(lane_pos), lane_pos)
+        # position of each target within its document: the first target is token 1
+        positions = lane_pos[:, None] + torch.arange(1, tokens.shape[1], device=device)
+        meter.add_positions(nll[mask].cpu(), positions[mask].cpu())
+        lane_pos = lane_pos + chunk_len
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if world > 1:
+        dist.all_reduce(doc_nll)
+        dist.all_reduce(doc_tok)
+        b = meter.buckets
+        sums = torch.tensor([b.nll, b.tokens], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        b.nll, b.tokens = sums[0].tolist(), [int(n) for n in sums[1].tolist()]
+    nll_docs, tok_docs = doc_nll[:n_docs].cpu().numpy(), doc_tok[:n_docs].cpu().numpy()
+    for i in range(n_docs):
+        meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
+    model.train(was_training)
+    return meter.result()
+

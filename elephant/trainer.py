@@ -1,0 +1,394 @@
+"""The training loop: every step advances every lane by `bptt_chunks` chunks of its document.
+
+The recurrent state (KV windows, Mamba conv/SSM state, RMT memory) of a lane persists from step
+to step while the lane stays in its document, and is reset by the batcher's flags when a new
+document takes the lane. Gradients flow through the `bptt_chunks` chunks of a step; the model
+detaches the state at the next step's first chunk.
+
+Data parallelism without a DDP wrapper: the global batch is `world_size x grad_accum` shards of
+`lanes` lanes, each shard with its own batcher (rank r's micro-batch g is shard r * grad_accum + g)
+and its own recurrent state, so one process with grad_accum=2 sees exactly the data of two
+processes with grad_accum=1. The loss is summed and divided by the global count of real tokens;
+the optimizers reduce-scatter the gradients, update their slice and all-gather.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (CheckpointError, find_checkpoint, load_checkpoint, read_meta,
+                         save_checkpoint)
+from .config import Config, ConfigError
+from .evaluate import evaluate, open_corpus
+from .metrics import mfu, peak_flops
+from .model import ElephantLM
+from .optim import build_optimizers
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (too many non-finite losses); the message says why."""
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype          # autocast dtype (float32: no autocast)
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    want = cfg.train.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={cfg.train.device}: CUDA is not available on this machine")
+    if want == "cuda":
+        want = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    device = torch.device(want)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(cfg.train.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return Runtime(device, dtype, rank, world)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool | None = None):
+        self.cfg = cfg
+        self.rt = rt = setup_runtime(cfg)
+        self.run_dir = Path(cfg.train.run_dir)
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        torch.manual_seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+
+        self.tokenizer, self.train_corpus = open_corpus(cfg.data, cfg.data.train_split, rt)
+        self.valid_corpus = None
+        if cfg.data.valid_split:
+            self.valid_corpus = open_corpus(cfg.data, cfg.data.valid_split, rt)[1]
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                              f"tokenizer's vocabulary ({self.tokenizer.vocab_size})")
+
+        self.model = ElephantLM(cfg.model).to(rt.device)
+        if rt.world > 1:  # every rank starts from rank 0's weights
+            for p in self.model.parameters():
+                dist.broadcast(p.data, 0)
+        self.opt = build_optimizers(self.model, cfg.optim)
+        self.step_fn = self.model
+        if cfg.train.compile == "on" or (cfg.train.compile == "auto" and rt.device.type == "cuda"):
+            for block in self.model.blocks:
+                block.compile(dynamic=False)
+
+        from data_packing import RollingChunkBatcher
+        t = cfg.train
+        shards = rt.world * t.grad_accum
+        self.batchers = [RollingChunkBatcher(self.train_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
+                                             seed=t.seed, rank=rt.rank * t.grad_accum + g,
+                                             world_size=shards)
+                         for g in range(t.grad_accum)]
+        self.iters = [iter(b) for b in self.batchers]
+        self.states = [self.model.init_state(t.lanes) for _ in range(t.grad_accum)]
+        self.step = 0
+        self.bad_steps = 0
+        self.skipped_steps = 0
+        self.tokens_seen = 0
+        self.history: list[dict] = []
+        if resume:
+            self._resume()
+        elif rt.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "resolved_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            (self.run_dir / "env.json").write_text(json.dumps(environment(rt), indent=1))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _barrier(self) -> None:
+        if self.rt.world > 1:
+            dist.barrier()
+
+    def save(self) -> None:
+        rank_state = {
+            "optim": self.opt.state_dict(),
+            "states": [s.state_dict() for s in self.states],
+            "batchers": [b.state_dict() for b in self.batchers],
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if self.rt.device.type == "cuda" else None},
+        }
+        meta = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.fingerprint,
+                "bad_steps": self.bad_steps,
+                "skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen,
+                "grad_accum": self.cfg.train.grad_accum}
+        save_checkpoint(self.run_dir, self.step, self.model, rank_state, meta,
+                        keep=self.cfg.train.keep_ckpts, rank=self.rt.rank, world=self.rt.world,
+                        barrier=self._barrier)
+
+    def _resume(self) -> None:
+        ckpt = find_checkpoint(self.run_dir)
+        meta = read_meta(ckpt)
+        if meta.get("config", {}).get("model") != self.cfg.model.to_dict():
+            raise CheckpointError(f"{ckpt}: its model config differs from this run's "
+                                  f"(resume with the same model.* settings)")
+        if meta["world_size"] != self.rt.world or meta["grad_accum"] != self.cfg.train.grad_accum:
+            raise CheckpointError(f"{ckpt}: written with world_size={meta['world_size']} and "
+                                  f"grad_accum={meta['grad_accum']}; resume with the same")
+        meta, state = load_checkpoint(ckpt, self.model, rank=self.rt.rank)
+        self.opt.load_state_dict(state["optim"])
+        for b, sd in zip(self.batchers, state["batchers"]):
+            b.load_state_dict(sd)
+        self.iters = [iter(b) for b in self.batchers]
+        for s, sd in zip(self.states, state["states"]):
+            s.load_state_dict(sd)
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and self.rt.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+        self.step = meta["step"]
+        self.bad_steps, self.skipped_steps = meta["bad_steps"], meta["skipped_steps"]
+        self.tokens_seen = meta["tokens_seen"]
+        if self.rt.main:
+            print(f"resumed from {ckpt} at step {self.step}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        """Advance every lane by bptt_chunks chunks, backpropagate through them, update."""
+        rt, cfg = self.rt, self.cfg
+        k = cfg.model.bptt_chunks
+        groups = [[next(it) for _ in range(k)] for it in self.iters]
+        count = torch.tensor(float(sum(int(b.loss_mask.sum()) for g in groups for b in g)),
+                             dtype=torch.float64, device=rt.device)
+        if rt.world > 1:
+            dist.all_reduce(count)
+        total = torch.zeros((), dtype=torch.float64, device=rt.device)
+        for g, batches in enumerate(groups):
+            state, loss = self.states[g], 0.0
+            for b in batches:
+                tokens = b.tokens.to(rt.device, non_blocking=True)
+                with rt.autocast():
+                    nll, state = self.model(tokens[:, :-1], state, b.reset.to(rt.device),
+                                            targets=tokens[:, 1:],
+                                            loss_mask=b.loss_mask.to(rt.device), reduction="sum")
+                loss = loss + nll
+            # the optimizers average gradients over ranks: scale so the average is the global mean
+            (loss * (rt.world / count.clamp(min=1).float())).backward()
+            self.states[g] = state.detach()
+            total += loss.detach().double()
+        if rt.world > 1:
+            dist.all_reduce(total)
+        loss = (total / count.clamp(min=1)).item()
+        out = {"loss": loss, "tokens": int(count.item())}
+        if math.isfinite(loss):
+            out.update(self.opt.set_step(self.step, cfg.train.max_steps))
+            if cfg.optim.grad_clip:
+                out["grad_norm"] = float(self.opt.clip_grad_norm_(cfg.optim.grad_clip))
+            self.opt.step()
+            self.bad_steps = 0
+        else:
+            # skip the update; the lanes keep their documents but restart from a clean state
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            self.states = [self.model.init_state(cfg.train.lanes) for _ in self.states]
+            out["skipped"] = True
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += int(count.item())
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    def validate(self) -> dict | None:
+        if self.valid_corpus is None:
+            return None
+        t = self.cfg.train
+        return evaluate(self.model, self.valid_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
+                        device=self.rt.device, autocast=self.rt.autocast, max_docs=t.eval_docs,
+                        rank=self.rt.rank, world=self.rt.world)
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> dict:
+        rt, t = self.rt, self.cfg.train
+        log = RunLog(self.run_dir, enabled=rt.main, tensorboard=t.tensorboard)
+        flops = self.model.flops_per_token(t.chunk_len)
+        peak = peak_flops(torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None)
+        if rt.main and self.step == 0:
+            print(f"model: {self.model.num_params() / 1e6:.2f}M parameters, layers "
+                  f"{self.cfg.model.layers}, {rt.world} x {t.grad_accum} x {t.lanes} lanes of "
+                  f"{t.chunk_len} tokens, device {rt.device} ({str(rt.dtype).split('.')[-1]})",
+                  file=sys.stderr)
+            print(self.opt.table(), file=sys.stderr)
+        bar = None
+        if rt.main and self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=t.max_steps, initial=self.step, dynamic_ncols=True, desc="train")
+        last_eval = None
+        t0, tokens0 = time.perf_counter(), self.tokens_seen
+        while self.step < t.max_steps:
+            out = self.train_step()
+            if self.bad_steps >= t.max_bad_steps:
+                log.close()
+                raise TrainingStopped(
+                    f"{self.bad_steps} consecutive steps had a non-finite loss; stopped at step "
+                    f"{self.step}. The last good checkpoint in {self.run_dir / 'checkpoints'} is "
+                    f"intact: resume from it with a lower learning rate.")
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                if rt.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                tok_s = (self.tokens_seen - tokens0) * rt.world / max(dt, 1e-9)
+                record = {"kind": "train", "step": self.step, **out, "tokens_per_s": tok_s,
+                          "fill": float(np.mean([b.last_fill for b in self.batchers])),
+                          "docs_completed": sum(b.docs_completed for b in self.batchers),
+                          "skipped_steps": self.skipped_steps}
+                m = mfu(flops, tok_s / rt.world, peak)
+                if m is not None:
+                    record["mfu"] = m
+                if rt.device.type == "cuda":
+                    record["peak_mem_gb"] = torch.cuda.max_memory_allocated(rt.device) / 2**30
+                log.write(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{out['loss']:.4f}", tok_s=f"{tok_s:,.0f}",
+                                    fill=f"{record['fill']:.2f}",
+                                    **({"mfu": f"{m:.1%}"} if m is not None else {}))
+                elif rt.main:
+                    print(f"step {self.step}/{t.max_steps} loss {out['loss']:.4f} "
+                          f"tok/s {tok_s:,.0f} fill {record['fill']:.2f}", file=sys.stderr)
+                t0, tokens0 = time.perf_counter(), self.tokens_seen
+            if bar is not None:
+                bar.update(1)
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                last_eval = self._eval_and_log(log)
+                t0, tokens0 = time.perf_counter(), self.tokens_seen
+            if (t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.max_steps
+                    and not self.bad_steps):  # never checkpoint in the middle of a bad streak
+                self.save()
+        if bar is not None:
+            bar.close()
+        last_eval = self._eval_and_log(log) or last_eval
+        self.save()
+        log.close()
+        if rt.main:
+            plot_losses(self.run_dir / "log.jsonl", self.run_dir / "loss.png")
+        return {"step": self.step, "eval": last_eval, "skipped_steps": self.skipped_steps}
+
+    def _eval_and_log(self, log: "RunLog") -> dict | None:
+        result = self.validate()
+        if result is not None:
+            scalars = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+            log.write({"kind": "eval", "step": self.step, **scalars})
+            if self.rt.main:
+                print(f"eval step {self.step}: loss {result['loss']:.4f} "
+                      f"bpb {result['bits_per_byte']:.4f} over {result['documents']} documents",
+                      file=sys.stderr)
+        return result
+
+
+# ---------------------------------------------------------------------- logging
+class RunLog:
+    """log.jsonl (one record per line, appended, so a resumed run continues it) + TensorBoard."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = open(run_dir / "log.jsonl", "a") if enabled else None
+        self.tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:
+                pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), **record}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
+                    self.tb.add_scalar(f"{record['kind']}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_log(path: Path) -> list[dict]:
+    """Records of a log.jsonl; for a step logged twice (a resumed run) the later record wins."""
+    records: dict = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed run
+        records[(r["kind"], r["step"])] = r
+    return sorted(records.values(), key=lambda r: (r["step"], r["kind"]))
+
+
+def plot_losses(log_path: Path, out: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_log(log_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind, style in (("train", "-"), ("eval", "o-")):
+        rs = [r for r in records if r["kind"] == kind and math.isfinite(r.get("loss", math.nan))]
+        if rs:
+            ax.plot([r["step"] for r in rs], [r["loss"] for r in rs], style,
+                    label="valid" if kind == "eval" else "train")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def environment(rt: Runtime) -> dict:
+    import subprocess
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+           "device": str(rt.device), "world_size": rt.world, "numpy": np.__version__}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if rt.device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(rt.device)
+        env["cuda"] = torch.version.cuda
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env

@@ -1,0 +1,189 @@
+#!/usr/bin/env python
+"""Evaluate an elephant model over whole documents, optionally beside a Hugging Face baseline.
+
+    python eval.py --checkpoint runs/default                       # the run's own data, test split
+    python eval.py --checkpoint runs/wt103-70m --split test \
+        --baseline EleutherAI/pythia-70m-deduped --json wt103.json --plot positions.png
+    python eval.py --checkpoint user/model --data wikitext-103 --data-path /data/wikitext-103-raw
+
+Every document is streamed chunk by chunk with carried state (no context limit; memory does not
+grow with document length). Reported: token loss and perplexity, bits per byte and word perplexity
+(Wikitext convention: whitespace-separated words of the raw text), the counts, and the per-document
+mean loss (labelled: the figure the model this project descends from reported). Bits per byte and
+word perplexity are the fair comparison across tokenizers.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True,
+                   help="run dir, checkpoint folder, export folder or Hub id (user/name)")
+    p.add_argument("--data", help="a recipe (.toml: its [data]) or a source name; default: the "
+                                  "checkpoint's own data")
+    p.add_argument("--data-path", help="local folder / file of the source")
+    p.add_argument("--split", default="test", help="train | valid | test (default test)")
+    p.add_argument("--max-docs", type=int, default=0, help="only the first N documents (0: all)")
+    p.add_argument("--lanes", type=int, default=8, help="documents evaluated side by side")
+    p.add_argument("--chunk-len", type=int, default=0, help="tokens per chunk (default: the run's)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--json", help="write all results to this JSON file")
+    p.add_argument("--plot", help="PNG of the mean loss by position in the document")
+    p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
+                                      "EleutherAI/pythia-70m-deduped")
+    p.add_argument("--baseline-max-len", type=int, default=2048, help="rolling window (tokens)")
+    p.add_argument("--baseline-stride", type=int, default=None,
+                   help="window stride (default: the window length)")
+    p.add_argument("--push-to-hub", metavar="USER/NAME",
+                   help="export the model with these results and upload it")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from data_packing import DataError
+    from elephant.checkpoint import CheckpointError
+    from elephant.config import ConfigError
+    from elephant.hub import HubError
+
+    try:
+        return run(args)
+    except (ConfigError, DataError, CheckpointError, HubError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import torch
+
+    from data_packing import get_corpus, open_source
+    from data_packing.sources import canonical_split
+    from elephant.config import DataConfig, load_config
+    from elephant.evaluate import evaluate
+    from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
+    from elephant.metrics import plot_position_loss
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    progress = not args.no_progress and sys.stderr.isatty()
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device)
+    split = canonical_split(args.split)
+
+    data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
+    if args.data:
+        if args.data.endswith(".toml"):
+            data = load_config(args.data).data
+        else:
+            data.source, data.path = args.data, ""
+            data.validate()
+    if args.data_path:
+        data.path = args.data_path
+    if tokenizer is None:
+        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
+                       f"names none")
+    tokenizer_spec = data.tokenizer
+    export_dir = Path(args.checkpoint)
+    if (export_dir / "config.json").is_file() and (export_dir / "model.safetensors").is_file():
+        tokenizer_spec = str(export_dir)  # the tokenizer files saved beside the weights
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise HubError(f"checkpoint/tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} "
+                       f"tokens, the model's vocabulary {model.cfg.vocab_size}")
+    corpus = get_corpus(data.source, split, tokenizer_spec, data.cache_dir, path=data.path or None,
+                        append_eot=data.append_eot, progress=progress, text_field=data.text_field)
+    if corpus.manifest.get("tokenizer", {}).get("fingerprint") not in (None, tokenizer.fingerprint):
+        raise HubError(f"checkpoint/tokenizer mismatch: {corpus.path} was tokenized with another "
+                       f"tokenizer than the checkpoint's")
+
+    chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
+    use_bf16 = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
+    ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
+                    autocast=autocast, max_docs=args.max_docs, progress=progress)
+    ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
+                source=data.source, split=split)
+    results = {"elephant": ours}
+
+    if args.baseline:
+        results["baseline"] = score_baseline(args, data, split, device, open_source)
+
+    print_table(results, args)
+    if args.plot:
+        curves = {name: r["position_buckets"] for name, r in results.items()
+                  if isinstance(r, dict) and r.get("position_buckets")}
+        plot_position_loss(curves, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.push_to_hub:
+        metrics = {f"{data.source}/{split}": {k: ours[k] for k in
+                                              ("loss", "perplexity", "bits_per_byte", "word_perplexity")}}
+        src = Path(args.checkpoint)
+        out = Path(data.cache_dir) / "export" / args.push_to_hub.replace("/", "--")
+        if (src / "config.json").is_file():
+            out = save_pretrained(model, out, tokenizer=tokenizer, train_config=config, metrics=metrics)
+        else:
+            out = export_run(src, out, metrics=metrics, name=args.push_to_hub)
+        url = push_to_hub(out, args.push_to_hub)
+        print(f"pushed to {url}", file=sys.stderr)
+    return 0
+
+
+def score_baseline(args, data, split, device, open_source) -> dict:
+    """The baseline's figures on the same documents, or why it could not be scored."""
+    from elephant.baseline import KNOWN_REFERENCE, BaselineUnavailable, load_baseline, score_documents
+
+    try:
+        model, tok = load_baseline(args.baseline, device=device)
+    except BaselineUnavailable as e:
+        print(f"baseline unavailable: {e}", file=sys.stderr)
+        known = KNOWN_REFERENCE.get(args.baseline, {})
+        for name, (value, source) in known.items():
+            print(f"  known reference {name}: {value} ({source})", file=sys.stderr)
+        if not known:
+            print("  no published figure for this split is on record here; none is printed",
+                  file=sys.stderr)
+        return {"name": args.baseline, "unavailable": str(e), "known_reference": known}
+    docs = []
+    for doc in open_source(data.source, split, data.path or None, text_field=data.text_field):
+        text = doc.decode("utf-8", "replace") if isinstance(doc, bytes) else doc
+        if not isinstance(text, str):
+            raise HubError(f"{data.source} holds pre-tokenized documents: the baseline needs text")
+        if text.strip():  # the corpus skips empty documents too
+            docs.append(text)
+        if args.max_docs and len(docs) == args.max_docs:
+            break
+    result = score_documents(model, tok, docs, max_len=args.baseline_max_len,
+                             stride=args.baseline_stride, device=device)
+    result.pop("per_document", None)
+    result.update(name=args.baseline, parameters=sum(p.numel() for p in model.parameters()),
+                  context=f"{args.baseline_max_len} (rolling windows)")
+    return result
+
+
+def print_table(results: dict, args) -> None:
+    rows = [("parameters", "parameters", "{:,}"), ("context", "context", "{}"),
+            ("documents", "documents", "{:,}"), ("tokens", "tokens", "{:,}"),
+            ("bytes", "bytes", "{:,}"), ("words", "words", "{:,}"),
+            ("token loss (nats)", "loss", "{:.4f}"), ("token perplexity", "perplexity", "{:.3f}"),
+            ("bits per byte", "bits_per_byte", "{:.4f}"), ("word perplexity", "word_perplexity", "{:.3f}"),
+            ("per-document mean loss*", "per_doc_mean_loss", "{:.4f}")]
+    cols = [(name, r) for name, r in results.items() if "unavailable" not in r]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':{width}}  " + "  ".join(f"{(r.get('name') or n):>18}" for n, r in cols))
+    for label, key, fmt in rows:
+        cells = []
+        for _, r in cols:
+            v = r.get(key)
+            cells.append(f"{fmt.format(v) if v is not None else '-':>18}")
+        print(f"{label:{width}}  " + "  ".join(cells))
+    print("* mean over documents of each document's mean token loss (the figure the model this "
+          "project descends from reported); the rows above it are token-weighted.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""train.py and the Trainer: config errors, exact resume after SIGKILL, data parallel == one
+process, non-finite losses, refused checkpoints."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_cli
+from elephant.checkpoint import CheckpointError, load_checkpoint
+from elephant.config import load_config
+from elephant.trainer import Trainer, TrainingStopped, read_log
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    """A small text corpus with structure to learn: documents of 200-2000 bytes."""
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["elephant", "memory", "state", "chunk", "lane", "document", "token", "carry"]
+    for split, n in (("train", 40), ("valid", 6)):
+        with open(d / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                k = rng.randint(30, 300)
+                text = " ".join(words[(i * 3 + rng.randint(0, 1)) % len(words)] for i in range(k))
+                f.write(json.dumps({"text": text}) + "\n")
+    return d
+
+
+def overrides(run_dir: Path, corpus_dir: Path, **extra) -> list[str]:
+    base = {
+        "data.source": "text", "data.path": str(corpus_dir), "data.tokenizer": "bytes",
+        "data.cache_dir": str(run_dir.parent / "cache"), "train.run_dir": str(run_dir),
+        "train.lanes": 3, "train.chunk_len": 32, "train.max_steps": 8, "train.log_every": 1,
+        "train.eval_every": 0, "train.eval_docs": 3, "train.ckpt_every": 0, "train.compile": "off",
+        "train.tensorboard": False, "optim.warmup_steps": 2, "optim.momentum_warmup_steps": 4,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_log(run_dir / "log.jsonl") if r["kind"] == "train"}
+
+
+def run_cli(args: list[str], env_extra: dict | None = None, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+# ---------------------------------------------------------------------------- config errors
+@pytest.mark.parametrize("override, message", [
+    ("model.d_modle=64", "unknown key model.d_modle (did you mean model.d_model?)"),
+    ("model.d_model=big", "model.d_model: expected int, got str 'big'"),
+    ("optim.schedule=cosin", "optim.schedule: expected one of constant, linear, cosine, got 'cosin'"),
+    ("trian.lanes=2", "unknown section 'trian' (did you mean train?)"),
+])
+def test_bad_override_is_one_line_error(override, message, capsys):
+    assert train_cli.main(["--config", str(ROOT / "configs/tiny.toml"), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {message}" or err.endswith(message), err
+    assert "Traceback" not in err and "\n" not in err
+
+
+def test_recipes_load_and_validate():
+    for recipe in sorted((ROOT / "configs").glob("*.toml")):
+        cfg = load_config(recipe)
+        assert cfg.model.d_model > 0, recipe
+
+
+def test_missing_config_file_is_one_line_error(capsys):
+    assert train_cli.main(["--config", "configs/nope.toml"]) == 2
+    assert capsys.readouterr().err.strip() == "error: config file not found: configs/nope.toml"
+
+
+# ---------------------------------------------------------------------------- training
+def test_training_learns_and_writes_its_run_dir(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/tiny.toml",
+                      overrides(run, corpus_dir, **{"train.max_steps": 25, "train.eval_every": 25}))
+    result = Trainer(cfg, progress=False).fit()
+    ls = losses(run)
+    assert sorted(ls) == list(range(1, 26))
+    assert sum(list(ls.values())[-5:]) / 5 < sum(list(ls.values())[:5]) / 5 - 1.0  # learns
+    assert result["eval"]["documents"] == 3 and result["eval"]["bits_per_byte"] > 0
+    for f in ("log.jsonl", "loss.png", "resolved_config.json", "env.json", "checkpoints/latest"):
+        assert (run / f).exists(), f
+    assert json.loads((run / "resolved_config.json").read_text())["train"]["max_steps"] == 25
+
+
+def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus_dir):
+    steps = 12
+    ref = tmp_path / "ref"
+    args = ["train.py", "--config", "configs/tiny.toml", "--no-progress"]
+    p = run_cli(args + overrides(ref, corpus_dir, **{"train.max_steps": steps}))
+    assert p.wait(timeout=300) == 0, p.stdout.read()
+
+    run = tmp_path / "killed"
+    over = overrides(run, corpus_dir, **{"train.max_steps": steps, "train.ckpt_every": 3,
+                                         "train.keep_ckpts": 5})
+    p = run_cli(args + over)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step_0000006").exists():  # killed mid-run, after 2 checkpoints
+        assert p.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not (run / "checkpoints" / "step_0000012").exists()
+    p = run_cli(args + over + ["--resume"])
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+    assert "resumed from" in out
+    assert losses(run) == losses(ref)  # bitwise: floats compared exactly
+    a = load_checkpoint(ref)[1]["optim"]
+    b = load_checkpoint(run)[1]["optim"]
+    assert json.dumps(a, default=lambda t: t.tolist()) == json.dumps(b, default=lambda t: t.tolist())
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, corpus_dir):
+    # world 2 x grad_accum 1 reads the same shards as world 1 x grad_accum 2
+    one = tmp_path / "one"
+    p = run_cli(["train.py", "--config", "configs/tiny.toml", "--no-progress"] +
+                overrides(one, corpus_dir, **{"train.grad_accum": 2, "train.eval_every": 4}))
+    assert p.wait(timeout=300) == 0, p.stdout.read()
+    two = tmp_path / "two"
+    p = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "train.py", "--config", "configs/tiny.toml", "--no-progress"] +
+                overrides(two, corpus_dir, **{"train.grad_accum": 1, "train.eval_every": 4}))
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    # fp32 sums in a different order: equal to ~1e-6 relative, far below a step's change
+    for s in a:
+        assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+    evals = [{r["step"]: r["loss"] for r in read_log(d / "log.jsonl") if r["kind"] == "eval"}
+             for d in (one, two)]
+    assert evals[0].keys() == evals[1].keys() == {4, 8}
+    for s in evals[0]:
+        assert abs(evals[0][s] - evals[1][s]) <= 1e-5 * evals[0][s]
+
+
+# ---------------------------------------------------------------------------- failures
+def test_non_finite_losses_skip_steps_then_stop_with_checkpoint_intact(tmp_path, corpus_dir):
+    run = tmp_path / "nan"
+    cfg = load_config(ROOT / "configs/tiny.toml", overrides(
+        run, corpus_dir, **{"train.max_steps": 20, "train.ckpt_every": 2, "train.max_bad_steps": 3}))
+    trainer = Trainer(cfg, progress=False)
+    forward = trainer.model.forward
+    poison = {"on": False, "calls": 0}
+
+    def poisoned(*args, **kw):
+        out, state = forward(*args, **kw)
+        if poison["on"]:
+            poison["calls"] += 1
+            # one bad step (both chunks), then good again, then bad for good
+            if poison["calls"] > 2 * cfg.model.bptt_chunks:
+                out = out * float("nan")
+            elif poison["calls"] <= cfg.model.bptt_chunks:
+                out = out * float("inf")
+        return out, state
+    trainer.model.forward = poisoned
+    for _ in range(4):
+        trainer.train_step()
+    trainer.save()
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    poison["on"] = True
+    trainer.model.forward = poisoned
+    with pytest.raises(TrainingStopped, match="3 consecutive steps had a non-finite loss"):
+        trainer.fit()
+    assert trainer.skipped_steps == 4  # one isolated, then three in a row
+    meta, _ = load_checkpoint(run)
+    assert meta["step"] == 6  # the last good step; bad steps 7-9 wrote nothing
+    current = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert not all(torch.equal(current[k], saved[k]) for k in saved)  # step 6 did update
+    load_checkpoint(run, trainer.model)  # skipped steps never touched the weights
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, current[k]) and torch.isfinite(v).all(), k
+
+
+def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, corpus_dir, capsys):
+    run = tmp_path / "run"
+    over = overrides(run, corpus_dir, **{"train.max_steps": 2})
+    assert train_cli.main(["--config", "configs/tiny.toml", "--no-progress", *over]) == 0
+    # a different model cannot resume it
+    assert train_cli.main(["--config", "configs/tiny.toml", "--resume", *over, "model.d_model=96",
+                           "model.mamba_head_dim=32"]) == 2
+    assert "model config differs" in capsys.readouterr().err
+    # a flipped byte in the weights
+    ckpt = run / "checkpoints" / "step_0000002"
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 0xFF
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    assert train_cli.main(["--config", "configs/tiny.toml", "--resume", *over]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "corrupt" in err and "\n" not in err
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        load_checkpoint(tmp_path / "nowhere")
+    assert train_cli.main(["--config", "configs/tiny.toml", "--resume",
+                           *overrides(tmp_path / "empty", corpus_dir)]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
