@@ -4,8 +4,9 @@ parameter assignment, clipping, state_dict round trip. The 2-process run is in t
 Singular-value band: the 5-step Polar Express coefficients (speedrun: lower bound 1e-3, safety
 2e-2, cushion 0.02) map singular values of the normalized input in [1e-3, 1] into [0.859, 1.141];
 we test the band [0.84, 1.16] (margin for bf16 rounding and for AOL, whose starting spectrum the
-dropped-first-triple schedule was not designed for: it dips to 0.8498 at condition number 1e4). Directions far below the top of the spectrum
-cannot be lifted in 5 (AOL: 4) iterations, so for ill-conditioned inputs the band is asserted for
+dropped-first-triple schedule was not designed for: it dips to 0.8498 at condition number 1e4).
+Directions far below the top of the spectrum cannot be lifted in 5 (AOL: 4) iterations, so for
+ill-conditioned inputs the band is asserted for
 singular values >= 5e-3 (Polar Express) / 2e-2 (AOL, which drops the high-gain first step) of the
 largest; every output singular value stays below 1.16 and no direction changes sign.
 """
@@ -333,7 +334,8 @@ def test_training_steps_reduce_loss_and_clip_matches_torch():
         norm = opt.clip_grad_norm_(0.5)
         if step == 0:
             torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
-            clipped = torch.cat([g.flatten() for g in (opt.muon.local_gradients(), opt.adam.local_gradients())])
+            local = (opt.muon.local_gradients(), opt.adam.local_gradients())
+            clipped = torch.cat([g.flatten() for g in local])
             assert clipped.norm().item() == pytest.approx(0.5, rel=1e-4)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -446,3 +448,38 @@ def test_set_step_applies_all_schedules():
     assert opt.muon.param_groups[0]["lr"] == pytest.approx(cfg.muon_lr * 0.5)
     assert opt.muon.param_groups[0]["momentum"] == pytest.approx(0.89)
     assert all(g["lr"] == pytest.approx(g["initial_lr"] * 0.5) for g in opt.adam.param_groups)
+
+
+# ------------------------------------------------------------------ Triton Gram kernel
+@pytest.fixture
+def gram_device():
+    from elephant.optim import gram_triton
+    if not gram_triton.HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    if not torch.cuda.is_available() and not gram_triton._INTERPRET:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 20, 37), (1, 33, 16)])
+def test_sym_gram_matches_reference(gram_device, shape, dtype):
+    """fp32: 1e-5 (the same fp32 sums in another order); bf16 output: one bf16 rounding (1e-2 rel)."""
+    from elephant.optim.gram_triton import gram_reference, sym_gram
+    X = torch.randn(shape, generator=torch.Generator().manual_seed(13)).to(gram_device, DTYPES[dtype])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == "fp32" else dict(atol=1e-2, rtol=1e-2)
+    ref = gram_reference(X.float())
+    torch.testing.assert_close(sym_gram(X).float(), ref, **tol)
+    torch.testing.assert_close(sym_gram(X.mT).float(), X.float().mT @ X.float(), **tol)   # tall, no copy
+    A = ref[:, :16, :16].to(DTYPES[dtype])                     # symmetric: B = b A + c A A
+    torch.testing.assert_close(sym_gram(A, alpha=0.4, beta=-1.3).float(),
+                               gram_reference(A.float(), 0.4, -1.3), **tol)
+
+
+@pytest.mark.parametrize("method", ["newton_schulz", "polar_express", "aol"])
+def test_orthogonalizers_with_triton_gram_equal_matmul(gram_device, method):
+    from elephant.optim import orthogonalize
+    G = torch.randn(2, 24, 40, generator=torch.Generator().manual_seed(14)).to(gram_device)
+    for X in (G, G.mT.contiguous()):
+        torch.testing.assert_close(orthogonalize(X, method, dtype=torch.float32, gram="triton"),
+                                   orthogonalize(X, method, dtype=torch.float32), atol=1e-5, rtol=0)

@@ -145,7 +145,8 @@ class Optimizers:
             opt = "Muon" if role == "muon" else f"Adam/{role}"
             if role == "muon":
                 scale = muon_lr_scale(*p.shape)
-                note = f"lr x {scale:.3g} (rows/cols {p.shape[0]}/{p.shape[1]})" + (f"; {note}" if note else "")
+                note = (f"lr x {scale:.3g} (rows/cols {p.shape[0]}/{p.shape[1]})"
+                        + (f"; {note}" if note else ""))
             counts["Muon" if role == "muon" else "Adam"] += p.numel()
             lines.append((name, "x".join(map(str, p.shape)) or "scalar", opt, f"{lr:g}", f"{wd:g}", note))
         widths = [max(len(r[i]) for r in lines) for i in range(len(header) - 1)]
@@ -180,7 +181,8 @@ def build_optimizers(model: nn.Module, cfg, process_group=None,
                     momentum=muon_momentum(0, cfg), nesterov=cfg.nesterov,
                     weight_decay=cfg.muon_wd, cautious=cautious, normuon=cfg.normuon,
                     beta2=cfg.normuon_beta2, orthogonalize=cfg.orthogonalize,
-                    ns_steps=cfg.ns_steps, ortho_dtype=ortho_dtype, process_group=process_group)
+                    ns_steps=cfg.ns_steps, ortho_dtype=ortho_dtype,
+                    gram=getattr(cfg, "muon_gram", "matmul"), process_group=process_group)
     adam_groups = [{"params": groups[r][0], "names": groups[r][1], "lr": hyper[r][0],
                     "weight_decay": hyper[r][1], "role": r}
                    for r in ("embed", "head", "other") if groups[r][0]]

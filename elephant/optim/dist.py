@@ -9,7 +9,9 @@ rank's region has the same length, padded with zeros). Two ways to deal a parame
 A step is then: `reduce_scatter(grads)` averages the gradients over ranks and hands each rank its
 region (the pieces it owns); the optimizer updates those pieces of the parameters in place;
 `all_gather()` sends every rank's pieces to all ranks. Gradients are averaged (sum / world), as
-DDP does, so no DDP wrapper and no other all-reduce is needed.
+DDP does, so no DDP wrapper and no other all-reduce is needed. A parameter whose .grad is None
+counts as a zero gradient (every rank must take part in the same collectives), so unlike
+torch.optim its momentum still moves it.
 
 Without a process group (torch.distributed not initialized) world = 1: the same code runs, the
 "reduce-scatter" is the packing copy alone and the gather is a no-op.
@@ -18,8 +20,8 @@ Collectives: NCCL uses the true reduce-scatter / all-gather (reduce_scatter_sing
 all_gather_single, named *_tensor before torch 2.12). CPU fallback: when the backend does not
 implement reduce-scatter (gloo in some torch versions; gloo in 2.13 does) the reduction is an
 all-reduce of the whole buffer followed by taking this rank's slice: the same numbers (a sum over
-ranks), world times the traffic; the all-gather falls back to all_gather into views of one buffer. `force_allreduce_fallback(True)` selects it
-for testing.
+ranks), world times the traffic; the all-gather falls back to all_gather into views of one
+buffer. `force_allreduce_fallback(True)` selects the fallback for testing.
 """
 from __future__ import annotations
 
@@ -127,8 +129,9 @@ class _Done:
 
 
 class _ReduceScatter:
-    def __init__(self, work, out: Tensor, world_size: int):
+    def __init__(self, work, out: Tensor, world_size: int, send: Tensor):
         self.work, self.out, self.world_size = work, out, world_size
+        self.send = send          # the input stays alive until the collective is done
 
     def wait(self) -> Tensor:
         self.work.wait()
@@ -136,8 +139,9 @@ class _ReduceScatter:
 
 
 class _AllGather:
-    def __init__(self, work, layout: "ShardLayout", gathered: Tensor, rank: int):
+    def __init__(self, work, layout: "ShardLayout", gathered: Tensor, rank: int, send: Tensor):
         self.work, self.layout, self.gathered, self.rank = work, layout, gathered, rank
+        self.send = send
 
     @torch.no_grad()
     def wait(self) -> None:
@@ -216,12 +220,12 @@ class ShardLayout:
             out = torch.empty(self.region, device=full.device, dtype=full.dtype)
             try:
                 return _ReduceScatter(_reduce_scatter(out, full, group=group, async_op=True),
-                                      out, world_size)
+                                      out, world_size, full)
             except (RuntimeError, NotImplementedError):
                 _fallback_backends.add(backend)
         work = dist.all_reduce(full, group=group, async_op=True)
         mine = full.view(world_size, self.region)[rank]
-        return _ReduceScatter(work, mine, world_size)
+        return _ReduceScatter(work, mine, world_size, full)
 
     @torch.no_grad()
     def all_gather(self, group=None):
@@ -236,9 +240,9 @@ class ShardLayout:
         if not _force_fallback and backend not in _fallback_backends:
             try:
                 work = _all_gather(gathered, local, group=group, async_op=True)
-                return _AllGather(work, self, gathered, rank)
+                return _AllGather(work, self, gathered, rank, local)
             except (RuntimeError, NotImplementedError):
                 _fallback_backends.add(backend)
         work = dist.all_gather(list(gathered.view(world_size, self.region).unbind(0)), local,
                                group=group, async_op=True)
-        return _AllGather(work, self, gathered, rank)
+        return _AllGather(work, self, gathered, rank, local)

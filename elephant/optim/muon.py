@@ -12,7 +12,7 @@ sqrt(3) times faster than a down-projection (512, 1536)) and NorMuon's axis (bel
 Orthogonalizers, all batched over a stack (B, rows, cols) of matrices of one shape and run in
 bf16 on the GPU (the iterations are self-correcting, so bf16 rounding does not accumulate):
 - `newton_schulz`: Muon's quintic X <- aX + b(XX^T)X + c(XX^T)^2 X with the fixed
-  (3.4445, -4.7750, 2.0315) after Frobenius normalization; singular values end in ~[0.7, 1.2].
+  (3.4445, -4.7750, 2.0315) after Frobenius normalization; singular values end in ~[0.68, 1.16].
 - `polar_express` (arXiv 2505.16932): one minimax-optimal triple per iteration, computed by
   `polar_express_coefficients` (for 5 iterations these are the triples the NanoGPT speedrun uses);
   input divided by 1.02 x its Frobenius norm; singular values converge to 1.
@@ -20,7 +20,10 @@ bf16 on the GPU (the iterations are self-correcting, so bf16 rounding does not a
   instead of the Frobenius norm, X <- D X with D = diag(sum_j |A_ij|)^(-1/2), A = X X^T, which
   bounds the spectral norm by 1 far more tightly; D A D is the first iteration's Gram matrix, so
   the rescaling costs no extra product, and the first (the large-gain) Polar Express triple is
-  dropped: four iterations instead of five.
+  dropped: four iterations instead of five. Measured (tests, bench_optim): its polar error beats
+  four Polar Express iterations on Gaussian, ill-conditioned and row-scaled inputs and nearly
+  matches five, but trails on low-rank-plus-small-noise inputs, whose small singular values sit
+  far below the top and need the dropped high-gain step.
 Tall matrices (rows > cols) use the small Gram matrix X^T X and multiply on the right
 (X <- aX + X B), so no transposed copy is made and every product is as small as for the wide case.
 
@@ -44,6 +47,7 @@ from torch import Tensor
 
 from .adam import cautious_decay_, check_state_dict, plain_decay_
 from .dist import ShardLayout, world
+from .gram_triton import sym_gram
 
 SAFETY = 2e-2           # Polar Express safety factor: spectral norm at most 1 / (1 + SAFETY)
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -98,19 +102,28 @@ def polar_express_coefficients(steps: int, lower: float = 1e-3, safety: float = 
 
 
 # ------------------------------------------------------------------ the iterations
-def _gram(X: Tensor, tall: bool) -> Tensor:
+GRAM_BACKENDS = ("matmul", "triton")
+
+
+def _gram(X: Tensor, tall: bool, backend: str = "matmul") -> Tensor:
     """The small Gram matrix: X X^T (B, m, m) for wide X, X^T X (B, n, n) for tall X."""
+    if backend == "triton":
+        return sym_gram(X.mT if tall else X)
     return X.mT @ X if tall else X @ X.mT
 
 
-def _quintic_step(X: Tensor, A: Tensor, abc: tuple[float, float, float], tall: bool) -> Tensor:
+def _quintic_step(X: Tensor, A: Tensor, abc: tuple[float, float, float], tall: bool,
+                  backend: str = "matmul") -> Tensor:
     """X <- aX + bX(X^T X) + cX(X^T X)^2 (tall) or aX + (b A + c A^2) X (wide), A the Gram matrix."""
     a, b, c = abc
-    B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # b A + c A A   (B, k, k)
+    if backend == "triton":
+        B = sym_gram(A, alpha=c, beta=b)                  # b A + c A A^T, A symmetric
+    else:
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)       # b A + c A A   (B, k, k)
     return torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
 
 
-def _as_batch(G: Tensor, dtype: torch.dtype) -> tuple[Tensor, bool]:
+def _as_batch(G: Tensor) -> tuple[Tensor, bool]:
     if G.ndim < 2:
         raise ValueError(f"orthogonalization needs a matrix or a stack of matrices, got shape "
                          f"{tuple(G.shape)}")
@@ -123,47 +136,50 @@ def _frobenius_normalized(X: Tensor, dtype: torch.dtype, safety: float) -> Tenso
     return (X.float() / (norm * (1 + safety) + 1e-7)).to(dtype)
 
 
-def newton_schulz(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def newton_schulz(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  gram: str = "matmul") -> Tensor:
     """Muon's quintic Newton-Schulz: `steps` iterations of (3.4445, -4.7750, 2.0315).
 
-    G: (..., rows, cols); returns the same shape in `dtype`, singular values in about [0.7, 1.2].
+    G: (..., rows, cols); returns the same shape in `dtype`, singular values in about [0.68, 1.16].
     """
-    X, tall = _as_batch(G, dtype)
+    X, tall = _as_batch(G)
     X = _frobenius_normalized(X, dtype, 0.0)
     for _ in range(steps):
-        X = _quintic_step(X, _gram(X, tall), NS_COEFFS, tall)
+        X = _quintic_step(X, _gram(X, tall, gram), NS_COEFFS, tall, gram)
     return X.reshape(G.shape)
 
 
-def polar_express(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def polar_express(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  gram: str = "matmul") -> Tensor:
     """Polar Express: the coefficients computed for `steps` iterations, after dividing by
     1.02 x the Frobenius norm. G: (..., rows, cols); returns the same shape in `dtype`."""
-    X, tall = _as_batch(G, dtype)
+    X, tall = _as_batch(G)
     X = _frobenius_normalized(X, dtype, SAFETY)
     for abc in polar_express_coefficients(steps):
-        X = _quintic_step(X, _gram(X, tall), abc, tall)
+        X = _quintic_step(X, _gram(X, tall, gram), abc, tall, gram)
     return X.reshape(G.shape)
 
 
-def aol_polar_express(G: Tensor, steps: int = 4, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def aol_polar_express(G: Tensor, steps: int = 4, dtype: torch.dtype = torch.bfloat16,
+                      gram: str = "matmul") -> Tensor:
     """Turbo-Muon: AOL rescaling, then the last `steps` triples of the (steps+1)-step Polar Express.
 
     A = X X^T (X^T X when tall); D = diag((1 + 0.02) sum_j |A_ij|)^(-1/2) scales the rows (the
     columns when tall) so that ||D X||_2 <= 1 / sqrt(1.02); D A D is reused as the first
     iteration's Gram matrix. G: (..., rows, cols); returns the same shape in `dtype`.
     """
-    X, tall = _as_batch(G, dtype)
+    X, tall = _as_batch(G)
     X = X.to(dtype)
-    A = _gram(X, tall)                                          # (B, k, k)
+    A = _gram(X, tall, gram)                                    # (B, k, k)
     row_sums = A.abs().sum(dim=-1, dtype=torch.float32)         # (B, k)
     # zero rows (a zero gradient, padding) stay zero instead of becoming 0 * inf
     d = torch.rsqrt(row_sums.clamp_min(torch.finfo(torch.float32).tiny) * (1 + SAFETY)).to(dtype)
     X = X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
     A = A * d.unsqueeze(-1) * d.unsqueeze(-2)
     coeffs = polar_express_coefficients(steps + 1)[1:]
-    X = _quintic_step(X, A, coeffs[0], tall)
+    X = _quintic_step(X, A, coeffs[0], tall, gram)
     for abc in coeffs[1:]:
-        X = _quintic_step(X, _gram(X, tall), abc, tall)
+        X = _quintic_step(X, _gram(X, tall, gram), abc, tall, gram)
     return X.reshape(G.shape)
 
 
@@ -172,12 +188,15 @@ ORTHOGONALIZERS = {"newton_schulz": newton_schulz, "polar_express": polar_expres
 
 
 def orthogonalize(G: Tensor, method: str = "polar_express", ns_steps: int = 5,
-                  dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Dispatch by name: newton_schulz (`ns_steps` iterations), polar_express (5), aol (4)."""
+                  dtype: torch.dtype = torch.bfloat16, gram: str = "matmul") -> Tensor:
+    """Dispatch by name: newton_schulz (`ns_steps` iterations), polar_express (5), aol (4).
+    gram: "matmul" (torch) or "triton" (gram_triton.sym_gram for the symmetric products)."""
+    if gram not in GRAM_BACKENDS:
+        raise ValueError(f"orthogonalize: gram must be one of {', '.join(GRAM_BACKENDS)}, got {gram!r}")
     if method == "newton_schulz":
-        return newton_schulz(G, ns_steps, dtype)
+        return newton_schulz(G, ns_steps, dtype, gram)
     if method in ORTHOGONALIZERS:
-        return ORTHOGONALIZERS[method](G, dtype=dtype)
+        return ORTHOGONALIZERS[method](G, dtype=dtype, gram=gram)
     raise ValueError(f"orthogonalize: expected one of {', '.join(ORTHOGONALIZERS)}, got {method!r}")
 
 
@@ -221,12 +240,13 @@ class Muon(torch.optim.Optimizer):
     cautious, normuon, beta2, orthogonalize (newton_schulz | polar_express | aol), ns_steps,
     names (parameter names for the state_dict; default "<group>.<index>").
     `ortho_dtype`: the dtype of the iterations; default bf16 on CUDA, fp32 on CPU.
+    `gram`: "matmul" or "triton" for the symmetric products (see gram_triton.py).
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, cautious: bool = True, normuon: bool = True,
                  beta2: float = 0.95, orthogonalize: str = "polar_express", ns_steps: int = 5,
-                 ortho_dtype: torch.dtype | None = None, process_group=None):
+                 ortho_dtype: torch.dtype | None = None, gram: str = "matmul", process_group=None):
         if orthogonalize not in ORTHOGONALIZERS:
             raise ValueError(f"Muon: orthogonalize must be one of {', '.join(ORTHOGONALIZERS)}, "
                              f"got {orthogonalize!r}")
@@ -234,7 +254,9 @@ class Muon(torch.optim.Optimizer):
                         weight_decay=weight_decay, wd_mult=1.0, cautious=cautious, normuon=normuon,
                         beta2=beta2, orthogonalize=orthogonalize, ns_steps=ns_steps)
         super().__init__(params, defaults)
-        self.ortho_dtype = ortho_dtype
+        if gram not in GRAM_BACKENDS:
+            raise ValueError(f"Muon: gram must be one of {', '.join(GRAM_BACKENDS)}, got {gram!r}")
+        self.ortho_dtype, self.gram = ortho_dtype, gram
         self.process_group = process_group
         self.rank, self.world_size = world(process_group)
         self.layout = ShardLayout(self.world_size)
@@ -300,7 +322,7 @@ class Muon(torch.optim.Optimizer):
             st["momentum"].lerp_(G, 1 - mu)
             U = G.lerp(st["momentum"], mu) if group["nesterov"] else st["momentum"]
             dtype = self.ortho_dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
-            O = orthogonalize(U, group["orthogonalize"], group["ns_steps"], dtype)
+            O = orthogonalize(U, group["orthogonalize"], group["ns_steps"], dtype, self.gram)
             O = normuon_(O, st["second_moment"], group["beta2"]) if group["normuon"] else O.float()
             params = [b["segment"].params[j] for j in b["mine"]]
             updates = list(O.to(params[0].dtype).unbind(0))
