@@ -256,7 +256,7 @@ class Trainer:
                 if rt.device.type == "cuda":
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                tok_s = (self.tokens_seen - tokens0) * rt.world / max(dt, 1e-9)
+                tok_s = (self.tokens_seen - tokens0) / max(dt, 1e-9)  # global real tokens
                 record = {"kind": "train", "step": self.step, **out, "tokens_per_s": tok_s,
                           "fill": float(np.mean([b.last_fill for b in self.batchers])),
                           "docs_completed": sum(b.docs_completed for b in self.batchers),

@@ -46,6 +46,9 @@ def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
     padded = b * (l + chunk_size) * h
     return (HAVE_TRITON and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and chunk_size in (16, 32, 64, 128) and p <= 128 and n <= 128
+            # float32 tiles of chunk x 128 with chunk 128 overflow shared memory on H100 (seen:
+            # 256 KiB asked, 227 KiB there); those shapes take the PyTorch path
+            and not (x.dtype == torch.float32 and chunk_size * max(p, n) > 64 * 128)
             and max(padded * max(p, n), padded // chunk_size * p * n) < 2**31)  # 32-bit offsets
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: the GPU tests, the kernel/model/optimizer benchmarks
+# and short training runs. Each stage is independent (a failing one is logged, the rest go on).
+#
+#   bash benchmarks/gpu.sh [tests] [bench] [train] [train2]      (default: tests bench train)
+#
+#   tests   python -m pytest -m gpu tests/
+#   bench   benchmarks/bench_{ssd,layers,optim,model}.py -> benchmarks/results/*.json
+#   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
+#   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
+# Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
+# packed into $OUT/results.tar.gz together with the logs.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+RES=benchmarks/results
+LOGS=${OUT:-/tmp}/gpu-logs
+mkdir -p "$RES" "$LOGS"
+stages=${*:-tests bench train}
+nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
+python - <<'PY' > "$LOGS/versions.txt" 2>&1
+import torch, sys
+print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda)
+import triton; print("triton", triton.__version__)
+print(torch.cuda.get_device_name(), torch.cuda.device_count())
+PY
+TRAIN_ARGS="--config configs/wt103-70m.toml --no-progress data.source=pycode data.tokenizer=bytes
+  data.cache_dir=/tmp/elephant-cache train.max_steps=${TRAIN_STEPS:-300} train.log_every=25
+  train.eval_every=0 train.eval_docs=64 train.ckpt_every=0 optim.warmup_steps=30"
+
+for stage in $stages; do
+  echo "=== $stage $(date -Is)"
+  case $stage in
+    tests)
+      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
+    bench)
+      for b in ssd layers optim model; do
+        echo "--- bench_$b"
+        timeout 300 python benchmarks/bench_$b.py 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
+      done ;;
+    train)
+      timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -8
+      python benchmarks/train_summary.py /tmp/run-1gpu 1 ;;
+    train2)
+      CUDA_VISIBLE_DEVICES=0 timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
+      python benchmarks/train_summary.py /tmp/run-1gpu 1
+      timeout 900 torchrun --standalone --nproc_per_node=2 train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
+      python benchmarks/train_summary.py /tmp/run-2gpu 2 /tmp/run-1gpu ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  # pack after every stage: a call cut short still returns what was measured
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/results.tar.gz.tmp" "$RES" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" &&
+      mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+  fi
+done

@@ -1,0 +1,109 @@
+"""The chunk contract on CUDA with the fast paths (Triton SSD, SDPA, fused elephant MLP), and the
+fast model held equal to the reference model (PyTorch SSD, explicit-mask attention, autograd MLP).
+
+Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_model.py`. Tolerances: fp32 with
+3xTF32 Triton products, relative error of logits / gradients below 1e-3.
+"""
+import pytest
+import torch
+
+from elephant.config import ModelConfig
+from elephant.layers import ssd
+from elephant.model import ElephantLM
+
+pytestmark = pytest.mark.gpu
+
+
+def cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=512, d_model=128, n_heads=4, layers="MAMA", d_mlp=256, d_state=32,
+                mamba_head_dim=32, ssd_chunk=32, n_mem=0, kv_window=256)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def set_paths(model: ElephantLM, fast: bool) -> None:
+    ssd.set_backend("triton" if fast else "ref")
+    for block in model.blocks:
+        if block.kind == "A":
+            block.mixer.backend = "sdpa" if fast else "reference"
+        if block.mlp is not None:
+            block.mlp.fused = fast
+
+
+@pytest.fixture(autouse=True)
+def restore_backend():
+    yield
+    ssd.set_backend("auto")
+
+
+def test_chunked_equals_whole_on_cuda_fast_path():
+    torch.manual_seed(0)
+    model = ElephantLM(cfg()).cuda()
+    set_paths(model, fast=True)
+    tokens = torch.randint(0, 512, (4, 200), device="cuda")
+    whole, _ = model(tokens)
+    state, outs, start = None, [], 0
+    for n in (37, 64, 1, 98):
+        out, state = model(tokens[:, start:start + n], state)
+        outs.append(out)
+        start += n
+    assert rel(torch.cat(outs, 1), whole) < 1e-3
+
+
+@pytest.mark.parametrize("n_mem", [0, 4])
+def test_fast_model_equals_reference_model(n_mem):
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, bptt_chunks=2)).cuda()
+    tokens = torch.randint(0, 512, (3, 2, 96), device="cuda")
+    results = {}
+    for fast in (False, True):
+        set_paths(model, fast)
+        model.zero_grad()
+        state, loss = None, 0.0
+        for c in range(2):
+            logits, state = model(tokens[c], state)
+            loss = loss + logits.float().pow(2).mean()
+        loss.backward()
+        results[fast] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert rel(results[True][0], results[False][0]) < 1e-3
+    for name, g in results[False][1].items():
+        assert rel(results[True][1][name], g) < 1e-2, name
+
+
+def test_bf16_autocast_training_step_is_finite_and_close_to_fp32():
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64)).cuda()
+    tokens = torch.randint(0, 512, (4, 129), device="cuda")
+    loss32, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss16, state = model(tokens[:, :-1], targets=tokens[:, 1:])
+        loss16b, _ = model(tokens[:, :-1], state, targets=tokens[:, 1:])
+    (loss16 + loss16b).backward()
+    assert torch.isfinite(loss16) and abs(loss16.item() - loss32.item()) < 2e-2 * loss32.item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_compiled_blocks_do_not_recompile_across_chunks():
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64)).cuda()
+    for block in model.blocks:
+        block.compile(dynamic=False)
+    state = None
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for c in range(5):
+                if c == 2:  # warmed up: a fresh state and a carried one have been seen
+                    torch._dynamo.config.error_on_recompile = True
+                tokens = torch.randint(0, 512, (4, 64), device="cuda")
+                reset = torch.tensor([c == 2, False, False, c == 3], device="cuda")
+                loss, state = model(tokens, state, reset, targets=tokens)
+                loss.backward()
+                state = state.detach()
+    finally:
+        torch._dynamo.config.error_on_recompile = False
