@@ -25,6 +25,7 @@ def parse(argv):
     p.add_argument("--data", help="a recipe (.toml: its [data]) or a source name; default: the "
                                   "checkpoint's own data")
     p.add_argument("--data-path", help="local folder / file of the source")
+    p.add_argument("--tokenizer", help="tokenizer to read the data with (default: the checkpoint's)")
     p.add_argument("--split", default="test", help="train | valid | test (default test)")
     p.add_argument("--max-docs", type=int, default=0, help="only the first N documents (0: all)")
     p.add_argument("--lanes", type=int, default=8, help="documents evaluated side by side")
@@ -82,12 +83,17 @@ def run(args) -> int:
             data.validate()
     if args.data_path:
         data.path = args.data_path
+    if args.tokenizer:
+        from data_packing import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
     if tokenizer is None:
         raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
                        f"names none")
     tokenizer_spec = data.tokenizer
     export_dir = Path(args.checkpoint)
-    if (export_dir / "config.json").is_file() and (export_dir / "model.safetensors").is_file():
+    if args.tokenizer:
+        tokenizer_spec = args.tokenizer
+    elif (export_dir / "config.json").is_file() and (export_dir / "model.safetensors").is_file():
         tokenizer_spec = str(export_dir)  # the tokenizer files saved beside the weights
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise HubError(f"checkpoint/tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} "

@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     from elephant.config import ConfigError, load_config
     from elephant.trainer import Trainer, TrainingStopped
 
+    import torch.distributed as dist
     try:
         cfg = load_config(args.config, args.overrides)
         trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
@@ -35,6 +36,9 @@ def main(argv=None) -> int:
     except TrainingStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if trainer.rt.main:
         ev = result["eval"]
         tail = f"; valid loss {ev['loss']:.4f}, bits/byte {ev['bits_per_byte']:.4f}" if ev else ""

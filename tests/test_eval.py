@@ -1,0 +1,121 @@
+"""Streaming evaluation (elephant.evaluate) and eval.py: whole documents, equal to one pass over
+each document, and one-line errors for a missing checkpoint, a tokenizer mismatch, a bad split."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import eval as eval_cli
+import train as train_cli
+from data_packing import TokenizedCorpus
+from elephant.config import ModelConfig
+from elephant.evaluate import evaluate
+from elephant.model import ElephantLM
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def corpus_of(lengths, vocab=61, seed=0) -> TokenizedCorpus:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, vocab, n) for n in lengths]
+    c = TokenizedCorpus.from_documents(docs)
+    c.doc_bytes = np.array([3 * n for n in lengths])
+    c.doc_words = np.array([n // 2 for n in lengths])
+    return c
+
+
+@pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (4, 64)])
+def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=128)
+    model = ElephantLM(cfg).double()
+    lengths = [50, 2, 113, 17, 64, 90]
+    corpus = corpus_of(lengths)
+    got = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
+    nll = 0.0
+    per_doc = []
+    with torch.no_grad():
+        for i in range(len(corpus)):
+            doc = torch.as_tensor(corpus.doc(i).astype(np.int64))[None]
+            logits, _ = model(doc[:, :-1])
+            d = torch.nn.functional.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
+            nll += d
+            per_doc.append(d / (len(doc[0]) - 1))
+    tokens = sum(n - 1 for n in lengths)
+    assert got["documents"] == len(lengths) and got["tokens"] == tokens
+    assert math.isclose(got["nll_sum"], nll, rel_tol=1e-10)
+    assert math.isclose(got["bits_per_byte"], nll / math.log(2) / sum(3 * n for n in lengths), rel_tol=1e-10)
+    assert math.isclose(got["word_perplexity"], math.exp(nll / sum(n // 2 for n in lengths)), rel_tol=1e-10)
+    assert math.isclose(got["per_doc_mean_loss"], sum(per_doc) / len(per_doc), rel_tol=1e-10)
+    buckets = got["position_buckets"]
+    assert sum(b["tokens"] for b in buckets.values()) == tokens
+
+
+def test_evaluation_memory_does_not_grow_with_document_length():
+    # the state a lane carries has a fixed size: a 40x longer document leaves the same state shapes
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg)
+    shapes = []
+    for n in (40, 1600):
+        _, state = model(torch.randint(0, 61, (1, 8)))
+        for start in range(8, n, 8):
+            with torch.no_grad():
+                _, state = model(torch.randint(0, 61, (1, 8)), state)
+        shapes.append({k: tuple(v.shape) for k, v in state.tensors().items()})
+    assert shapes[0] == shapes[1]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("evalrun")
+    corpus = d / "corpus"
+    corpus.mkdir()
+    for split, n in (("train", 12), ("valid", 3), ("test", 4)):
+        with open(corpus / f"{split}.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"text": f"document {i} of {split}: " + "abc def " * (20 + 7 * i)}) + "\n")
+    run = d / "run"
+    args = ["--config", str(ROOT / "configs/tiny.toml"), "--no-progress", "data.source=text",
+            f"data.path={corpus}", f"data.cache_dir={d / 'cache'}", f"train.run_dir={run}",
+            "train.max_steps=3", "train.compile=off", "train.tensorboard=false"]
+    assert train_cli.main(args) == 0
+    return run
+
+
+def test_eval_cli_reports_whole_documents_and_writes_json(trained_run, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--json", str(out),
+                          "--plot", str(tmp_path / "p.png"), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "bits per byte" in printed and "word perplexity" in printed
+    r = json.loads(out.read_text())["elephant"]
+    assert r["documents"] == 4
+    texts = [f"document {i} of test: " + "abc def " * (20 + 7 * i) for i in range(4)]
+    assert r["bytes"] == sum(len(t.encode()) for t in texts)
+    assert r["words"] == sum(len(t.split()) for t in texts)
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_eval_cli_errors_are_one_line(trained_run, tmp_path, capsys):
+    cases = [
+        (["--checkpoint", str(tmp_path / "missing")], "missing"),
+        (["--checkpoint", str(trained_run), "--split", "tset"], "unknown split 'tset'"),
+    ]
+    for args, needle in cases:
+        assert eval_cli.main(args + ["--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_eval_cli_refuses_a_tokenizer_that_does_not_fit_the_checkpoint(trained_run, capsys, shared_data):
+    # the tiny model has 320 token ids; GPT-2's tokenizer has 50257
+    gpt2 = shared_data / "tokenizers" / "gpt2"
+    args = ["--checkpoint", str(trained_run), "--tokenizer", str(gpt2), "--no-progress"]
+    assert eval_cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint/tokenizer mismatch" in err[0], err
