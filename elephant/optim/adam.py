@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from .dist import ShardLayout, world
+from .dist import ShardedPhases, ShardLayout, world
 
 
 def cautious_decay_(params: list[Tensor], updates: list[Tensor], decay: float) -> None:
@@ -47,7 +47,7 @@ def check_state_dict(sd: dict, kind: str, rank: int, world_size: int) -> None:
                          f"states are sharded, so resume with the same number of processes")
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(ShardedPhases, torch.optim.Optimizer):
     """AdamW with optional cautious weight decay, on one process or sharded by dim 0.
 
     Group keys: lr (this step's; `initial_lr` keeps the base), betas, eps, weight_decay, wd_mult,
@@ -79,25 +79,7 @@ class Adam(torch.optim.Optimizer):
         self._local_grads: Tensor | None = None
         self._pending = None
 
-    # -- phases (see Muon): reduce-scatter, update own rows, all-gather
-    def reduce_gradients(self) -> None:
-        if self._pending is None and self._local_grads is None:
-            self._pending = self.layout.reduce_scatter([p.grad for p in self.layout.params],
-                                                       self.process_group)
-
-    def local_gradients(self) -> Tensor:
-        self.reduce_gradients()
-        if self._pending is not None:
-            self._local_grads, self._pending = self._pending.wait(), None
-        return self._local_grads
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("Adam.step: closures are not supported")
-        self._update()
-        self.all_gather().wait()
-
+    # -- the phases (dist.ShardedPhases): reduce-scatter, update own rows (here), all-gather
     def all_gather(self):
         return self.layout.all_gather(self.process_group)
 

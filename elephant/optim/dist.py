@@ -246,3 +246,30 @@ class ShardLayout:
         work = dist.all_gather(list(gathered.view(world_size, self.region).unbind(0)), local,
                                group=group, async_op=True)
         return _AllGather(work, self, gathered, rank, local)
+
+
+class ShardedPhases:
+    """The three phases a sharded optimizer goes through each step, shared by Muon and Adam:
+    reduce-scatter the gradients (each rank receives the part it owns), update that part
+    (`_update`, the optimizer's own), all-gather. `Optimizers` interleaves them across both.
+    Needs `self.layout`, `self.process_group`, `self._pending`, `self._local_grads`."""
+
+    def reduce_gradients(self) -> None:
+        """Start averaging the gradients over ranks; each rank receives the part it owns."""
+        if self._pending is None and self._local_grads is None:
+            self._pending = self.layout.reduce_scatter([p.grad for p in self.layout.params],
+                                                       self.process_group)
+
+    def local_gradients(self) -> Tensor:
+        """This rank's slice of the averaged gradients, flat (what clipping scales)."""
+        self.reduce_gradients()
+        if self._pending is not None:
+            self._local_grads, self._pending = self._pending.wait(), None
+        return self._local_grads
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}.step: closures are not supported")
+        self._update()
+        self.all_gather().wait()

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .adam import cautious_decay_, check_state_dict, plain_decay_
-from .dist import ShardLayout, world
+from .dist import ShardedPhases, ShardLayout, world
 from .gram_triton import sym_gram
 
 SAFETY = 2e-2           # Polar Express safety factor: spectral norm at most 1 / (1 + SAFETY)
@@ -232,7 +232,7 @@ def muon_lr_scale(rows: int, cols: int) -> float:
 
 
 # ------------------------------------------------------------------ the optimizer
-class Muon(torch.optim.Optimizer):
+class Muon(ShardedPhases, torch.optim.Optimizer):
     """Muon for 2-D weights, on one process or sharded over a process group (see module doc).
 
     Group keys: lr (this step's lr; `initial_lr` keeps the base), momentum, nesterov,
@@ -281,27 +281,7 @@ class Muon(torch.optim.Optimizer):
         self._local_grads: Tensor | None = None
         self._pending = None
 
-    # -- the three phases; Optimizers interleaves them across Muon and Adam
-    def reduce_gradients(self) -> None:
-        """Start averaging the gradients over ranks; each rank receives the matrices it owns."""
-        if self._pending is None and self._local_grads is None:
-            self._pending = self.layout.reduce_scatter([p.grad for p in self.layout.params],
-                                                       self.process_group)
-
-    def local_gradients(self) -> Tensor:
-        """This rank's slice of the averaged gradients, flat (what clipping scales)."""
-        self.reduce_gradients()
-        if self._pending is not None:
-            self._local_grads, self._pending = self._pending.wait(), None
-        return self._local_grads
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("Muon.step: closures are not supported")
-        self._update()
-        self.all_gather().wait()
-
+    # -- the update phase (reduce-scatter and all-gather: dist.ShardedPhases)
     @torch.no_grad()
     def _update(self) -> None:
         flat = self.local_gradients()
