@@ -142,6 +142,7 @@ def run(args) -> int:
 def score_baseline(args, data, split, device, open_source) -> dict:
     """The baseline's figures on the same documents, or why it could not be scored."""
     from elephant.baseline import KNOWN_REFERENCE, BaselineUnavailable, load_baseline, score_documents
+    from elephant.hub import HubError
 
     try:
         model, tok = load_baseline(args.baseline, device=device)

@@ -100,7 +100,6 @@ class Trainer:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
         self.opt = build_optimizers(self.model, cfg.optim)
-        self.step_fn = self.model
         if cfg.train.compile == "on" or (cfg.train.compile == "auto" and rt.device.type == "cuda"):
             for block in self.model.blocks:
                 block.compile(dynamic=False)

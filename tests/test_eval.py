@@ -119,3 +119,42 @@ def test_eval_cli_refuses_a_tokenizer_that_does_not_fit_the_checkpoint(trained_r
     assert eval_cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint/tokenizer mismatch" in err[0], err
+
+
+def test_eval_cli_scores_a_local_baseline_on_the_same_text(trained_run, tmp_path, capsys, monkeypatch,
+                                                            shared_data):
+    # a tiny randomly initialised GPT-NeoX with the real GPT-NeoX tokenizer, saved locally
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(shared_data / "tokenizers/gpt-neox-20b/tokenizer.json"),
+        bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    cfg = transformers.GPTNeoXConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=64)
+    torch.manual_seed(0)
+    baseline = tmp_path / "tiny-neox"
+    transformers.GPTNeoXForCausalLM(cfg).save_pretrained(baseline)
+    tok.save_pretrained(baseline)
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--baseline",
+                          str(baseline), "--baseline-max-len", "32", "--json", str(out),
+                          "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    ours, theirs = r["elephant"], r["baseline"]
+    # the same raw text: the same documents, bytes and words, other tokens
+    for key in ("documents", "bytes", "words"):
+        assert ours[key] == theirs[key], key
+    assert theirs["tokens"] != ours["tokens"] and theirs["bits_per_byte"] > 0
+    assert str(baseline) in printed and "bits per byte" in printed
+
+
+def test_eval_cli_says_when_the_baseline_cannot_be_loaded(trained_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--baseline", str(tmp_path / "no-model"),
+                          "--json", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "baseline unavailable" in err and "none is printed" in err
+    assert "unavailable" in json.loads(out.read_text())["baseline"]
