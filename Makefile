@@ -21,7 +21,7 @@ test: setup
 
 quickstart: setup
 	$(BIN)/python train.py --config configs/default.toml
-	$(BIN)/python eval.py --checkpoint runs/default
+	$(BIN)/python eval.py --checkpoint runs/default --max-docs 8
 
 clean:
 	rm -rf $(VENV) cache runs
