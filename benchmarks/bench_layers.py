@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from elephant.config import ModelConfig  # noqa: E402
 from elephant.layers.attention import attend, attend_flex, attend_reference  # noqa: E402
 from elephant.layers.elephant import ElephantMLP, elephant_glu, elephant_glu_ref  # noqa: E402
+from benchmarks.common import saved_bytes  # noqa: E402
 
 SDPB = torch.nn.attention.SDPBackend
 
@@ -161,16 +162,7 @@ def add_tflops(group: dict, flops: float):
 
 # ------------------------------------------------------------------------------- MLP
 def saved_mib(fn, *args, exclude=()) -> float:
-    weights = {p.untyped_storage().data_ptr() for p in exclude}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return round(sum(seen.values()) / 2**20, 2)
+    return round(saved_bytes(fn, *args, exclude=exclude) / 2**20, 2)
 
 
 def bench_mlp(bench: Bench, dev: str, smoke: bool):

@@ -19,7 +19,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elephant.config import ModelConfig  # noqa: E402
-from elephant.layers import ssd  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 
@@ -30,15 +29,6 @@ def make_config(smoke: bool) -> ModelConfig:
     return ModelConfig(vocab_size=50304, d_model=512, n_heads=8, layers="MAMMAMMA", d_mlp=2048,
                        d_state=64, mamba_head_dim=64, ssd_chunk=64, n_mem=8, kv_window=512,
                        tied_embeddings=True)
-
-
-def set_paths(model, fast: bool) -> None:
-    ssd.set_backend("auto" if fast else "ref")
-    for block in model.blocks:
-        if block.kind == "A":
-            block.mixer.backend = "sdpa" if fast else "reference"
-        if block.mlp is not None:
-            block.mlp.fused = fast
 
 
 def measure(model, B, T, device, iters, autocast) -> dict:
@@ -100,7 +90,7 @@ def main() -> None:
         if compiled and smoke:
             continue
         try:
-            set_paths(model, fast)
+            model.set_fast_paths(fast)
             if compiled:
                 for block in model.blocks:
                     block.compile(dynamic=False)

@@ -47,6 +47,7 @@ from elephant.config import OptimConfig  # noqa: E402
 from elephant.optim import build_optimizers, orthogonalize  # noqa: E402
 from elephant.optim import gram_triton  # noqa: E402
 from elephant.optim.gram_triton import gram_reference  # noqa: E402
+from benchmarks.common import timer  # noqa: E402
 
 METHODS = ("newton_schulz", "polar_express", "aol")
 
@@ -82,27 +83,6 @@ class ParamsOf70M(nn.Module):
             self.blocks.append(b)
         self.norm_f = nn.RMSNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
-
-
-def timer(device):
-    if device.type == "cuda":
-        def start():
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-
-        def stop(ev):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            torch.cuda.synchronize()
-            return ev.elapsed_time(end)
-    else:
-        def start():
-            return time.perf_counter()
-
-        def stop(t0):
-            return (time.perf_counter() - t0) * 1e3
-    return start, stop
 
 
 def measure(fn, device, warmup: int, iters: int) -> dict:

@@ -40,28 +40,7 @@ from elephant.config import ModelConfig  # noqa: E402
 from elephant.layers import ssd, ssd_triton  # noqa: E402
 from elephant.layers.mamba import Mamba2  # noqa: E402
 from elephant.layers.ssd import ssd_chunked  # noqa: E402
-
-
-def timer(device):
-    """(start(), stop() -> ms) with CUDA events on GPU, perf_counter on CPU."""
-    if device.type == "cuda":
-        def start():
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-
-        def stop(ev):
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            torch.cuda.synchronize()
-            return ev.elapsed_time(end)
-    else:
-        def start():
-            return time.perf_counter()
-
-        def stop(t0):
-            return (time.perf_counter() - t0) * 1e3
-    return start, stop
+from benchmarks.common import timer  # noqa: E402
 
 
 def measure(step, device, warmup, iters):

@@ -114,6 +114,18 @@ class ElephantLM(nn.Module):
         per_token += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
         return per_token * S / T
 
+    def set_fast_paths(self, fast: bool = True) -> None:
+        """Fast paths (Triton SSD on CUDA, SDPA, fused elephant MLP) or the reference paths
+        (PyTorch SSD, explicit-mask attention, autograd MLP): the equivalence tests and the
+        benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend)."""
+        from .layers import ssd
+        ssd.set_backend("auto" if fast else "ref")
+        for block in self.blocks:
+            if block.kind == "A":
+                block.mixer.backend = "sdpa" if fast else "reference"
+            if block.mlp is not None:
+                block.mlp.fused = fast
+
     # ------------------------------------------------------------------ state
     def init_state(self, batch: int, device=None, dtype=None) -> RecurrentState:
         """A fresh state for `batch` lanes: every lane at the start of a document."""

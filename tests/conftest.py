@@ -1,4 +1,5 @@
 """Shared test setup: Triton kernels run in the interpreter when there is no GPU; paths to ../shared."""
+import logging
 import os
 from pathlib import Path
 
@@ -28,3 +29,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, caplog, tmp_path):
+    """A local fake of the Hub's upload API (tests/hubserver.py) with the client pointed at it,
+    a dummy token in HF_TOKEN (`fake_hub.token`) and the client's caches in tmp_path."""
+    import huggingface_hub.constants
+    from hubserver import FAKE_TOKEN, FakeHub
+    with FakeHub() as server:
+        server.token = FAKE_TOKEN
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        # read at import: point the client's own lookups here too, and keep its caches in tmp
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
+        monkeypatch.setattr(huggingface_hub.constants, "AGENT_HARNESSES_PATH",
+                            str(tmp_path / "hf_home" / ".agent_harnesses.json"), raising=False)
+        caplog.set_level(logging.DEBUG)
+        yield server

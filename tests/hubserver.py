@@ -18,6 +18,8 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+FAKE_TOKEN = "hf_dummySecretTokenThatMustNeverBeLogged"  # what the tests put in HF_TOKEN
+
 # best-effort lookups the client makes on its own (an agent registry); a 404 is fine for them
 IGNORED = {"/api/agent-harnesses"}
 REPO = r"(?P<type>model|dataset|space)s/(?P<repo>[^/]+/[^/]+)"

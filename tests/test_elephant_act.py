@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from benchmarks.common import saved_bytes
 from elephant.config import ModelConfig
 from elephant.layers import elephant as E
 from elephant.layers.elephant import (ElephantMLP, elephant, elephant_glu, elephant_glu_ref,
@@ -181,21 +182,6 @@ def test_triton_kernels_take_non_contiguous_inputs():
 
 
 # ------------------------------------------------------------------------------- memory
-def saved_bytes(fn, *args, module=None) -> int:
-    """Bytes of the distinct tensors autograd keeps for backward of fn(*args), weights excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()} if module else set()
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in weights:
-            seen[(t.data_ptr(), t.dtype, tuple(t.shape))] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return sum(seen.values())
-
-
 def test_fused_glu_keeps_only_u_and_g():
     u = torch.randn(64, 96, requires_grad=True)
     g = torch.randn(64, 96, requires_grad=True)
@@ -210,9 +196,9 @@ def test_fused_mlp_keeps_input_u_and_g():
     mlp = ElephantMLP(cfg)
     h = torch.randn(4, 16, 32, requires_grad=True)
     tokens = 4 * 16
-    fused = saved_bytes(mlp, h, module=mlp)
+    fused = saved_bytes(mlp, h, exclude=mlp.parameters())
     mlp.fused = False
-    reference = saved_bytes(mlp, h, module=mlp)
+    reference = saved_bytes(mlp, h, exclude=mlp.parameters())
     assert fused == 4 * tokens * (32 + 2 * 96)               # h, u, g
     assert reference >= 4 * tokens * (32 + 6 * 96)            # h, u, g, |g|, |g|^d, f, product
 

@@ -160,25 +160,14 @@ def test_eval_cli_says_when_the_baseline_cannot_be_loaded(trained_run, tmp_path,
     assert "unavailable" in json.loads(out.read_text())["baseline"]
 
 
-def test_eval_cli_pushes_the_model_with_its_results(trained_run, tmp_path, monkeypatch, capsys):
-    import huggingface_hub.constants
-    from hubserver import FakeHub
-    token = "hf_secret_test_token_0123456789"
-    with FakeHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_TOKEN", token)
-        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
-        monkeypatch.setattr(huggingface_hub.constants, "AGENT_HARNESSES_PATH",
-                            str(tmp_path / "hf_home" / ".agent_harnesses.json"), raising=False)
-        monkeypatch.chdir(tmp_path)
-        assert eval_cli.main(["--checkpoint", str(trained_run), "--push-to-hub", "alice/tiny",
-                              "--no-progress"]) == 0
-        files = hub.repos["alice/tiny"]["files"]
+def test_eval_cli_pushes_the_model_with_its_results(trained_run, tmp_path, monkeypatch, capsys,
+                                                   fake_hub):
+    monkeypatch.chdir(tmp_path)
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--push-to-hub", "alice/tiny",
+                          "--no-progress"]) == 0
+    files = fake_hub.repos["alice/tiny"]["files"]
     assert {"config.json", "model.safetensors", "README.md"} <= set(files)
     card = files["README.md"].decode()
     assert "bits_per_byte" in card or "bits per byte" in card.lower()
     out, err = capsys.readouterr()
-    assert token not in out + err
+    assert fake_hub.token not in out + err

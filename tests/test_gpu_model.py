@@ -25,15 +25,6 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def set_paths(model: ElephantLM, fast: bool) -> None:
-    ssd.set_backend("triton" if fast else "ref")
-    for block in model.blocks:
-        if block.kind == "A":
-            block.mixer.backend = "sdpa" if fast else "reference"
-        if block.mlp is not None:
-            block.mlp.fused = fast
-
-
 @pytest.fixture(autouse=True)
 def restore_backend():
     yield
@@ -43,7 +34,7 @@ def restore_backend():
 def test_chunked_equals_whole_on_cuda_fast_path():
     torch.manual_seed(0)
     model = ElephantLM(cfg()).cuda()
-    set_paths(model, fast=True)
+    model.set_fast_paths(True)
     tokens = torch.randint(0, 512, (4, 200), device="cuda")
     whole, _ = model(tokens)
     state, outs, start = None, [], 0
@@ -61,7 +52,7 @@ def test_fast_model_equals_reference_model(n_mem):
     tokens = torch.randint(0, 512, (3, 2, 96), device="cuda")
     results = {}
     for fast in (False, True):
-        set_paths(model, fast)
+        model.set_fast_paths(fast)
         model.zero_grad()
         state, loss = None, 0.0
         for c in range(2):

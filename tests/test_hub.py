@@ -1,6 +1,5 @@
 """Export folders, loading them back, and pushing to a (fake, local) Hugging Face Hub."""
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,9 @@ from safetensors.torch import save_file
 from elephant import hub
 from elephant.config import Config, ModelConfig
 from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
-from hubserver import IGNORED, FakeHub
+from hubserver import FAKE_TOKEN, IGNORED
 
-TOKEN = "hf_dummySecretTokenThatMustNeverBeLogged"
+TOKEN = FAKE_TOKEN
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -213,23 +212,6 @@ def test_export_run_and_loading_a_run_dir(tmp_path):
 
 
 # ------------------------------------------------------------------ push
-@pytest.fixture
-def fake_hub(monkeypatch, caplog, tmp_path):
-    import huggingface_hub.constants
-    with FakeHub() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_TOKEN", TOKEN)
-        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-        # read at import: point the client's own lookups here too, and keep its caches in tmp
-        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(huggingface_hub.constants, "AGENT_HARNESSES_PATH",
-                            str(tmp_path / "hf_home" / ".agent_harnesses.json"), raising=False)
-        caplog.set_level(logging.DEBUG)
-        yield server
-
-
 def _hand_made_export(folder: Path) -> dict[str, bytes]:
     """An export folder that needs no model code: a valid config.json and arbitrary tensors."""
     folder.mkdir()

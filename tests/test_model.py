@@ -185,3 +185,23 @@ def test_bad_inputs_get_clear_errors():
     _, state = model(torch.randint(0, 97, (2, 4)))
     with pytest.raises(ValueError, match="lanes"):
         model(torch.randint(0, 97, (3, 4)), state)
+
+
+def test_fast_paths_equal_reference_paths_on_cpu():
+    # on CPU the fast paths are SDPA and the fused elephant MLP (the Triton SSD is CUDA-only)
+    model = make(n_mem=2, kv_window=16)
+    tokens = torch.randint(0, 97, (2, 2, 11))
+    outs = {}
+    for fast in (False, True):
+        model.set_fast_paths(fast)
+        model.zero_grad()
+        state, loss = None, 0
+        for c in range(2):
+            logits, state = model(tokens[c], state)
+            loss = loss + logits.pow(2).mean()
+        loss.backward()
+        outs[fast] = logits.detach(), [p.grad.clone() for p in model.parameters()]
+    model.set_fast_paths(True)
+    assert (outs[True][0] - outs[False][0]).abs().max() < 1e-12
+    for a, b in zip(outs[True][1], outs[False][1]):
+        assert (a - b).abs().max() < 1e-12
