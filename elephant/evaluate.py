@@ -8,9 +8,9 @@ summed NLL by the UTF-8 bytes and whitespace-separated words of the documents' r
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -66,7 +66,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     meter = NLLMeter()
     state = model.init_state(lanes, device=device)
     lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
-    steps = np.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
+    steps = math.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
     bar = None
     if progress:
         from tqdm import tqdm

@@ -130,7 +130,7 @@ class RecurrentState:
         return {k: t.detach().cpu().clone() for k, t in self.tensors().items()} | {
             "chunks": torch.tensor(self.chunks)}
 
-    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+    def load_state_dict(self, tensors: dict[str, Tensor]) -> None:
         mine = self.tensors()
         missing = sorted(set(mine) - set(tensors))
         extra = sorted(set(tensors) - set(mine) - {"chunks"})
@@ -155,6 +155,3 @@ class RecurrentState:
             self.memory = tensors["memory"].to(self.memory.device, self.memory.dtype)
         if "chunks" in tensors:
             self.chunks = int(tensors["chunks"])
-
-    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
-        self.load_tensors(sd)

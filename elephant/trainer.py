@@ -117,7 +117,6 @@ class Trainer:
         self.bad_steps = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
-        self.history: list[dict] = []
         if resume:
             self._resume()
         elif rt.main:
@@ -198,7 +197,8 @@ class Trainer:
         if rt.world > 1:
             dist.all_reduce(total)
         loss = (total / count.clamp(min=1)).item()
-        out = {"loss": loss, "tokens": int(count.item())}
+        n_tokens = int(count.item())
+        out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
             if cfg.optim.grad_clip:
@@ -213,7 +213,7 @@ class Trainer:
             out["skipped"] = True
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += int(count.item())
+        self.tokens_seen += n_tokens
         return out
 
     # ------------------------------------------------------------------ evaluation
