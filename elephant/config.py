@@ -30,6 +30,8 @@ class ModelConfig:
     elephant_a: float = 1.0          # elephant activation f(x) = 1 / (1 + |x / a|^d)
     elephant_d: float = 8.0
     n_mem: int = 0                   # RMT memory tokens read at the start / written at the end of a chunk
+    mem_update: str = "gated"        # gated: m' = m + g (norm(w) - m), one gate per slot | replace: m' = w
+    mem_gate_min: float = 0.05       # gates below this are exactly 0: memory persists bit for bit
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     rope_base: float = 10000.0
     qk_norm: bool = True             # RMS-normalize queries and keys before rotary
@@ -60,6 +62,9 @@ class ModelConfig:
                   "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
                   "norm_eps", "init_std")
         _non_negative(self, "d_mlp", "n_mem", "kv_window")
+        _choice(self, "mem_update", ("gated", "replace"))
+        if not 0.0 <= self.mem_gate_min < 1.0:
+            raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")
         if not self.layers or set(self.layers) - {"M", "A"}:
             raise ConfigError(f"model.layers: expected a non-empty string of 'M' (Mamba-2) and "
                               f"'A' (attention), got {self.layers!r}")

@@ -4,8 +4,12 @@
 
 Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
 `cfg.layers`) followed by an elephant-gated GLU MLP. With `n_mem > 0` every chunk is framed as
-[read memory (n_mem) | tokens (T) | write slots (n_mem)]; the write slots' final hidden states are
-the next chunk's read memory (recurrent memory transformer). Attention layers see the previous
+[read memory (n_mem) | tokens (T) | write slots (n_mem)] (recurrent memory transformer, Bulatov et
+al. 2022). What the write slots produce becomes the next chunk's read memory through a gated update
+(`update_memory`): each slot keeps its content unless its gate opens, and a gate under
+`mem_gate_min` is exactly zero, so a fact written once survives any number of chunks bit for bit
+(the plain RMT rewrite, `mem_update="replace"`, must re-encode it through the whole network at
+every chunk and loses it within a few). Attention layers see the previous
 `kv_window` keys of the lane's document (no gradient through them); Mamba-2 layers start from the
 lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
 chunks: a state that has been through that many chunks is detached before the next one.
@@ -68,6 +72,12 @@ class ElephantLM(nn.Module):
             # learned read memory of a lane that starts a document, and the write slots' inputs
             self.mem_init = nn.Parameter(torch.empty(cfg.n_mem, cfg.d_model))
             self.mem_write = nn.Parameter(torch.empty(cfg.n_mem, cfg.d_model))
+            if cfg.mem_update == "gated":
+                # what a slot may write (normalized write-slot output) and its gate's logit
+                self.mem_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+                self.mem_gate = nn.Parameter(torch.zeros(cfg.n_mem, cfg.d_model))
+                self.mem_gate_bias = nn.Parameter(torch.zeros(cfg.n_mem))
+        self.last_mem_gate: Tensor | None = None  # (B, n_mem) gates of the last chunk, for analysis
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters
@@ -86,6 +96,12 @@ class ElephantLM(nn.Module):
         if cfg.n_mem:
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)
+            if cfg.mem_update == "gated":
+                # a gated memory holds normalized vectors (RMS 1): so does the initial memory;
+                # gates start half open (logit 0), so the first chunks write freely
+                nn.init.normal_(self.mem_init, std=1.0)
+                nn.init.zeros_(self.mem_gate)
+                nn.init.zeros_(self.mem_gate_bias)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -204,12 +220,35 @@ class ElephantLM(nn.Module):
                 new.ssm.append(None)
                 new.kv.append(None if cache is None else cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
         if M:
-            new.memory = x[:, M + T:]                                     # the write slots' outputs
+            new.memory = self.update_memory(state.memory, x[:, M + T:])
             x = x[:, M:M + T]
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, new
         return self.loss(logits, targets, loss_mask, reduction), new
+
+    def update_memory(self, read: Tensor, written: Tensor) -> Tensor:
+        """The next chunk's read memory from this chunk's `read` memory and the write slots'
+        final hidden states `written`, (B, n_mem, D) each.
+
+        gated: m' = m + g (rmsnorm(w) - m), g = sigmoid(<a_i, rmsnorm(w_i)> + b_i), one gate per
+        slot. A gate under `mem_gate_min` is exactly 0 in the forward pass (m' = m bit for bit,
+        whatever the chunk held), while its gradient is the sigmoid's: a closed gate still learns
+        when writing would have lowered the loss. Memory is kept in float32 so that repeated
+        small updates do not round away. replace: m' = w (the plain RMT).
+        """
+        if self.cfg.mem_update == "replace":
+            return written
+        dtype = torch.promote_types(read.dtype, torch.float32)
+        u = self.mem_norm(written.to(dtype))                               # (B, M, D)
+        logit = (u * self.mem_gate.to(dtype)).sum(-1) + self.mem_gate_bias.to(dtype)  # (B, M)
+        g = torch.sigmoid(logit)
+        floor = self.cfg.mem_gate_min
+        if floor > 0:  # exact zero forward, sigmoid gradient (straight-through)
+            g = g + (torch.where(g < floor, torch.zeros_like(g), g) - g).detach()
+        self.last_mem_gate = g.detach()
+        read = read.to(dtype)
+        return read + g.unsqueeze(-1) * (u - read)
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, loss_mask: Tensor | None = None,

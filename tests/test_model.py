@@ -123,10 +123,11 @@ def test_gradient_depth_is_bptt_chunks(bptt, layers):
         assert reach == (s >= t - bptt + 1), f"loss of chunk {t} vs chunk {s}"
 
 
-def test_read_memory_comes_from_the_write_slots():
+@pytest.mark.parametrize("mem_update", ["replace", "gated"])
+def test_read_memory_comes_from_the_write_slots(mem_update):
     # attention-only, no KV cache: the only path from chunk 1 to chunk 2 is the memory
     M, T = 3, 5
-    model = make(layers="AA", n_mem=M, kv_window=0, bptt_chunks=2)
+    model = make(layers="AA", n_mem=M, kv_window=0, bptt_chunks=2, mem_update=mem_update)
     captured = {}
 
     def hook(module, args, output):
@@ -136,7 +137,11 @@ def test_read_memory_comes_from_the_write_slots():
     _, state = model(torch.randint(0, 97, (2, T)))
     handle.remove()
     x = captured["x"]                                    # (B, M + T + M, D) of chunk 1
-    assert torch.equal(state.memory, x[:, M + T:])
+    if mem_update == "replace":
+        assert torch.equal(state.memory, x[:, M + T:])
+    else:  # gates start half open: halfway from the initial memory to the normalized write
+        written = model.mem_norm(x[:, M + T:])
+        assert torch.allclose(state.memory, 0.5 * model.mem_init + 0.5 * written, atol=1e-12)
     logits, _ = model(torch.randint(0, 97, (2, T)), state)
     logits.pow(2).sum().backward()
     g = x.grad.abs().sum(dim=(0, 2))                     # (M + T + M,)
@@ -188,8 +193,9 @@ def test_bad_inputs_get_clear_errors():
 
 
 def test_fast_paths_equal_reference_paths_on_cpu():
-    # on CPU the fast paths are SDPA and the fused elephant MLP (the Triton SSD is CUDA-only)
-    model = make(n_mem=2, kv_window=16)
+    # on CPU the fast paths are SDPA and the fused elephant MLP (the Triton SSD is CUDA-only);
+    # two chunks in one BPTT window, so every parameter (the memory gates too) gets a gradient
+    model = make(n_mem=2, kv_window=16, bptt_chunks=2)
     tokens = torch.randint(0, 97, (2, 2, 11))
     outs = {}
     for fast in (False, True):
@@ -205,3 +211,32 @@ def test_fast_paths_equal_reference_paths_on_cpu():
     assert (outs[True][0] - outs[False][0]).abs().max() < 1e-12
     for a, b in zip(outs[True][1], outs[False][1]):
         assert (a - b).abs().max() < 1e-12
+
+
+def test_closed_memory_gates_keep_memory_bit_for_bit_and_still_learn():
+    # A gate under mem_gate_min is exactly zero: the memory passes any number of chunks unchanged,
+    # whatever they hold. Its gradient is the sigmoid's, so the gate can learn to open.
+    model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=4)
+    with torch.no_grad():
+        model.mem_gate_bias.fill_(-6.0)                  # sigmoid(-6) = 0.0025 < 0.05
+    state = None
+    for _ in range(3):
+        logits, state = model(torch.randint(0, 97, (2, 7)), state)
+    start = model.mem_init.detach().expand(2, -1, -1)
+    assert torch.equal(state.memory, start)
+    assert (model.last_mem_gate == 0).all()
+    logits, state = model(torch.randint(0, 97, (2, 7)), state)
+    logits.pow(2).sum().backward()
+    assert model.mem_gate_bias.grad.abs().min() > 0
+    with torch.no_grad():
+        model.mem_gate_bias.fill_(0.0)
+    _, opened = model(torch.randint(0, 97, (2, 7)), state.detach())
+    assert not torch.equal(opened.memory, state.memory)
+
+
+def test_memory_config_is_validated():
+    from elephant.config import ConfigError
+    with pytest.raises(ConfigError, match="mem_update"):
+        tiny(mem_update="sum").validate()
+    with pytest.raises(ConfigError, match="mem_gate_min"):
+        tiny(mem_gate_min=1.5).validate()
