@@ -99,7 +99,8 @@ def run(args) -> int:
         raise HubError(f"checkpoint/tokenizer mismatch: the tokenizer has {tokenizer.vocab_size} "
                        f"tokens, the model's vocabulary {model.cfg.vocab_size}")
     corpus = get_corpus(data.source, split, tokenizer_spec, data.cache_dir, path=data.path or None,
-                        append_eot=data.append_eot, progress=progress, text_field=data.text_field)
+                        append_eot=data.append_eot, progress=progress, text_field=data.text_field,
+                        **data.source_options())
     if corpus.manifest.get("tokenizer", {}).get("fingerprint") not in (None, tokenizer.fingerprint):
         raise HubError(f"checkpoint/tokenizer mismatch: {corpus.path} was tokenized with another "
                        f"tokenizer than the checkpoint's")

@@ -41,3 +41,21 @@ def saved_bytes(fn, *args, exclude=()) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(seen.values())
+
+
+def environment() -> dict:
+    """Device, versions, date and command line, for a result file."""
+    import datetime
+    import sys
+    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "python": sys.version.split()[0],
+           "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "command": " ".join(sys.argv)}
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env

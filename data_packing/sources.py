@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Iterator
 from data_packing.errors import DataError
 from data_packing.shards import GPT2_EOT, bin_documents
 
-SOURCES = ("wikitext-103", "wikitext-2", "fineweb", "fineweb-edu", "bin", "pycode", "text")
+SOURCES = ("wikitext-103", "wikitext-2", "fineweb", "fineweb-edu", "bin", "pycode", "text", "recall")
 SPLIT_ALIASES = {
     "train": ("train",),
     "valid": ("valid", "validation", "val", "dev"),
@@ -79,7 +79,8 @@ def canonical_split(split: str, allow_all: bool = False) -> str:
 
 
 def open_source(name: str, split: str, path: str | os.PathLike | None = None, *, text_field: str = "text",
-                config: str | None = None, site_packages: bool = False, holdout_docs: int = 10_000) -> Source:
+                config: str | None = None, site_packages: bool = False, holdout_docs: int = 10_000,
+                recall: dict | None = None) -> Source:
     """The documents of `split` of source `name`, from `path` when given, else from the Hub/stdlib."""
     path = Path(path).expanduser().resolve() if path not in (None, "") else None
     if path is not None and not path.exists():
@@ -94,6 +95,8 @@ def open_source(name: str, split: str, path: str | os.PathLike | None = None, *,
         return _fineweb_hub(name, canonical_split(split), config or "sample-10BT", holdout_docs)
     if name == "pycode":
         return _pycode(canonical_split(split, allow_all=True), site_packages)
+    if name == "recall":
+        return _recall(canonical_split(split), recall or {})
     if name == "text":
         if path is None:
             raise DataError("source 'text' needs --path: a .txt/.jsonl/.parquet file or a folder of them")
@@ -232,6 +235,23 @@ def _pycode(split: str, site_packages: bool) -> Source:
             yield _read_bytes(file)
 
     return _decoded(Source("pycode", split, identity, docs))
+
+
+# ---------------------------------------------------------------- synthetic recall documents
+
+def _recall(split: str, options: dict) -> Source:
+    """`recall.py`'s training distribution; options: docs, min_gap, max_gap, max_pairs, max_queries."""
+    from data_packing.recall import SPLIT_SEEDS, RecallTask
+    options = {"docs": 20000, "min_gap": 16, "max_gap": 16384, "max_pairs": 4, "max_queries": 4,
+               **options}
+    n_docs = int(options.pop("docs"))
+    if n_docs < 1:
+        raise DataError(f"recall: docs must be >= 1, got {n_docs}")
+    task = RecallTask(**options)
+    if split != "train":   # held-out splits: a tenth of the documents, from their own seed
+        n_docs = max(1, n_docs // 10)
+    identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 1}
+    return Source("recall", split, identity, lambda: task.texts(SPLIT_SEEDS[split], n_docs))
 
 
 # ---------------------------------------------------------------- local text files

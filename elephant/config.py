@@ -133,7 +133,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "pycode"           # pycode | wikitext-103 | wikitext-2 | fineweb | fineweb-edu | text | bin
+    source: str = "pycode"           # pycode | wikitext-103 | wikitext-2 | fineweb | fineweb-edu | text | bin | recall
     path: str = ""                   # local folder or file for the source ("" = the Hub / built-in)
     tokenizer: str = "bytes"         # bytes | a tokenizer.json path or folder | a Hub id
     train_split: str = "train"
@@ -141,10 +141,32 @@ class DataConfig:
     cache_dir: str = "cache"         # tokenized corpora, one folder per fingerprint
     text_field: str = "text"         # for .jsonl / .parquet text sources
     append_eot: bool = True          # an end-of-document token after every document
+    site_packages: bool = False      # pycode: add the environment's site-packages to the stdlib
+    # recall (data_packing/recall.py): synthetic facts queried after gaps of filler
+    recall_docs: int = 20000         # training documents (valid / test: a tenth, other seeds)
+    recall_min_gap: int = 16         # query distances (tokens), log-uniform in [min, max]
+    recall_max_gap: int = 16384
+    recall_max_pairs: int = 4        # facts per document: 1..max_pairs
+    recall_max_queries: int = 4      # queries per document: 1..max_queries
 
     def validate(self) -> None:
         _choice(self, "source", ("pycode", "wikitext-103", "wikitext-2", "fineweb", "fineweb-edu",
-                                 "text", "bin"))
+                                 "text", "bin", "recall"))
+        _positive(self, "recall_docs", "recall_min_gap", "recall_max_gap", "recall_max_pairs",
+                  "recall_max_queries")
+        if self.recall_min_gap > self.recall_max_gap:
+            raise ConfigError(f"data.recall_min_gap={self.recall_min_gap} is larger than "
+                              f"data.recall_max_gap={self.recall_max_gap}")
+
+    def source_options(self) -> dict:
+        """Keyword arguments of data_packing.open_source for this source."""
+        if self.source == "pycode":
+            return {"site_packages": self.site_packages}
+        if self.source == "recall":
+            return {"recall": {"docs": self.recall_docs, "min_gap": self.recall_min_gap,
+                               "max_gap": self.recall_max_gap, "max_pairs": self.recall_max_pairs,
+                               "max_queries": self.recall_max_queries}}
+        return {}
 
 
 @dataclass

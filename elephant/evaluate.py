@@ -27,7 +27,8 @@ def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
     def build(show):
         return get_corpus(data_cfg.source, split, data_cfg.tokenizer, data_cfg.cache_dir,
                           path=data_cfg.path or None, append_eot=data_cfg.append_eot,
-                          progress=show, text_field=data_cfg.text_field)
+                          progress=show, text_field=data_cfg.text_field,
+                          **data_cfg.source_options())
     if main:
         corpus = build(progress)
     if distributed:

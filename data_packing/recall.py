@@ -1,0 +1,236 @@
+"""Synthetic long-range recall documents: key-value facts stated early, queried after N tokens of filler.
+
+A document states `n_pairs` facts ("The code of the silver fox is 482913.") and later asks for
+some of them ("What is the code of the silver fox? It is 482913."), with filler text in between.
+The value after "It is " is the answer: a model that remembers the fact predicts its digits; one
+that does not can only guess. The distance of a query is counted in tokens, from the last token of
+the key's previous mention (its fact, or an earlier answer) to the first token of the answer; a distance shorter than the
+query's own text ("What is the code of the silver fox? It is ", ~45 bytes) comes out that long.
+
+Chance level: an answer digit is one of 10, so a model that forgot the fact scores 0.10 per digit
+(a byte tokenizer gives one token per digit; other tokenizers report accuracy per answer token,
+and its chance level is at most that of guessing the digits).
+
+Filler is drawn per stretch from three kinds, so that no one kind of text can be learned away:
+random words in sentences, sentences with random numbers in them (distractor digits), and the
+repeated "grass is green" text of the passkey task (Mohtashami & Jaggi 2023). The document is
+built as a list of pieces, each tokenized on its own, so that answer positions and distances are
+exact for any tokenizer.
+
+    RecallTask(min_gap=16, max_gap=16384, max_pairs=4, max_queries=4).documents(seed, n)  # training
+    eval_document(rng, tokenizer, distances, n_pairs=1)                                   # evaluation
+
+As a corpus source (`open_source("recall", split)`, `data.source = "recall"`), each split draws its
+documents from its own seed, so train, valid and test never share a document.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_packing.errors import DataError
+
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case "
+    "point government company number group problem fact water room mother area money story month "
+    "lot right study book word business issue side kind head house service friend father power hour "
+    "game line end member law car city community name president team minute idea kid body "
+    "information back parent face others level office door health art war history party result "
+    "change morning reason research girl guy moment air teacher force education river garden road "
+    "window music table paper letter field market light voice plan sound island bridge mountain "
+    "ship train forest village castle station valley harbor tower engine bottle basket "
+    "make go see know take get give find think tell become leave feel bring begin keep hold write "
+    "stand hear let mean set meet run pay sit speak lie lead read grow lose fall send build stay "
+    "walk carry open close watch follow stop create turn move live believe happen remember "
+    "good new first last long great little own other old right big high different small large next "
+    "early young important few public bad same able quiet green dark warm cold simple strange "
+    "slowly often never always again still together almost already soon however perhaps"
+).split()
+ADJECTIVES = ("silver golden red blue green amber crimson violet copper iron wooden glass marble "
+              "hidden ancient northern southern eastern western quiet sleepy brave clever gentle "
+              "swift lonely broken painted frozen").split()
+NOUNS = ("fox owl lantern river castle garden tower bridge harbor mountain forest violin compass "
+         "anchor dragon falcon meadow island temple library kettle mirror canyon comet "
+         "glacier orchard beacon cellar drum feather").split()
+PASSKEY = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+N_DIGITS = 6
+
+
+def keys() -> list[str]:
+    """Every key: 'the silver fox', ... (29 x 30 = 870 of them)."""
+    return [f"the {a} {n}" for a in ADJECTIVES for n in NOUNS]
+
+
+def fact_text(key: str, value: str) -> tuple[str, str, str]:
+    """(before, value, after) of a fact."""
+    return f"The code of {key} is ", value, ". "
+
+
+def query_text(key: str, value: str) -> tuple[str, str, str]:
+    """(before, answer, after) of a query."""
+    return f"What is the code of {key}? It is ", value, ". "
+
+
+class Filler:
+    """Filler text of about `n` tokens from a seeded generator (see the module docstring)."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def words(self, n_words: int) -> str:
+        w = np.asarray(WORDS)[self.rng.integers(0, len(WORDS), n_words)]
+        out, i = [], 0
+        while i < n_words:
+            k = int(self.rng.integers(5, 16))
+            sent = " ".join(w[i:i + k])
+            out.append(sent[:1].upper() + sent[1:] + ". ")
+            i += k
+        return "".join(out)
+
+    def numbers(self, n_words: int) -> str:
+        out, made = [], 0
+        while made < n_words:
+            num = int(self.rng.integers(0, 10 ** int(self.rng.integers(1, 7))))
+            a, b = (WORDS[int(i)] for i in self.rng.integers(0, len(WORDS), 2))
+            out.append(f"There were {num} {a}s near the {b}. ")
+            made += 6
+        return "".join(out)
+
+    def passkey(self, n_words: int) -> str:
+        reps = max(1, math.ceil(n_words / len(PASSKEY.split())))
+        return PASSKEY * reps
+
+    def text(self, n_chars: int) -> str:
+        """About `n_chars` characters of mixed filler (cut at a word boundary)."""
+        parts, have = [], 0
+        while have < n_chars:
+            kind = int(self.rng.integers(0, 3))
+            n_words = int(self.rng.integers(20, 400))
+            piece = (self.words, self.numbers, self.passkey)[kind](n_words)
+            parts.append(piece)
+            have += len(piece)
+        s = "".join(parts)
+        if len(s) > n_chars:
+            cut = s.rfind(" ", 0, n_chars)
+            s = s[:cut + 1] if cut > 0 else s[:n_chars]
+        return s
+
+
+@dataclass
+class Query:
+    key: int           # index into the document's facts
+    answer_start: int  # token index of the first answer token
+    answer_len: int    # answer tokens
+    distance: int      # tokens from the key's previous mention to the first answer token
+
+
+@dataclass
+class RecallDocument:
+    tokens: np.ndarray          # (L,) int64
+    queries: list[Query]
+    text: str
+
+
+def value(rng: np.random.Generator, digits: int = N_DIGITS) -> str:
+    return "".join(str(d) for d in rng.integers(0, 10, digits))
+
+
+def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list[tuple[int, int]],
+                   lead: int = 0, digits: int = N_DIGITS) -> RecallDocument:
+    """Facts for `n_pairs` random keys after `lead` characters of filler, then one query per
+    (key index, distance) of `plan`: filler until the answer stands `distance` tokens after the
+    key's previous mention (or right away when the previous queries already went further).
+    Values have `digits` digits."""
+    filler = Filler(rng)
+    all_keys = keys()
+    chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
+    names = [all_keys[int(i)] for i in chosen]
+    values = [value(rng, digits) for _ in range(n_pairs)]
+    pieces: list[list[int]] = []
+    texts: list[str] = []
+    length = 0
+
+    def add(text: str) -> int:
+        nonlocal length
+        ids = tokenizer.encode(text) if text else []
+        pieces.append(ids)
+        texts.append(text)
+        start = length
+        length += len(ids)
+        return start
+
+    if lead:
+        add(filler.text(lead))
+    last_mention = []
+    for k in range(n_pairs):
+        before, val, after = fact_text(names[k], values[k])
+        add(before)
+        start = add(val)
+        last_mention.append(start + len(pieces[-1]))   # the token after the value
+        add(after)
+    queries = []
+    for k, distance in plan:
+        before, answer, after = query_text(names[k], values[k])
+        before_ids = tokenizer.encode(before)
+        need = last_mention[k] - 1 + distance - len(before_ids) - length   # filler tokens to add
+        if need > 0:
+            # characters per token of this tokenizer on filler, refined once
+            text = filler.text(need)
+            got = len(tokenizer.encode(text))
+            if got and got < need:
+                text = text + filler.text(int((need - got) * len(text) / got) + 1)
+            ids = tokenizer.encode(text)[:need]
+            pieces.append(list(ids))
+            texts.append(tokenizer.decode(ids))
+            length += len(ids)
+        add(before)
+        start = add(answer)
+        queries.append(Query(k, start, len(pieces[-1]), start - (last_mention[k] - 1)))
+        last_mention[k] = start + len(pieces[-1])
+        add(after)
+    tokens = np.fromiter((t for p in pieces for t in p), dtype=np.int64, count=length)
+    return RecallDocument(tokens, queries, "".join(texts))
+
+
+class RecallTask:
+    """The training distribution: 1..max_pairs facts, 1..max_queries queries, each at a distance
+    drawn log-uniformly from [min_gap, max_gap] tokens, after a lead of 0..min_gap*4 characters."""
+
+    def __init__(self, min_gap: int = 16, max_gap: int = 16384, max_pairs: int = 4,
+                 max_queries: int = 4):
+        if not 1 <= min_gap <= max_gap:
+            raise DataError(f"recall: need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
+        if max_pairs < 1 or max_queries < 1:
+            raise DataError(f"recall: max_pairs and max_queries must be >= 1, got {max_pairs}, "
+                            f"{max_queries}")
+        self.min_gap, self.max_gap = min_gap, max_gap
+        self.max_pairs, self.max_queries = max_pairs, max_queries
+
+    def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:
+        n_pairs = int(rng.integers(1, self.max_pairs + 1))
+        n_queries = int(rng.integers(1, self.max_queries + 1))
+        lo, hi = math.log(self.min_gap), math.log(self.max_gap)
+        plan = [(int(rng.integers(0, n_pairs)), int(round(math.exp(rng.uniform(lo, hi)))))
+                for _ in range(n_queries)]
+        return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 4 * self.min_gap + 1)))
+
+    def texts(self, seed: int, n_docs: int):
+        """`n_docs` document texts (characters are tokens for the byte tokenizer)."""
+        from data_packing.tokenizer import ByteTokenizer
+        rng = np.random.default_rng(seed)
+        tok = ByteTokenizer()
+        for _ in range(n_docs):
+            yield self.document(rng, tok).text
+
+
+def eval_document(rng: np.random.Generator, tokenizer, distances: list[int], n_pairs: int = 1
+                  ) -> RecallDocument:
+    """One evaluation document: `n_pairs` facts, then query j asks key j % n_pairs at distance
+    distances[j] from that key's previous mention (n_pairs=1: one fact, asked again and again)."""
+    plan = [(j % n_pairs, d) for j, d in enumerate(distances)]
+    return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)))
+
+
+SPLIT_SEEDS = {"train": 1, "valid": 2, "test": 3}

@@ -1,0 +1,246 @@
+"""Long-range recall: train on, or evaluate with, `data_packing/recall.py`'s synthetic facts.
+
+    python -m elephant.recall train --config configs/recall.toml [section.key=value ...]
+    python -m elephant.recall eval --checkpoint runs/recall [--distances 128,4K,64K,1M] [--json F]
+
+`eval` streams `lanes` documents side by side, chunk by chunk with carried state, exactly as
+`eval.py` streams text: each document states one fact (or `--pairs` of them) and asks for it again
+at every distance of `--distances` (counted in tokens from the key's previous mention). The answer
+is scored teacher-forced: the model's most likely next token against each answer token. Printed:
+accuracy by distance (chance: 0.10 per digit), exact-answer rate, how often the memory gates were
+closed, tokens/s and peak memory (flat in the document length: the state has a fixed size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
+CHANCE = 0.1
+
+
+def parse_count(text: str) -> int:
+    """'512', '4K', '1M' -> tokens (K = 1024, M = 1024**2)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"not a token count: {text!r} (expected e.g. 512, 4K, 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
+
+
+def label(n: int) -> str:
+    for unit, size in (("M", 1024 ** 2), ("K", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+ABLATIONS = ("none", "memory", "kv", "ssm")
+
+
+def ablate(model, state, part: str):
+    """The state with one carried part dropped after a chunk, to see what carries a fact:
+    memory -> the initial memory, kv -> an empty window, ssm -> zero Mamba conv/SSM state."""
+    if part == "none":
+        return state
+    lanes = torch.zeros(state.lanes, dtype=torch.bool, device=state.pos.device)
+    cleared = state.reset(~lanes, model.mem_init if model.cfg.n_mem else None)
+    if part == "memory":
+        state.memory = cleared.memory
+    elif part == "kv":
+        state.kv = cleared.kv
+    elif part == "ssm":
+        state.conv, state.ssm = cleared.conv, cleared.ssm
+    else:
+        raise ValueError(f"ablation: expected one of {', '.join(ABLATIONS)}, got {part!r}")
+    return state
+
+
+@torch.no_grad()
+def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
+                    n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
+                    ablation: str = "none") -> dict:
+    """Accuracy by distance over `lanes` documents streamed side by side (see the module doc).
+    `ablation` drops one carried part of the state after every chunk (see `ablate`)."""
+    from data_packing.recall import eval_document
+
+    rng = np.random.default_rng(seed)
+    docs = [eval_document(rng, tokenizer, distances, n_pairs) for _ in range(lanes)]
+    L = max(len(d.tokens) for d in docs)
+    n_chunks = math.ceil((L - 1) / chunk_len)
+    tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
+    query = np.full((lanes, n_chunks * chunk_len + 1), -1, dtype=np.int64)  # query index of a target
+    for b, d in enumerate(docs):
+        tokens[b, :len(d.tokens)] = d.tokens
+        for j, q in enumerate(d.queries):
+            query[b, q.answer_start:q.answer_start + q.answer_len] = j
+    n_q = len(distances)
+    correct = np.zeros((lanes, n_q))
+    total = np.zeros((lanes, n_q))
+    all_right = np.ones((lanes, n_q), dtype=bool)
+    actual = np.array([[q.distance for q in d.queries] for d in docs])      # (lanes, n_q)
+
+    was_training = model.training
+    model.eval()
+    state = model.init_state(lanes, device=device)
+    reset = torch.ones(lanes, dtype=torch.bool, device=device)
+    gate_zero = gate_n = 0
+    peak = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=n_chunks, desc="recall", unit=" chunks", dynamic_ncols=True)
+    for c in range(n_chunks):
+        a = c * chunk_len
+        inp = torch.from_numpy(tokens[:, a:a + chunk_len]).to(device, non_blocking=True)
+        with autocast() if autocast else nullcontext():
+            logits, state = model(inp, state, reset if c == 0 else None)
+        state = ablate(model, state, ablation)
+        targets_q = query[:, a + 1:a + chunk_len + 1]
+        if (targets_q >= 0).any():
+            pred = logits.argmax(-1).cpu().numpy()
+            hit = pred == tokens[:, a + 1:a + chunk_len + 1]
+            for b, t in zip(*np.nonzero(targets_q >= 0)):
+                j = targets_q[b, t]
+                correct[b, j] += hit[b, t]
+                total[b, j] += 1
+                all_right[b, j] &= bool(hit[b, t])
+        gate = getattr(model, "last_mem_gate", None)
+        if gate is not None and c > 0:
+            gate_zero += int((gate == 0).sum())
+            gate_n += gate.numel()
+        done = a + chunk_len
+        if device.type == "cuda":
+            for mark in (64 * 1024, 1024 ** 2, 4 * 1024 ** 2):
+                if done >= mark and label(mark) not in peak:
+                    peak[label(mark)] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    model.train(was_training)
+    by_distance = {}
+    for j, d in enumerate(distances):
+        by_distance[label(d)] = {
+            "distance": d, "accuracy": float(correct[:, j].sum() / max(total[:, j].sum(), 1)),
+            "exact": float(all_right[:, j].mean()), "answers": int(lanes),
+            "mean_actual_distance": float(actual[:, j].mean())}
+    out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "lanes": lanes,
+           "chunk_len": chunk_len,
+           "pairs": n_pairs, "tokens": int(lanes * n_chunks * chunk_len), "seconds": seconds,
+           "tokens_per_s": lanes * n_chunks * chunk_len / max(seconds, 1e-9)}
+    if gate_n:
+        out["mem_gate_closed_frac"] = gate_zero / gate_n
+    if device.type == "cuda":
+        out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        out["peak_mem_gb_at"] = peak
+    return out
+
+
+def format_table(result: dict, title: str = "") -> str:
+    rows = result["by_distance"]
+    head = "| distance | " + " | ".join(rows) + " |"
+    sep = "|---|" + "---|" * len(rows)
+    acc = "| digit accuracy | " + " | ".join(f"{r['accuracy']:.3f}" for r in rows.values()) + " |"
+    ex = "| exact answers | " + " | ".join(f"{r['exact']:.3f}" for r in rows.values()) + " |"
+    lines = ([title] if title else []) + [head, sep, acc, ex]
+    extra = (f"chance {result['chance']:.2f} per digit; {result['lanes']} documents x "
+             f"{result['pairs']} fact(s); {result['tokens'] / 1e6:.1f}M tokens streamed at "
+             f"{result['tokens_per_s'] / 1e3:,.0f}k tokens/s")
+    if "mem_gate_closed_frac" in result:
+        extra += f"; memory gates closed {result['mem_gate_closed_frac']:.1%} of slot-chunks"
+    if "peak_mem_gb" in result:
+        extra += f"; peak GPU memory {result['peak_mem_gb']:.2f} GB {result.get('peak_mem_gb_at', {})}"
+    return "\n".join(lines + [extra])
+
+
+# ---------------------------------------------------------------------- CLI
+def _eval(args) -> int:
+    from elephant.hub import from_pretrained
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device)
+    chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
+    distances = [parse_count(d) for d in args.distances.split(",")]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
+    result = evaluate_recall(model, tokenizer, distances, args.lanes, chunk_len, device, args.pairs,
+                             args.seed, autocast, progress=not args.no_progress and sys.stderr.isatty(),
+                             ablation=args.ablate)
+    result["checkpoint"] = str(args.checkpoint)
+    print(format_table(result, f"recall of {args.checkpoint}"))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{args.json}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.json)
+    return 0
+
+
+def _train(args) -> int:
+    from elephant.config import load_config
+    from elephant.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.source != "recall":
+        print(f"note: data.source is {cfg.data.source!r}, not 'recall'", file=sys.stderr)
+    trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
+    trainer.fit()
+    if trainer.rt.main:
+        args.checkpoint = cfg.train.run_dir
+        return _eval(args)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("train", "eval"):
+        s = sub.add_parser(name)
+        if name == "train":
+            s.add_argument("--config", default="configs/recall.toml")
+            s.add_argument("--resume", action="store_true")
+            s.add_argument("overrides", nargs="*", help="section.key=value")
+        else:
+            s.add_argument("--checkpoint", required=True, help="run dir, export folder or Hub id")
+        s.add_argument("--distances", default=DEFAULT_DISTANCES,
+                       help=f"comma-separated token distances (default {DEFAULT_DISTANCES})")
+        s.add_argument("--lanes", type=int, default=32, help="documents streamed side by side")
+        s.add_argument("--pairs", type=int, default=1, help="facts per document")
+        s.add_argument("--chunk-len", type=int, default=0, help="default: the run's")
+        s.add_argument("--seed", type=int, default=1234)
+        s.add_argument("--ablate", default="none", choices=ABLATIONS,
+                       help="drop one carried part of the state after every chunk")
+        s.add_argument("--device", default="auto")
+        s.add_argument("--json", help="write the results to this JSON file")
+        s.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    from data_packing import DataError
+    from elephant.checkpoint import CheckpointError
+    from elephant.config import ConfigError
+    from elephant.hub import HubError
+    try:
+        if args.command == "eval":
+            return _eval(args)
+        return _train(args)
+    except (ConfigError, DataError, CheckpointError, HubError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

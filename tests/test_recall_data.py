@@ -1,0 +1,77 @@
+"""The synthetic recall source (data_packing/recall.py): exact distances and answer positions,
+disjoint splits, the corpus source and its config keys."""
+import numpy as np
+import pytest
+
+from data_packing import DataError, open_source
+from data_packing.recall import RecallTask, build_document, eval_document, keys
+from data_packing.tokenizer import ByteTokenizer, load_tokenizer
+
+SHARED = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.parametrize("distances", [[64], [128, 512, 4096], [70, 70, 1000]])
+def test_byte_distances_and_answers_are_exact(distances):
+    tok = ByteTokenizer()
+    doc = eval_document(np.random.default_rng(0), tok, distances, n_pairs=1)
+    text = tok.decode(doc.tokens.tolist())
+    assert [q.distance for q in doc.queries] == distances
+    value = None
+    for q in doc.queries:
+        answer = text[q.answer_start:q.answer_start + q.answer_len]
+        assert answer.isdigit() and len(answer) == 6
+        assert text[:q.answer_start].endswith("? It is ")
+        value = value or answer
+        assert answer == value                      # one fact, asked again and again
+    # the fact states the value, and the first query's distance is counted from its last digit
+    fact_end = text.index(value) + len(value) - 1
+    assert doc.queries[0].answer_start - fact_end == distances[0]
+
+
+def test_several_pairs_are_asked_by_key():
+    tok = ByteTokenizer()
+    doc = build_document(np.random.default_rng(1), tok, 3, [(2, 200), (0, 300), (1, 50)])
+    text = doc.text
+    for q in doc.queries:
+        asked = text[:q.answer_start].rsplit("What is the code of ", 1)[1].split("?")[0]
+        stated = text.split(f"The code of {asked} is ", 1)[1][:6]
+        assert text[q.answer_start:q.answer_start + 6] == stated
+
+
+def test_other_tokenizers_keep_answer_positions():
+    tok = load_tokenizer(SHARED / "tokenizers" / "gpt2")
+    doc = eval_document(np.random.default_rng(2), tok, [100, 1000], n_pairs=2)
+    for q in doc.queries:
+        answer = tok.decode(doc.tokens[q.answer_start:q.answer_start + q.answer_len].tolist())
+        assert answer.strip().isdigit() and len(answer.strip()) == 6
+        assert 0.8 * 100 <= q.distance
+
+
+def test_training_distribution_and_splits():
+    task = RecallTask(min_gap=16, max_gap=256, max_pairs=2, max_queries=3)
+    train = list(task.texts(1, 20))
+    again = list(task.texts(1, 20))
+    other = list(task.texts(2, 20))
+    assert train == again and not set(train) & set(other)
+    # a distance shorter than the query's own text cannot be met: it is as short as it can be
+    short = eval_document(np.random.default_rng(0), ByteTokenizer(), [16])
+    assert short.queries[0].distance == len("What is the code of ") + len(short.text.split(
+        "What is the code of ")[1].split("It is ")[0]) + len("It is ") + 3
+    assert all("What is the code of" in t for t in train)
+    assert len(keys()) == len(set(keys())) >= 800
+    src = open_source("recall", "valid", recall={"docs": 50, "min_gap": 16, "max_gap": 64})
+    docs = list(src)
+    assert len(docs) == 5 and src.identity["split"] == "valid"
+
+
+def test_bad_recall_settings_are_refused():
+    with pytest.raises(DataError, match="min_gap"):
+        RecallTask(min_gap=100, max_gap=10)
+    with pytest.raises(DataError, match="docs"):
+        open_source("recall", "train", recall={"docs": 0})
+    from elephant.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="recall_min_gap"):
+        load_config(None, ["data.source=recall", "data.recall_min_gap=500", "data.recall_max_gap=100"])
+    cfg = load_config(None, ["data.source=recall", "data.recall_max_pairs=3"])
+    assert cfg.data.source_options()["recall"]["max_pairs"] == 3
+    assert load_config(None, ["data.site_packages=true"]).data.source_options() == {"site_packages": True}
