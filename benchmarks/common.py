@@ -59,3 +59,33 @@ def environment() -> dict:
     except ImportError:
         pass
     return env
+
+
+def train_for_budget(trainer, budget_s: float, warm: int = 10, log_every: int = 25,
+                     name: str = "") -> list[dict]:
+    """Run `trainer.train_step()` until `budget_s` seconds of wall clock are spent. After `warm`
+    steps (compilation) the next `warm` are timed and `max_steps` is set to what fits the budget,
+    so the learning-rate schedule runs to its end. Returns the loss every `log_every` steps."""
+    import sys
+    cfg = trainer.cfg
+    cuda = trainer.rt.device.type == "cuda"
+    curve, t_start, t_warm = [], time.perf_counter(), None
+    total = cfg.train.max_steps
+    while trainer.step < total:
+        rec = trainer.train_step()
+        if trainer.step in (warm, 2 * warm):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if trainer.step == warm:
+                t_warm = now
+            else:
+                per_step = (now - t_warm) / warm
+                total = trainer.step + max(1, int((budget_s - (now - t_start)) / per_step))
+                cfg.train.max_steps = total
+        if trainer.step % log_every == 0 or trainer.step == total:
+            seconds = time.perf_counter() - t_start
+            curve.append({"step": trainer.step, "loss": rec["loss"], "seconds": seconds})
+            print(f"[{name}] step {trainer.step}/{total} loss {rec['loss']:.4f} {seconds:.0f}s",
+                  file=sys.stderr, flush=True)
+    return curve

@@ -9,6 +9,10 @@
 #           (BENCHES="model ssd" for a subset)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
+#   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
+#           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
+#   lmstudy benchmarks/lm_study.py: hybrid with memory vs a transformer of the same size, the same
+#           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u
@@ -47,6 +51,13 @@ for stage in $stages; do
       python benchmarks/train_summary.py /tmp/run-1gpu 1
       timeout 900 torchrun --standalone --nproc_per_node=2 train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-2gpu 2 /tmp/run-1gpu ;;
+    recall)
+      timeout 580 python benchmarks/recall_study.py --variants ${RECALL_VARIANTS:-hybrid,attention,replace,nomem} \
+        --budget-s ${RECALL_BUDGET:-290} --out $RES/recall_study --runs /tmp/recall-runs --long 1M \
+        data.cache_dir=/tmp/elephant-cache 2>&1 | tee "$LOGS/recall_study.log" | grep -v "step " | tail -60 ;;
+    lmstudy)
+      timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
+        --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

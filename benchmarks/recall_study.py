@@ -43,8 +43,7 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
 
 def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, distances: str,
                    long: str, lanes: int, runs: Path) -> dict:
-    import torch
-
+    from benchmarks.common import train_for_budget
     from elephant.config import load_config
     from elephant.recall import evaluate_recall, format_table, parse_count
     from elephant.trainer import Trainer
@@ -52,25 +51,8 @@ def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, 
     cfg = load_config(ROOT / "configs/recall.toml",
                       [f"train.run_dir={runs / name}", *VARIANTS[name], *overrides])
     trainer = Trainer(cfg, progress=False)
-    curve, t_start, warm = [], time.perf_counter(), 10
-    total = cfg.train.max_steps
-    while trainer.step < total:
-        rec = trainer.train_step()
-        if trainer.step == warm:                       # compile and warm-up done: fit the budget
-            if trainer.rt.device.type == "cuda":
-                torch.cuda.synchronize()
-            t_warm = time.perf_counter()
-        if trainer.step == 2 * warm:
-            if trainer.rt.device.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.perf_counter() - t_warm) / warm
-            total = trainer.step + max(1, int((budget_s - (time.perf_counter() - t_start)) / per_step))
-            cfg.train.max_steps = total
-        if trainer.step % 25 == 0 or trainer.step == total:
-            curve.append({"step": trainer.step, "loss": rec["loss"],
-                          "seconds": time.perf_counter() - t_start})
-            print(f"[{name}] step {trainer.step}/{total} loss {rec['loss']:.4f} "
-                  f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr, flush=True)
+    t_start = time.perf_counter()
+    curve = train_for_budget(trainer, budget_s, name=name)
     train_s = time.perf_counter() - t_start
     trainer.save()
     model = trainer.model

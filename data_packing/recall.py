@@ -225,12 +225,12 @@ class RecallTask:
             yield self.document(rng, tok).text
 
 
-def eval_document(rng: np.random.Generator, tokenizer, distances: list[int], n_pairs: int = 1
-                  ) -> RecallDocument:
+def eval_document(rng: np.random.Generator, tokenizer, distances: list[int], n_pairs: int = 1,
+                  digits: int = N_DIGITS) -> RecallDocument:
     """One evaluation document: `n_pairs` facts, then query j asks key j % n_pairs at distance
     distances[j] from that key's previous mention (n_pairs=1: one fact, asked again and again)."""
     plan = [(j % n_pairs, d) for j, d in enumerate(distances)]
-    return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)))
+    return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)), digits=digits)
 
 
 SPLIT_SEEDS = {"train": 1, "valid": 2, "test": 3}

@@ -32,6 +32,8 @@ class ModelConfig:
     n_mem: int = 0                   # RMT memory tokens read at the start / written at the end of a chunk
     mem_update: str = "gated"        # gated: m' = m + g (norm(w) - m), one gate per slot | replace: m' = w
     mem_gate_min: float = 0.05       # gates below this are exactly 0: memory persists bit for bit
+    mem_gate_init: float = 0.0       # initial gate logits spread from this (slot 0) to 0 (the last slot)
+    mem_write_cost: float = 0.0      # loss per token per unit of mean gate: write only what pays
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     rope_base: float = 10000.0
     qk_norm: bool = True             # RMS-normalize queries and keys before rotary
@@ -63,6 +65,7 @@ class ModelConfig:
                   "norm_eps", "init_std")
         _non_negative(self, "d_mlp", "n_mem", "kv_window")
         _choice(self, "mem_update", ("gated", "replace"))
+        _non_negative(self, "mem_write_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")
         if not self.layers or set(self.layers) - {"M", "A"}:

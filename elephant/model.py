@@ -97,11 +97,12 @@ class ElephantLM(nn.Module):
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)
             if cfg.mem_update == "gated":
-                # a gated memory holds normalized vectors (RMS 1): so does the initial memory;
-                # gates start half open (logit 0), so the first chunks write freely
+                # a gated memory holds normalized vectors (RMS 1): so does the initial memory
                 nn.init.normal_(self.mem_init, std=1.0)
                 nn.init.zeros_(self.mem_gate)
-                nn.init.zeros_(self.mem_gate_bias)
+                # many timescales from the start: slot 0 at logit mem_gate_init (< 0: slower, and
+                # exactly closed under mem_gate_min), the last slot half open
+                self.mem_gate_bias.copy_(torch.linspace(cfg.mem_gate_init, 0.0, cfg.n_mem))
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -220,12 +221,21 @@ class ElephantLM(nn.Module):
                 new.ssm.append(None)
                 new.kv.append(None if cache is None else cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
         if M:
-            new.memory = self.update_memory(state.memory, x[:, M + T:])
+            new.memory, gate = self._memory_update(state.memory, x[:, M + T:])
             x = x[:, M:M + T]
+        else:
+            gate = None
         logits = self.lm_head(self.norm_f(x))
         if targets is None:
             return logits, new
-        return self.loss(logits, targets, loss_mask, reduction), new
+        loss = self.loss(logits, targets, loss_mask, reduction)
+        if gate is not None and cfg.mem_write_cost and self.training and reduction != "none":
+            # the price of writing: mean gate per lane, charged for each of the chunk's tokens
+            # (training only: evaluation reports the cross-entropy alone)
+            per_lane = gate.mean(-1)                                      # (B,)
+            loss = loss + cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
+                                                else per_lane.mean())
+        return loss, new
 
     def update_memory(self, read: Tensor, written: Tensor) -> Tensor:
         """The next chunk's read memory from this chunk's `read` memory and the write slots'
@@ -237,18 +247,24 @@ class ElephantLM(nn.Module):
         when writing would have lowered the loss. Memory is kept in float32 so that repeated
         small updates do not round away. replace: m' = w (the plain RMT).
         """
+        return self._memory_update(read, written)[0]
+
+    def _memory_update(self, read: Tensor, written: Tensor) -> tuple[Tensor, Tensor | None]:
+        """update_memory, and the gates before the floor (B, n_mem) with their gradient (None
+        for `replace`): mem_write_cost charges them."""
         if self.cfg.mem_update == "replace":
-            return written
+            return written, None
         dtype = torch.promote_types(read.dtype, torch.float32)
         u = self.mem_norm(written.to(dtype))                               # (B, M, D)
         logit = (u * self.mem_gate.to(dtype)).sum(-1) + self.mem_gate_bias.to(dtype)  # (B, M)
-        g = torch.sigmoid(logit)
+        soft = torch.sigmoid(logit)
+        g = soft
         floor = self.cfg.mem_gate_min
         if floor > 0:  # exact zero forward, sigmoid gradient (straight-through)
-            g = g + (torch.where(g < floor, torch.zeros_like(g), g) - g).detach()
+            g = soft + (torch.where(soft < floor, torch.zeros_like(soft), soft) - soft).detach()
         self.last_mem_gate = g.detach()
         read = read.to(dtype)
-        return read + g.unsqueeze(-1) * (u - read)
+        return read + g.unsqueeze(-1) * (u - read), soft
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, loss_mask: Tensor | None = None,

@@ -67,13 +67,13 @@ def ablate(model, state, part: str):
 @torch.no_grad()
 def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
                     n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
-                    ablation: str = "none") -> dict:
+                    ablation: str = "none", digits: int = 6) -> dict:
     """Accuracy by distance over `lanes` documents streamed side by side (see the module doc).
     `ablation` drops one carried part of the state after every chunk (see `ablate`)."""
     from data_packing.recall import eval_document
 
     rng = np.random.default_rng(seed)
-    docs = [eval_document(rng, tokenizer, distances, n_pairs) for _ in range(lanes)]
+    docs = [eval_document(rng, tokenizer, distances, n_pairs, digits) for _ in range(lanes)]
     L = max(len(d.tokens) for d in docs)
     n_chunks = math.ceil((L - 1) / chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
@@ -149,6 +149,61 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         out["peak_mem_gb_at"] = peak
     return out
+
+
+def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int,
+                 gaps: tuple[int, int], digits: int = 6):
+    """`lanes` one-fact documents queried once at a distance in [gaps[0], gaps[1]], padded to whole
+    chunks: (tokens (lanes, C * chunk_len + 1), answer mask (lanes, C * chunk_len) over the
+    targets, C)."""
+    from data_packing.recall import build_document
+
+    docs = [build_document(rng, tokenizer, 1, [(0, int(rng.integers(gaps[0], gaps[1] + 1)))],
+                           lead=int(rng.integers(0, chunk_len)), digits=digits) for _ in range(lanes)]
+    n_chunks = -(-(max(len(d.tokens) for d in docs) - 1) // chunk_len)
+    tokens = np.zeros((lanes, n_chunks * chunk_len + 1), np.int64)
+    mask = np.zeros((lanes, n_chunks * chunk_len), bool)
+    for b, d in enumerate(docs):
+        tokens[b, :len(d.tokens)] = d.tokens
+        for q in d.queries:
+            mask[b, q.answer_start - 1:q.answer_start - 1 + q.answer_len] = True
+    return torch.from_numpy(tokens), torch.from_numpy(mask), n_chunks
+
+
+def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],
+                     digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0) -> list[dict]:
+    """A short training loop with the loss on the answer digits only: the signal a CPU can afford
+    (the CPU test and benchmarks/recall_cpu_study.py). Every document is one BPTT window, so
+    the model's bptt_chunks must cover it. With `start_max_gap`, a curriculum: the largest
+    distance grows geometrically from it to gaps[1] over the first half of the steps. Returns the
+    answer loss every 50 steps."""
+    from data_packing.tokenizer import ByteTokenizer
+
+    tok, rng, curve, t0 = ByteTokenizer(), np.random.default_rng(seed), [], time.perf_counter()
+    model.train()
+    for step in range(steps):
+        hi = gaps[1]
+        if start_max_gap:
+            grown = min(1.0, step / max(1, steps // 2))
+            hi = int(round(start_max_gap * (gaps[1] / start_max_gap) ** grown))
+        tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (gaps[0], hi), digits)
+        opt.set_step(step, steps)
+        state, loss = None, 0.0
+        for c in range(n_chunks):
+            x = tokens[:, c * chunk_len:c * chunk_len + chunk_len + 1]
+            nll, state = model(x[:, :-1], state, targets=x[:, 1:],
+                               loss_mask=mask[:, c * chunk_len:(c + 1) * chunk_len], reduction="sum")
+            loss = loss + nll
+        loss = loss / mask.sum()
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0 or step == steps - 1:
+            curve.append({"step": step, "answer_loss": loss.item(), "seconds": time.perf_counter() - t0})
+            if log:
+                log(f"step {step} answer loss {loss.item():.3f}")
+    return curve
 
 
 def format_table(result: dict, title: str = "") -> str:

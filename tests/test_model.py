@@ -240,3 +240,25 @@ def test_memory_config_is_validated():
         tiny(mem_update="sum").validate()
     with pytest.raises(ConfigError, match="mem_gate_min"):
         tiny(mem_gate_min=1.5).validate()
+
+
+def test_memory_write_cost_is_charged_in_training_only():
+    # mem_write_cost adds cost x mean gate per token to the training loss, pushing gates closed;
+    # evaluation (eval mode, or reduction="none") reports the cross-entropy alone.
+    tokens, targets = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 6))
+    free = make(n_mem=2, layers="AA")
+    paid = make(n_mem=2, layers="AA", mem_write_cost=0.5)
+    paid.load_state_dict(free.state_dict())
+    ce = free(tokens, targets=targets, reduction="sum")[0]
+    for model in (free, paid):
+        model.train()
+    loss = paid(tokens, targets=targets, reduction="sum")[0]
+    gates = paid.last_mem_gate                              # half open at init: 0.5 each
+    assert torch.allclose(loss, ce + 0.5 * gates.mean(-1).sum() * 6)
+    loss.backward()
+    assert (paid.mem_gate_bias.grad > 0).all()              # descending it closes the gates
+    paid.eval()
+    assert torch.equal(paid(tokens, targets=targets, reduction="sum")[0], ce)
+    paid.train()
+    nll = paid(tokens, targets=targets, reduction="none")[0]
+    assert torch.allclose(nll.sum(), ce)
