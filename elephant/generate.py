@@ -297,7 +297,11 @@ class Decoder:
 
 # ---------------------------------------------------------------------------------------------
 # sampling
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_settings(max_new_tokens: int, temperature: float, top_k: int | None,
+                   top_p: float | None) -> None:
+    """GenerationError (one line) for a setting generate cannot use."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise GenerationError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
@@ -393,9 +397,7 @@ def generate(model, prompt_ids, max_new_tokens: int = 256, temperature: float = 
     V = model.cfg.vocab_size
     vocab = min(V, vocab_size) if vocab_size else V
     prompts, single = _prompts(prompt_ids, vocab)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
+    check_settings(max_new_tokens, temperature, top_k, top_p)
     T = int(chunk_len) if chunk_len else training_chunk_len(config)
     device = model.embed.weight.device
     gen = torch.Generator(device=device)
