@@ -119,8 +119,10 @@ class Mamba2(nn.Module):
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
         window = torch.cat([conv_state.to(xBC.dtype), xBC.unsqueeze(2)], dim=2)  # (B, conv_dim, K)
         new_conv_state = window[:, :, 1:].to(conv_state.dtype)
-        w = self.conv1d.weight.to(window.dtype)[:, 0]                              # (conv_dim, K)
-        xBC = F.silu((window * w).sum(-1) + self.conv1d.bias.to(window.dtype))     # (B, conv_dim)
+        acc = torch.promote_types(window.dtype, torch.float32)  # accumulate as a conv kernel does
+        w = self.conv1d.weight.to(acc)[:, 0]                                       # (conv_dim, K)
+        xBC = ((window.to(acc) * w).sum(-1) + self.conv1d.bias.to(acc)).to(window.dtype)
+        xBC = F.silu(xBC)                                                          # (B, conv_dim)
         xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
 
         cdt = ssm_state.dtype                        # float32, or float64 for fp64 models
