@@ -157,6 +157,14 @@ def main() -> None:
         results["triton"] = triton.__version__
     except ImportError:
         pass
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
+    path = out / f"generate_{tag}.json"
+
+    def save():  # after every measurement: a run cut short keeps what it measured
+        path.write_text(json.dumps(results, indent=1))
+
     variants = [("eager", False, False), ("cuda_graph", True, False), ("compile+cuda_graph", True, True)]
     if smoke:
         variants = variants[:1]
@@ -176,6 +184,7 @@ def main() -> None:
                 results["decode"][key] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                           "trace": traceback.format_exc()[-1500:]}
             print(key, json.dumps(results["decode"][key]), flush=True)
+            save()
     name, graph, compiled = best or variants[0]
     results["memory"]["mode"] = name
     for batch, tokens in ((1, args.tokens), (big, args.batch_tokens)):
@@ -186,11 +195,7 @@ def main() -> None:
         except Exception as e:
             results["memory"][f"batch{batch}"] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                                   "trace": traceback.format_exc()[-1500:]}
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
-    path = out / f"generate_{tag}.json"
-    path.write_text(json.dumps(results, indent=1))
+        save()
     print(f"wrote {path}")
 
 
