@@ -5,6 +5,7 @@
     python eval.py --checkpoint runs/wt103-70m --split test \
         --baseline EleutherAI/pythia-70m-deduped --json wt103.json --plot positions.png
     python eval.py --checkpoint user/model --data wikitext-103 --data-path /data/wikitext-103-raw
+    python eval.py --checkpoint user/model --prompt "The elephant" --max-new-tokens 200  # sample
 
 Every document is streamed chunk by chunk with carried state (no context limit; memory does not
 grow with document length). Reported: token loss and perplexity, bits per byte and word perplexity
@@ -41,6 +42,16 @@ def parse(argv):
     p.add_argument("--push-to-hub", metavar="USER/NAME",
                    help="export the model with these results and upload it")
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("generation (instead of evaluation): stream a continuation to stdout")
+    g.add_argument("--prompt", help="text to continue (echoed before the continuation)")
+    g.add_argument("--prompt-file", help="read the prompt from this file (only the continuation is "
+                                         "printed); any length: it is read chunk by chunk")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=200, help="0: off (default 200)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off (default)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
+    g.add_argument("--eager", action="store_true", help="no CUDA graph for the decoding step")
     return p.parse_args(argv)
 
 
@@ -49,11 +60,14 @@ def main(argv=None) -> int:
     from data_packing import DataError
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError
+    from elephant.generate import GenerationError
     from elephant.hub import HubError
 
     try:
+        if args.prompt is not None or args.prompt_file is not None:
+            return run_generate(args)
         return run(args)
-    except (ConfigError, DataError, CheckpointError, HubError) as e:
+    except (ConfigError, DataError, CheckpointError, HubError, GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -137,6 +151,65 @@ def run(args) -> int:
             out = export_run(src, out, metrics=metrics, name=args.push_to_hub)
         url = push_to_hub(out, args.push_to_hub)
         print(f"pushed to {url}", file=sys.stderr)
+    return 0
+
+
+def run_generate(args) -> int:
+    """Stream a continuation of --prompt / --prompt-file to stdout (elephant.generate: the prompt
+    chunk by chunk, then token by token with carried state; memory stays flat)."""
+    import time
+
+    import torch
+
+    from elephant.generate import (GenerationError, TextStream, check_settings, generate,
+                                   training_chunk_len)
+    from elephant.hub import HubError, from_pretrained
+
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerationError(f"--prompt-file {args.prompt_file}: cannot read it "
+                                  f"({getattr(e, 'strerror', None) or e})") from None
+    else:
+        text = args.prompt
+    if not text:
+        raise GenerationError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device)
+    if args.tokenizer:
+        from data_packing import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None:
+        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
+                       f"names none (give --tokenizer)")
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise GenerationError("the prompt encodes to no tokens")
+    stream, out, eot = TextStream(tokenizer), sys.stdout, tokenizer.eot_id
+
+    def show(lane, token):
+        if token != eot:
+            out.write(stream.push(token))
+            out.flush()
+
+    if args.prompt_file is None:
+        out.write(text)
+        out.flush()
+    t0 = time.perf_counter()
+    new = generate(model, ids, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eot,
+                   chunk_len=args.chunk_len or training_chunk_len(config),
+                   vocab_size=tokenizer.vocab_size, stream=show,
+                   cuda_graph=False if args.eager else None)
+    seconds = time.perf_counter() - t0
+    out.write(stream.flush() + "\n")
+    print(f"[{len(ids)} prompt tokens, {len(new)} new in {seconds:.1f} s: "
+          f"{len(new) / max(seconds, 1e-9):.0f} tokens/s]", file=sys.stderr)
     return 0
 
 

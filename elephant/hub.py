@@ -201,7 +201,16 @@ def model_card(config: dict, n_params: int, name: str = "elephant model") -> str
             f'model, tokenizer, config = from_pretrained("{name}")  # a folder or a Hub id',
             "logits, state = model(tokens)           # tokens: (B, T) int64",
             "logits, state = model(next_tokens, state)  # the next chunk, carrying the state",
-            "```", ""]
+            "```", "", "## Generate", "", "```python", "from elephant import generate", "",
+            'ids = generate(model, tokenizer.encode("The elephant"), max_new_tokens=200,',
+            "               temperature=0.8, top_k=200, seed=0, config=config)",
+            "print(tokenizer.decode(ids))", "```", "",
+            "or from the command line, streaming the text as it is written:", "", "```bash",
+            f'python eval.py --checkpoint {name} --prompt "The elephant" --max-new-tokens 200',
+            "```", "",
+            "Generation carries the state as training did (memory read and written every "
+            "`train.chunk_len` tokens, the rolling attention window, the Mamba state advanced "
+            "token by token), so memory stays flat however long the text grows.", ""]
     return "\n".join(out)
 
 

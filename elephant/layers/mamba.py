@@ -106,3 +106,33 @@ class Mamba2(nn.Module):
             self.D, ssm_state, chunk_size=self.chunk_size)                        # y (B, L, H, P)
         y = self.norm(y.reshape(b, l, self.d_inner), z)
         return self.out_proj(y), new_conv_state, new_ssm_state
+
+    def step(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        """One token: x (B, d_model) -> (y (B, d_model), new conv_state, new ssm_state).
+
+        The recurrent form of `forward` for decoding (the same result as forward on a (B, 1, D)
+        input, without the chunked scan): the conv is a dot product over the window [carried
+        inputs | this input] and the SSM state advances by s = exp(dt A) s + dt x B^T, y = s C + D x.
+        """
+        b = x.shape[0]
+        zxbcdt = self.in_proj(x)
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
+        window = torch.cat([conv_state.to(xBC.dtype), xBC.unsqueeze(2)], dim=2)  # (B, conv_dim, K)
+        new_conv_state = window[:, :, 1:].to(conv_state.dtype)
+        acc = torch.promote_types(window.dtype, torch.float32)  # accumulate as a conv kernel does
+        w = self.conv1d.weight.to(acc)[:, 0]                                       # (conv_dim, K)
+        xBC = ((window.to(acc) * w).sum(-1) + self.conv1d.bias.to(acc)).to(window.dtype)
+        xBC = F.silu(xBC)                                                          # (B, conv_dim)
+        xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
+
+        cdt = ssm_state.dtype                        # float32, or float64 for fp64 models
+        fdt = torch.promote_types(dt.dtype, torch.float32)
+        dt = F.softplus(dt.to(fdt) + self.dt_bias.to(fdt)).to(cdt)                 # (B, H)
+        A = -torch.exp(self.A_log.to(fdt)).to(cdt)
+        xh = xs.reshape(b, self.heads, self.head_dim).to(cdt)                      # (B, H, P)
+        decay = torch.exp(dt * A)[:, :, None, None]                                # (B, H, 1, 1)
+        write = (dt[:, :, None] * xh)[..., None] * Bm.to(cdt)[:, None, None, :]    # (B, H, P, N)
+        new_ssm_state = decay * ssm_state + write
+        y = torch.einsum("bhpn,bn->bhp", new_ssm_state, Cm.to(cdt)) + self.D.to(cdt)[:, None] * xh
+        y = self.norm(y.reshape(b, self.d_inner).to(xs.dtype), z)
+        return self.out_proj(y), new_conv_state, new_ssm_state

@@ -1,0 +1,511 @@
+"""Sampling from a trained model with carried state: memory stays flat however long the text grows.
+
+    generate(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed) -> new token ids
+
+The model is run exactly as it was trained: every chunk of `chunk_len` tokens is framed as
+[read memory (n_mem) | tokens | write slots (n_mem)] (DESIGN.md, the chunk contract). The prompt's
+full chunks go through the chunked forward (`model(tokens, state, reset)`); then `Decoder` takes
+the carried state and goes on one token at a time:
+  * at a chunk's start the read-memory tokens run through every layer (their keys/values stay for
+    the chunk; Mamba layers advance through them);
+  * a token attends to [the frozen window of earlier chunks | this chunk's read memory | this
+    chunk's tokens so far]; Mamba layers advance their conv and SSM state by one token
+    (`Mamba2.step`);
+  * after `chunk_len` tokens the write slots run (attending to all of the above), the next read
+    memory is `model.update_memory(read, written)` and the window takes this chunk's token keys.
+The step path equals the chunked forward (tests/test_generate.py: fp64, logits to 1e-9).
+
+Shapes never change while decoding: each attention layer has one K/V buffer of
+W + n_mem + chunk_len + n_mem slots ([window | read memory | tokens | write slots]) with a per-lane
+fill index and one validity mask, so a token step is a fixed sequence of kernels that is captured
+once as a CUDA graph (optionally compiled first with torch.compile), and batch-1 decoding is not
+bound by Python overhead. Chunk boundaries (every chunk_len tokens) run eagerly.
+
+Lanes are independent documents: prompts of different lengths are consumed in lock step, a lane
+still inside its prompt is fed its next prompt token while the others sample; a lane's chunk
+boundary runs for it alone (the other lanes' state is restored).
+"""
+from __future__ import annotations
+
+import codecs
+import math
+import numbers
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .layers.attention import apply_rotary, rotary_cos_sin
+from .state import RecurrentState
+
+
+class GenerationError(ValueError):
+    """Bad input to generate (empty prompt, unknown tokens, bad sampling settings); one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the step path
+class Decoder:
+    """The static-shape decoding state of `batch` lanes and the step that advances it.
+
+        dec = Decoder(model, batch, chunk_len)              # fresh lanes (or state=... a state
+        logits = dec.step(tokens)                           #  after whole chunks of forward)
+        logits = dec.prefill(tokens)                        # several tokens of every lane at once
+
+    `step` returns the logits (B, V) after one token per lane; after the chunk_len-th token of a
+    lane's chunk its write slots, memory update and window roll run at once. `cuda_graph=True`
+    (CUDA only) replays the token step as a captured CUDA graph; `compile=True` compiles it first.
+    """
+
+    def __init__(self, model, batch: int, chunk_len: int, state: RecurrentState | None = None,
+                 cuda_graph: bool = False, compile: bool = False):
+        model = getattr(model, "_orig_mod", model)
+        self.model, self.cfg = model, model.cfg
+        self.B, self.T = batch, int(chunk_len)
+        if self.T < 1:
+            raise GenerationError(f"chunk_len must be >= 1, got {chunk_len}")
+        cfg = self.cfg
+        self.M, self.W = cfg.n_mem, cfg.kv_window
+        self.C = 2 * self.M + self.T                   # [read memory | tokens | write slots]
+        weight = model.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if state is None:
+            state = model.init_state(batch, device=self.device)
+        if state.lanes != batch:
+            raise GenerationError(f"state has {state.lanes} lanes, expected {batch}")
+        B, W, S = batch, self.W, self.W + self.C
+        self.pos = state.pos.clone()                                        # (B,) next token's position
+        self.fill = torch.zeros(B, dtype=torch.long, device=self.device)    # (B,) chunk slots used
+        self.valid = torch.zeros(B, S, dtype=torch.bool, device=self.device)  # (B, W + C)
+        self.kv: list[tuple[Tensor, Tensor] | None] = []
+        self.conv: list[Tensor | None] = []
+        self.ssm: list[Tensor | None] = []
+        for i, block in enumerate(model.blocks):
+            if block.kind == "M":
+                self.kv.append(None)
+                self.conv.append(state.conv[i].clone())
+                self.ssm.append(state.ssm[i].clone())
+                continue
+            H, hd = cfg.n_heads, cfg.head_dim
+            k = torch.zeros(B, H, S, hd, device=self.device, dtype=self.dtype)  # (B, H, W + C, hd)
+            v = torch.zeros_like(k)
+            cache = state.kv[i]
+            if cache is not None and W:
+                k[:, :, :W] = cache.k
+                v[:, :, :W] = cache.v
+                self.valid[:, :W] = cache.valid
+            self.kv.append((k, v))
+            self.conv.append(None)
+            self.ssm.append(None)
+        self.memory = None if state.memory is None else state.memory.clone()  # this chunk's read memory
+        self.phase = [0] * B        # host copy: tokens of the current chunk seen, per lane
+        self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
+        self._token_fn = self._token_step
+        if compile:
+            self._token_fn = torch.compile(self._token_step, dynamic=False)
+        self._graph = None
+        self._start_chunk(None)
+
+    # ---------------------------------------------------------------- public
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """One token per lane, tokens (B,) int64 -> logits (B, V)."""
+        if self.cuda_graph:
+            if self._graph is None:
+                self._capture()
+            self._tok.copy_(tokens)
+            self._graph.replay()
+            logits = self._logits
+        else:
+            logits = self._token_fn(tokens)
+        self.phase = [p + 1 for p in self.phase]
+        done = [p == self.T for p in self.phase]
+        if any(done):
+            self._boundary(done)
+        return logits
+
+    @torch.no_grad()
+    def prefill(self, tokens: Tensor, last_only: bool = False) -> Tensor:
+        """Several tokens of every lane at once, tokens (B, S), with every lane at the same point of
+        its chunk and S no more than what is left of the chunk -> logits (B, S, V) (B, V with
+        `last_only`). The same result as S steps."""
+        S = tokens.shape[1]
+        if len(set(self.phase)) != 1 or self.phase[0] + S > self.T:
+            raise GenerationError(f"prefill: {S} tokens do not fit the rest of every lane's chunk "
+                                  f"(at {sorted(set(self.phase))} of {self.T})")
+        model = self.model
+        x = self._blocks(model.embed(tokens), self.pos[:, None] + torch.arange(S, device=self.device))
+        self.pos += S
+        if last_only:
+            x = x[:, -1]
+        logits = model.lm_head(model.norm_f(x))
+        self.phase = [p + S for p in self.phase]
+        if self.phase[0] == self.T:
+            self._boundary([True] * self.B)
+        return logits
+
+    @torch.no_grad()
+    def reset(self, lanes: Sequence[bool] | Tensor) -> None:
+        """Start a new document in the flagged lanes (B,) bool: they forget everything and begin a
+        chunk with the learned initial memory, as `model(tokens, state, reset)` does."""
+        lanes = [bool(x) for x in (lanes.tolist() if isinstance(lanes, Tensor) else lanes)]
+        if not any(lanes):
+            return
+        keep = self._snapshot() if not all(lanes) else None
+        self.pos.zero_()
+        self.fill.zero_()
+        self.valid.zero_()
+        for t in self.conv + self.ssm:
+            if t is not None:
+                t.zero_()
+        if self.memory is not None:
+            self.memory = self.model.mem_init.detach().to(self.memory.dtype).expand_as(self.memory).clone()
+        self._start_chunk(None)
+        if keep is not None:
+            self._merge(lanes, keep)
+        self.phase = [0 if r else p for r, p in zip(lanes, self.phase)]
+
+    # ---------------------------------------------------------------- the layers
+    def _blocks(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Run x (B, S, D) at rotary positions pos (B, S) through every layer, appending its keys
+        and values at each lane's fill index and advancing the Mamba state; returns the final
+        hidden states (B, S, D). In place on the decoding state (CUDA-graph safe)."""
+        B, S, _ = x.shape
+        idx = self.W + self.fill[:, None] + torch.arange(S, device=self.device)   # (B, S)
+        self.valid.scatter_(1, idx, True)
+        keys = torch.arange(self.W + self.C, device=self.device)
+        # a query sees the valid window slots and the chunk slots up to its own
+        mask = self.valid[:, None, None, :] & (keys <= idx[:, :, None])[:, None]   # (B, 1, S, W + C)
+        for i, block in enumerate(self.model.blocks):
+            h = block.norm1(x)
+            if block.kind == "M":
+                if S == 1:
+                    h, conv, ssm = block.mixer.step(h[:, 0], self.conv[i], self.ssm[i])
+                    h = h[:, None]
+                else:
+                    h, conv, ssm = block.mixer(h, self.conv[i], self.ssm[i])
+                self.conv[i].copy_(conv)
+                self.ssm[i].copy_(ssm)
+            else:
+                h = self._attention(block.mixer, h, pos, self.kv[i], idx, mask)
+            x = x + h
+            if block.mlp is not None:
+                x = x + block.mlp(block.norm2(x))
+        self.fill += S
+        return x
+
+    @staticmethod
+    def _attention(mixer, x: Tensor, pos: Tensor, kv: tuple[Tensor, Tensor], idx: Tensor,
+                   mask: Tensor) -> Tensor:
+        """Attention.forward's projections and rotary, with this step's keys/values written into
+        the layer's buffer at idx (B, S) and the queries attending over the whole buffer."""
+        B, S, D = x.shape
+        H, hd = mixer.n_heads, mixer.head_dim
+        q, k, v = mixer.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
+        dtype = v.dtype
+        work = torch.promote_types(dtype, torch.float32)
+        q, k = q.to(work), k.to(work)
+        if mixer.q_norm is not None:
+            eps = mixer.q_norm.eps
+            q = F.rms_norm(q, (hd,), mixer.q_norm.weight.to(work), eps)
+            k = F.rms_norm(k, (hd,), mixer.k_norm.weight.to(work), eps)
+        cos, sin = rotary_cos_sin(pos, hd, mixer.rope_base, work)     # (B, 1, S, hd/2)
+        q = apply_rotary(q, cos, sin).to(dtype)
+        k = apply_rotary(k, cos, sin).to(dtype)
+        K, V = kv                                                     # (B, H, W + C, hd)
+        at = idx[:, None, :, None].expand(B, H, S, hd)
+        K.scatter_(2, at, k.to(K.dtype))
+        V.scatter_(2, at, v.to(V.dtype))
+        y = F.scaled_dot_product_attention(q, K.to(dtype), V.to(dtype), attn_mask=mask)
+        return mixer.o(y.transpose(1, 2).reshape(B, S, D))
+
+    def _token_step(self, tokens: Tensor) -> Tensor:
+        model = self.model
+        x = self._blocks(model.embed(tokens)[:, None], self.pos[:, None])
+        self.pos += 1
+        return model.lm_head(model.norm_f(x[:, 0]))
+
+    # ---------------------------------------------------------------- chunk boundaries
+    def _start_chunk(self, lanes) -> None:
+        """Read memory: run the read-memory tokens (no rotary position) at the chunk's start."""
+        if self.M:
+            pos = torch.full((self.B, self.M), -1, dtype=torch.long, device=self.device)
+            self._blocks(self.memory.to(self.dtype), pos)
+
+    def _end_chunk(self) -> None:
+        """Write slots -> next read memory; the window takes this chunk's token keys; new chunk."""
+        M, W, T = self.M, self.W, self.T
+        if M:
+            write = self.model.mem_write.to(self.dtype).unsqueeze(0).expand(self.B, -1, -1)
+            pos = torch.full((self.B, M), -1, dtype=torch.long, device=self.device)
+            written = self._blocks(write, pos)
+            self.memory = self.model.update_memory(self.memory, written)
+        if W:
+            for kv in self.kv:
+                if kv is not None:
+                    for t in kv:   # last W of [window | this chunk's tokens]
+                        t[:, :, :W] = torch.cat([t[:, :, :W], t[:, :, W + M:W + M + T]], dim=2)[:, :, -W:]
+            fresh = torch.ones(self.B, T, dtype=torch.bool, device=self.device)
+            self.valid[:, :W] = torch.cat([self.valid[:, :W], fresh], dim=1)[:, -W:]
+        self.valid[:, W:] = False
+        self.fill.zero_()
+        self._start_chunk(None)
+
+    def _boundary(self, lanes: list[bool]) -> None:
+        keep = None if all(lanes) else self._snapshot()
+        self._end_chunk()
+        if keep is not None:
+            self._merge(lanes, keep)
+        self.phase = [0 if d else p for d, p in zip(lanes, self.phase)]
+
+    def _tensors(self) -> list[Tensor]:
+        out = [self.pos, self.fill, self.valid]
+        out += [t for kv in self.kv if kv is not None for t in kv]
+        return out + [t for t in self.conv + self.ssm if t is not None]
+
+    def _snapshot(self) -> tuple[list[Tensor], Tensor | None]:
+        return [t.clone() for t in self._tensors()], self.memory
+
+    def _merge(self, lanes: list[bool], keep) -> None:
+        """Keep the snapshot's state in the lanes not flagged (in place: buffer addresses stay)."""
+        mask = torch.tensor(lanes, dtype=torch.bool, device=self.device)
+        old, memory = keep
+        for t, o in zip(self._tensors(), old):
+            t.copy_(torch.where(mask.view(-1, *([1] * (t.dim() - 1))), t, o))
+        if memory is not None:
+            self.memory = torch.where(mask.view(-1, 1, 1), self.memory, memory.to(self.memory.dtype))
+
+    # ---------------------------------------------------------------- CUDA graph
+    def _capture(self) -> None:
+        """Capture the token step once (after warm-up runs, whose effect on the state is undone)."""
+        keep = self._snapshot()
+        self._tok = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._token_fn(self._tok)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits = self._token_fn(self._tok)
+        for t, o in zip(self._tensors(), keep[0]):
+            t.copy_(o)
+        self._graph = graph
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling
+def check_settings(max_new_tokens: int, temperature: float, top_k: int | None,
+                   top_p: float | None) -> None:
+    """GenerationError (one line) for a setting generate cannot use."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise GenerationError(f"temperature must be a number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise GenerationError(f"top_k must be an integer >= 0 (0 or None: off), got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise GenerationError(f"top_p must be in (0, 1] (1 or None: off), got {top_p!r}")
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Next tokens (B,) from logits (B, V): greedy at temperature 0, else softmax(logits / T)
+    restricted to the top_k most likely tokens and to the smallest set whose probability reaches
+    top_p (the most likely token always stays)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p      # the mass before a token already reaches p
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+        logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+def training_chunk_len(config: dict | None, default: int | None = None) -> int:
+    """The chunk length a run trained with (config["train"]["chunk_len"], as from_pretrained
+    returns it), else `default`, else the training default."""
+    chunk = ((config or {}).get("train") or {}).get("chunk_len")
+    if chunk:
+        return int(chunk)
+    if default:
+        return int(default)
+    from .config import TrainConfig
+    return TrainConfig().chunk_len
+
+
+def _prompts(prompt_ids, vocab: int) -> tuple[list[list[int]], bool]:
+    """Validated prompts as lists of ints, and whether one prompt (not a batch) was given."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise GenerationError("prompt_ids: expected token ids, got text; encode it with the "
+                              "tokenizer first (tokenizer.encode(text))")
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dim() not in (1, 2):
+            raise GenerationError(f"prompt_ids: expected integer token ids of shape (T,) or (B, T), "
+                                  f"got {prompt_ids.dtype} of shape {tuple(prompt_ids.shape)}")
+        single = prompt_ids.dim() == 1
+        prompts = [prompt_ids.tolist()] if single else prompt_ids.tolist()
+    else:
+        seq = list(prompt_ids)
+        single = not seq or not isinstance(seq[0], (list, tuple, Tensor))
+        prompts = [seq] if single else [list(p.tolist() if isinstance(p, Tensor) else p) for p in seq]
+    if not prompts:
+        raise GenerationError("prompt_ids: no prompts given")
+    for b, p in enumerate(prompts):
+        where = "the prompt" if single else f"prompt {b}"
+        if not p:
+            raise GenerationError(f"{where} is empty: give at least one token (the model needs "
+                                  f"something to continue)")
+        for t in p:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+                raise GenerationError(f"{where} holds token {t!r}, outside the vocabulary "
+                                      f"(ids 0..{vocab - 1})")
+        prompts[b] = [int(t) for t in p]
+    return prompts, single
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, max_new_tokens: int = 256, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+             eos_id: int | None = None, chunk_len: int | None = None, config: dict | None = None,
+             vocab_size: int | None = None, stream: Callable[[int, int], None] | None = None,
+             cuda_graph: bool | None = None, compile: bool = False):
+    """Continue each prompt by up to `max_new_tokens` tokens with constant memory.
+
+    prompt_ids: token ids of one prompt (a list or a (T,) tensor) or of a batch (a list of lists,
+    any lengths, or a (B, T) tensor). Returns the new ids (the prompt excluded) as a list for one
+    prompt, a list of lists for a batch; a lane stops after `eos_id` (which it includes).
+    temperature 0 is greedy; top_k / top_p restrict the sampling (0 / 1 or None: off); `seed`
+    seeds this call's own torch.Generator, so the same call gives the same tokens.
+    chunk_len: the chunk framing (default: the training run's, from `config` as from_pretrained
+    returns it). vocab_size: sample only ids below it (a tokenizer's vocabulary is often smaller
+    than the model's padded one). stream(lane, token) is called for each new token as soon as it
+    is sampled. cuda_graph (default: on CUDA) replays the token step as a CUDA graph, `compile`
+    compiles it with torch.compile first.
+    """
+    model = getattr(model, "_orig_mod", model)
+    V = model.cfg.vocab_size
+    vocab = min(V, vocab_size) if vocab_size else V
+    prompts, single = _prompts(prompt_ids, vocab)
+    check_settings(max_new_tokens, temperature, top_k, top_p)
+    T = int(chunk_len) if chunk_len else training_chunk_len(config)
+    device = model.embed.weight.device
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(int(seed))
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda"
+
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    L0 = min(lengths)
+    padded = torch.zeros(B, max(lengths), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, :len(p)] = torch.tensor(p)
+    padded = padded.to(device)
+
+    # the prompt: whole chunks common to every lane through the chunked forward, the rest of the
+    # common part as one prefill, then lanes with longer prompts are fed theirs token by token
+    full = (L0 - 1) // T          # keep >= 1 token for the decoder, so the last logits come from it
+    state = None
+    for c in range(full):
+        _, state = model(padded[:, c * T:(c + 1) * T], state)
+    dec = Decoder(model, B, T, state=state, cuda_graph=cuda_graph, compile=compile)
+    start = full * T
+    logits = dec.prefill(padded[:, start:L0], last_only=True)     # 1..T tokens
+
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    forced_until = max(lengths) - L0      # steps during which some lane still reads its prompt
+    total = forced_until + max_new_tokens
+    flush_every = 1 if (stream is not None or eos_id is not None) else 256
+    pending: list[Tensor] = []            # sampled tokens (B,) not yet copied to the host
+    first_step = L0                       # prompt position of the token fed at step s: L0 + s
+
+    def flush():
+        if not pending:
+            return
+        rows = torch.stack(pending, 1).tolist()          # (B, n)
+        s0 = flush.step
+        for j in range(len(pending)):
+            s = s0 + j
+            for b in range(B):
+                g = first_step + s - lengths[b]          # index of the lane's new token, if >= 0
+                if g < 0 or done[b] or len(out[b]) >= max_new_tokens:
+                    continue
+                tok = rows[b][j]
+                out[b].append(tok)
+                if stream is not None:
+                    stream(b, tok)
+                if tok == eos_id or len(out[b]) >= max_new_tokens:
+                    done[b] = True
+        flush.step += len(pending)
+        pending.clear()
+    flush.step = 0
+
+    for s in range(total):
+        if vocab < V:
+            logits = logits[:, :vocab]
+        nxt = sample(logits, temperature, top_k, top_p, gen)           # (B,)
+        pending.append(nxt)
+        if s < forced_until:     # lanes still inside their prompt are fed their next prompt token
+            col = min(L0 + s, padded.shape[1] - 1)
+            forced = torch.tensor([L0 + s < n for n in lengths], device=device)
+            nxt = torch.where(forced, padded[:, col], nxt)
+        if len(pending) >= flush_every or s == total - 1:
+            flush()
+            if all(done):
+                break
+        if s < total - 1:
+            logits = dec.step(nxt)
+    flush()
+    return out[0] if single else out
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming text
+class TextStream:
+    """Token ids in, printable text out, as soon as it is final: a multi-byte UTF-8 character split
+    over several tokens is held back until it is complete (bytes tokenizer: an incremental UTF-8
+    decoder; other tokenizers: decode the ids since the last whitespace and hold a trailing
+    replacement character)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.bytes = getattr(tokenizer, "name", "") == "bytes"
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> str:
+        if self.bytes:
+            return self.utf8.decode(bytes([token])) if 0 <= token < 256 else ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[self.shown:]
+        if text[-1:].isspace():
+            self.ids, self.shown = [], 0
+        else:
+            self.shown = len(text)
+        return new
+
+    def flush(self) -> str:
+        if self.bytes:
+            return self.utf8.decode(b"", final=True)
+        text = self.tokenizer.decode(self.ids) if self.ids else ""
+        self.ids, self.shown, new = [], 0, text[self.shown:]
+        return new
