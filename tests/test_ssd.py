@@ -293,3 +293,21 @@ def test_triton_half_precision_path():
     for name, a, r, t in zip("x dt A B C D initial_state".split(), g, g_ref, half):
         assert a.dtype == t.dtype, name
         assert rel_err(a, r) < 5e-3, name
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n,init,D", [
+    (2, 70, 2, 1, 16, 16, True, True),     # boundaries inside chunks, at a chunk edge, at the end
+    (2, 40, 4, 2, 16, 32, False, True),    # two groups, no initial state
+    (2, 5, 2, 1, 20, 16, True, False),     # shorter than a chunk
+])
+def test_triton_with_boundaries_equals_chunked(b, l, h, g, p, n, init, D):
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    inputs = make_inputs(b, l, h, g, p, n, dtype=torch.float32, init=init, D=D)
+    seg = make_seg(b, l, n_starts=min(3, l - 1), first=True)
+    y, s, g_tri = grads(ssd_triton, inputs, chunk_size=16, seg=seg)
+    y_ref, s_ref, g_ref = grads(ssd_chunked, inputs, chunk_size=16, seg=seg)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    names = [k for k, t in zip("x dt A B C D initial_state".split(), inputs) if t is not None]
+    for name, a, r in zip(names, g_tri, g_ref):
+        assert rel_err(a, r) < 1e-5, name
