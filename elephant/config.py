@@ -141,6 +141,10 @@ class DataConfig:
     cache_dir: str = "cache"         # tokenized corpora, one folder per fingerprint
     text_field: str = "text"         # for .jsonl / .parquet text sources
     append_eot: bool = True          # an end-of-document token after every document
+    pack: bool = True                # training rows hold documents back to back (exact per-token
+                                     # boundaries, no padding); false: one document per row, padded
+    pack_eval: bool = False          # the same for the validation pass (faster on short documents;
+                                     # with memory on, the numbers differ slightly from unpacked ones)
 
     def validate(self) -> None:
         _choice(self, "source", ("pycode", "wikitext-103", "wikitext-2", "fineweb", "fineweb-edu",
