@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu.sh [tests] [bench] [train] [train2]      (default: tests bench train)
 #
 #   tests   python -m pytest -m gpu tests/
-#   bench   benchmarks/bench_{ssd,layers,optim,model,generate}.py -> benchmarks/results/*.json
-#           (BENCHES="model ssd" for a subset; BENCHES=generate: decoding speed and memory, ~3 min)
+#   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
+#           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
@@ -39,7 +39,7 @@ for stage in $stages; do
     tests)
       timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
     bench)
-      for b in ${BENCHES:-ssd layers optim model generate}; do
+      for b in ${BENCHES:-ssd layers optim model packing generate}; do
         echo "--- bench_$b"
         timeout $([ "$b" = generate ] && echo 420 || echo 300) python benchmarks/bench_$b.py 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
       done ;;

@@ -3,7 +3,9 @@ carried state, so there is no context limit and memory does not grow with docume
 
 Used by the trainer's validation pass and by eval.py. Every token of a document but the first is
 predicted once (the first has no context: the model has no beginning-of-document token), and the
-end-of-document token when the corpus appends one. Bits per byte and word perplexity divide the same
+end-of-document token when the corpus appends one. With `pack=True` the documents lie back to back in
+the rows (the batcher's packing, exact per-token boundaries): the same documents are scored exactly
+once into the same per-document sums, in fewer chunks on corpora of short documents. Bits per byte and word perplexity divide the same
 summed NLL by the UTF-8 bytes and whitespace-separated words of the documents' raw text.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ def subset(corpus, max_docs: int):
 
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
-             rank: int = 0, world: int = 1, progress: bool = False) -> dict:
+             rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics.
 
     With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
@@ -61,7 +63,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     was_training = model.training
     model.eval()
     batcher = RollingChunkBatcher(corpus, lanes=lanes, chunk_len=chunk_len, seed=0, rank=rank,
-                                  world_size=world, loop=False, shuffle=False)
+                                  world_size=world, loop=False, shuffle=False, pack=pack)
     doc_nll = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)  # last slot: idle lanes
     doc_tok = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)
     meter = NLLMeter()
@@ -72,23 +74,24 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=int(steps), desc="evaluating", unit=" chunks", dynamic_ncols=True)
+    idx = torch.arange(chunk_len, device=device)
     for batch in batcher:
         tokens = batch.tokens.to(device, non_blocking=True)
         mask = batch.loss_mask.to(device)
-        reset = batch.reset.to(device)
+        starts = batch.starts.to(device)
         with autocast() if autocast else nullcontext():
-            nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], loss_mask=mask,
-                               reduction="none")
+            nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:], loss_mask=mask,
+                               reduction="none", starts=starts if pack else None)
         nll = nll.double()
-        ids = batch.doc_ids.to(device).clone()
+        ids = batch.token_doc_ids.to(device).clone()                   # (B, T) document of each input
         ids[ids < 0] = n_docs
-        doc_nll.index_add_(0, ids, nll.sum(1))
-        doc_tok.index_add_(0, ids, mask.sum(1).double())
-        lane_pos = torch.where(reset, torch.zeros_like(lane_pos), lane_pos)
-        # position of each target within its document: the first target is token 1
-        positions = lane_pos[:, None] + torch.arange(1, tokens.shape[1], device=device)
-        meter.add_positions(nll[mask].cpu(), positions[mask].cpu())
-        lane_pos = lane_pos + chunk_len
+        doc_nll.index_add_(0, ids.flatten(), nll.flatten())
+        doc_tok.index_add_(0, ids.flatten(), mask.flatten().double())
+        # position of each input within its document (restarting at each start); its target is +1
+        last = torch.where(starts, idx, -1).cummax(1).values           # (B, T) latest start
+        inputs_pos = torch.where(last >= 0, idx - last, lane_pos[:, None] + idx)
+        meter.add_positions(nll[mask].cpu(), (inputs_pos + 1)[mask].cpu())
+        lane_pos = torch.where(last[:, -1] >= 0, chunk_len - last[:, -1], lane_pos + chunk_len)
         if bar is not None:
             bar.update(1)
     if bar is not None:

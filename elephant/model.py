@@ -38,18 +38,26 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
-    def forward(self, x: Tensor, pos: Tensor, layer_state: tuple) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
+                init: tuple | None = None) -> tuple[Tensor, tuple]:
+        """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
+        initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
+        attention: (k, v)), see ElephantLM.forward."""
         h = self.norm1(x)
         if self.kind == "M":
             conv, ssm = layer_state
-            h, conv, ssm = self.mixer(h, conv, ssm)
+            if seg is None:
+                h, conv, ssm = self.mixer(h, conv, ssm)
+            else:
+                h, conv, ssm = self.mixer(h, conv, ssm, seg=seg, init=init)
             new_state = (conv, ssm)
         else:
             cache: KVCache | None = layer_state
+            extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0], prefix_v=init and init[1])
             if cache is None:
-                h, k, v = self.mixer(h, pos)
+                h, k, v = self.mixer(h, pos, **extra)
             else:
-                h, k, v = self.mixer(h, pos, cache.k, cache.v, cache.valid)
+                h, k, v = self.mixer(h, pos, cache.k, cache.v, cache.valid, **extra)
             new_state = (k, v)
         x = x + h
         if self.mlp is not None:
@@ -175,13 +183,19 @@ class ElephantLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
                 targets: Tensor | None = None, loss_mask: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, RecurrentState]:
+                reduction: str = "mean", starts: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
         """One chunk of every lane.
 
         tokens (B, T) int64; state from the previous chunk (None: a fresh state); reset (B,) bool
         lanes that start a new document with this chunk. Returns the logits (B, T, V), or with
         `targets` (B, T) the cross-entropy over `loss_mask` (reduction mean / sum / none), and the
         state to feed with the next chunk.
+
+        Packed documents: `starts` (B, T) bool marks the first token of every document in the chunk
+        (`starts[:, 0]` acts as `reset`). A document that starts at token t > 0 sees exactly what it
+        would see starting a chunk after a reset: rotary positions from 0, no key of the document
+        before it, zero Mamba state, and with memory the learned initial memory (see `init_prefix`).
+        The returned state is each lane's last document's.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -190,14 +204,35 @@ class ElephantLM(nn.Module):
             reset = torch.ones(B, dtype=torch.bool, device=tokens.device)
         elif state.lanes != B:
             raise ValueError(f"state has {state.lanes} lanes but tokens have {B} rows")
+        if starts is not None:
+            if starts.shape != (B, T):
+                raise ValueError(f"starts must be (B, T) = {(B, T)} bool, got {tuple(starts.shape)}")
+            starts = starts.to(device=tokens.device, dtype=torch.bool)
+            reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
         if state.chunks >= cfg.bptt_chunks:
             state = state.detach()
         if reset is not None:
             state = state.reset(reset, self.mem_init if cfg.n_mem else None)
 
         x = self.embed(tokens)                                            # (B, T, D)
-        tok_pos = state.pos.unsqueeze(1) + torch.arange(T, device=tokens.device)  # (B, T)
+        idx = torch.arange(T, device=tokens.device)
+        tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
+        new_pos = state.pos + T
         M = cfg.n_mem
+        seg = prefix = None
+        if starts is not None:
+            inner = starts.clone()
+            inner[:, 0] = False                                           # a start at 0 is the reset
+            tok_seg = inner.long().cumsum(1)                              # (B, T) 0: the carried document
+            last = torch.where(inner, idx, -1).cummax(1).values          # (B, T) latest start, -1: none
+            tok_pos = torch.where(last >= 0, idx - last, tok_pos)        # rotary restarts at a start
+            started = last[:, -1] >= 0                                    # (B,) last document began here
+            new_pos = torch.where(started, T - last[:, -1], new_pos)
+            seg = tok_seg
+            if M:
+                last_seg = tok_seg[:, -1:]
+                seg = torch.cat([tok_seg.new_zeros(B, M), tok_seg, last_seg.expand(B, M)], dim=1)
+                prefix = self.init_prefix(x.dtype)
         if M:
             mem = state.memory.to(x.dtype)
             write = self.mem_write.to(x.dtype).unsqueeze(0).expand(B, -1, -1)
@@ -207,21 +242,31 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
 
-        new = RecurrentState(pos=state.pos + T, chunks=state.chunks + 1)
+        new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
         for i, block in enumerate(self.blocks):
+            init = None if prefix is None else prefix[i]
             if block.kind == "M":
-                x, (conv, ssm) = block(x, pos, (state.conv[i], state.ssm[i]))
+                x, (conv, ssm) = block(x, pos, (state.conv[i], state.ssm[i]), seg=seg, init=init)
                 new.kv.append(None)
                 new.conv.append(conv)
                 new.ssm.append(ssm)
             else:
                 cache = state.kv[i]
-                x, (k, v) = block(x, pos, cache)
+                x, (k, v) = block(x, pos, cache, seg=seg, init=init)
                 new.conv.append(None)
                 new.ssm.append(None)
-                new.kv.append(None if cache is None else cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
+                if cache is None:
+                    new.kv.append(None)
+                elif starts is None:
+                    new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
+                else:  # keep only the keys of each lane's last document
+                    new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T],
+                                               new_valid=tok_seg == tok_seg[:, -1:], keep=~started))
         if M:
-            new.memory, gate = self._memory_update(state.memory, x[:, M + T:])
+            read = state.memory
+            if starts is not None:  # a document that began in this chunk read the initial memory
+                read = torch.where(started[:, None, None], self.mem_init.to(read.dtype), read)
+            new.memory, gate = self._memory_update(read, x[:, M + T:])
             x = x[:, M:M + T]
         else:
             gate = None
@@ -236,6 +281,27 @@ class ElephantLM(nn.Module):
             loss = loss + cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
                                                 else per_lane.mean())
         return loss, new
+
+    def init_prefix(self, dtype=None) -> list[tuple]:
+        """What a document sees of the initial memory, per layer: the blocks run over `mem_init`
+        alone (one lane, fresh state, with gradient). A lane that starts a document at a chunk
+        start reads `mem_init` as its memory prefix from an empty cache and a zero Mamba state, so
+        these are exactly its prefix's keys/values (attention: (k, v), (1, H, M, hd)) and Mamba
+        state after the prefix ((conv tail (conv_dim, d_conv - 1), SSM state (H, P, N))); a
+        document that starts inside a chunk is given them instead of its lane's read memory."""
+        cfg = self.cfg
+        x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
+        pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)
+        fresh = self.init_state(1, device=x.device, dtype=x.dtype)
+        out = []
+        for i, block in enumerate(self.blocks):
+            if block.kind == "M":
+                x, (conv, ssm) = block(x, pos, (fresh.conv[i], fresh.ssm[i]))
+                out.append((conv[0], ssm[0]))
+            else:
+                x, (k, v) = block(x, pos, None)
+                out.append((k, v))
+        return out
 
     def update_memory(self, read: Tensor, written: Tensor) -> Tensor:
         """The next chunk's read memory from this chunk's `read` memory and the write slots'

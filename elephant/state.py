@@ -22,13 +22,19 @@ class KVCache:
     v: Tensor       # (B, H, W, hd)
     valid: Tensor   # (B, W) bool: slots that hold a key of the lane's current document
 
-    def append(self, k: Tensor, v: Tensor) -> "KVCache":
-        """The window after this chunk: the last W of [cache | new keys]. No gradient is kept."""
+    def append(self, k: Tensor, v: Tensor, new_valid: Tensor | None = None,
+               keep: Tensor | None = None) -> "KVCache":
+        """The window after this chunk: the last W of [cache | new keys]. No gradient is kept.
+
+        Packed documents: `new_valid` (B, S_new) marks the new keys of the lane's current (last)
+        document, `keep` (B,) whether the cached keys still belong to it (all valid / kept: None)."""
         W = self.k.shape[2]
         k = torch.cat([self.k, k.detach().to(self.k.dtype)], dim=2)
         v = torch.cat([self.v, v.detach().to(self.v.dtype)], dim=2)
-        fresh = torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W)  # (B, S_new)
-        valid = torch.cat([self.valid, fresh], dim=1)[:, -W:]
+        old = self.valid if keep is None else self.valid & keep[:, None]
+        fresh = (torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W) if new_valid is None
+                 else new_valid)                                              # (B, S_new)
+        valid = torch.cat([old, fresh], dim=1)[:, -W:]
         return KVCache(k[:, :, -W:].contiguous(), v[:, :, -W:].contiguous(), valid.contiguous())
 
 

@@ -109,7 +109,7 @@ class Trainer:
         shards = rt.world * t.grad_accum
         self.batchers = [RollingChunkBatcher(self.train_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
                                              seed=t.seed, rank=rt.rank * t.grad_accum + g,
-                                             world_size=shards)
+                                             world_size=shards, pack=cfg.data.pack)
                          for g in range(t.grad_accum)]
         self.iters = [iter(b) for b in self.batchers]
         self.states = [self.model.init_state(t.lanes) for _ in range(t.grad_accum)]
@@ -185,10 +185,12 @@ class Trainer:
             state, loss = self.states[g], 0.0
             for b in batches:
                 tokens = b.tokens.to(rt.device, non_blocking=True)
+                starts = b.starts.to(rt.device, non_blocking=True) if cfg.data.pack else None
                 with rt.autocast():
                     nll, state = self.model(tokens[:, :-1], state, b.reset.to(rt.device),
                                             targets=tokens[:, 1:],
-                                            loss_mask=b.loss_mask.to(rt.device), reduction="sum")
+                                            loss_mask=b.loss_mask.to(rt.device), reduction="sum",
+                                            starts=starts)
                 loss = loss + nll
             # the optimizers average gradients over ranks: scale so the average is the global mean
             (loss * (rt.world / count.clamp(min=1).float())).backward()
@@ -223,7 +225,7 @@ class Trainer:
         t = self.cfg.train
         return evaluate(self.model, self.valid_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
                         device=self.rt.device, autocast=self.rt.autocast, max_docs=t.eval_docs,
-                        rank=self.rt.rank, world=self.rt.world)
+                        rank=self.rt.rank, world=self.rt.world, pack=self.cfg.data.pack_eval)
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict:

@@ -136,3 +136,116 @@ def test_a_rank_without_documents_is_refused_when_looping():
     with pytest.raises(DataError, match=r"rank 2 of 3 gets no documents"):
         RollingChunkBatcher(corpus_of([1, 4, 4]), lanes=2, chunk_len=4, rank=2, world_size=3)
     assert list(RollingChunkBatcher(corpus_of([1, 4, 4]), 2, 4, rank=2, world_size=3, loop=False)) == []
+
+
+# --- packing: documents back to back inside a row, with exact per-token boundaries -------------
+
+def replay_packed(batcher):
+    """Rebuild each document from packed batches through the per-token fields: {doc: targets}."""
+    targets, firsts, lane_of = {}, {}, {}
+    for batch in batcher:
+        T = batch.loss_mask.shape[1]
+        assert torch.equal(batch.reset, batch.starts[:, 0])
+        assert torch.equal(batch.doc_ids, batch.token_doc_ids[:, 0])
+        for b in range(batch.tokens.shape[0]):
+            row, ids, starts = batch.tokens[b].tolist(), batch.token_doc_ids[b].tolist(), batch.starts[b]
+            for t in range(T):
+                d = ids[t]
+                new = t == 0 and d >= 0 and d not in lane_of or t > 0 and d >= 0 and d != ids[t - 1]
+                assert bool(starts[t]) == (new and (t > 0 or d not in lane_of)), (t, d)
+                if starts[t]:
+                    assert d not in firsts
+                    firsts[d], lane_of[d] = row[t], b
+                if d >= 0:
+                    assert lane_of[d] == b  # a document stays in its lane
+                nxt = ids[t + 1] if t + 1 < T else None
+                if batch.loss_mask[b, t]:
+                    assert d >= 0 and (nxt is None or nxt == d)
+                    targets.setdefault(d, []).append(row[t + 1])
+                else:  # masked: padding, or the target across a boundary
+                    assert d < 0 or (nxt is not None and nxt != d) or t == T - 1
+    return firsts, targets
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=25), lanes=st.integers(1, 6),
+       chunk_len=st.integers(1, 9), seed=st.integers(0, 2**32 - 1))
+def test_packed_epoch_yields_every_token_once_in_order(lengths, lanes, chunk_len, seed):
+    corpus = corpus_of(lengths)
+    batcher = RollingChunkBatcher(corpus, lanes, chunk_len, seed=seed, loop=False, pack=True)
+    firsts, targets = replay_packed(batcher)
+    readable = [i for i, n in enumerate(lengths) if n >= 2]
+    assert sorted(firsts) == sorted(targets) == readable
+    for d in readable:
+        doc = corpus.doc(d).tolist()
+        assert firsts[d] == doc[0] and targets[d] == doc[1:]
+    assert batcher.docs_completed == len(readable)
+    assert batcher.real_tokens == sum(n - 1 for n in lengths if n >= 2)
+
+
+def test_packed_rows_are_full_and_boundaries_are_per_token():
+    batcher = RollingChunkBatcher(corpus_of([3, 6, 9]), lanes=1, chunk_len=8, seed=0, shuffle=False,
+                                  pack=True, loop=False)
+    first = next(batcher)
+    assert first.tokens[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert first.starts[0].tolist() == [True, False, False, True, False, False, False, False]
+    assert first.token_doc_ids[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert first.loss_mask[0].tolist() == [True, True, False, True, True, True, True, True]
+    # doc 1's last token was the row's last target: doc 2 starts the next chunk with reset
+    second = next(batcher)
+    assert second.tokens[0].tolist() == [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    assert second.reset.tolist() == [True] and second.doc_ids.tolist() == [2]
+    assert second.starts[0].tolist() == [True] + [False] * 7
+
+    batcher = RollingChunkBatcher(corpus_of([12, 4]), lanes=1, chunk_len=8, seed=0, shuffle=False,
+                                  pack=True, loop=False)
+    next(batcher)  # doc 0 goes on in the next chunk (token 9 again: chunks overlap by one)
+    second = next(batcher)
+    assert second.tokens[0].tolist() == [9, 10, 11, 12, 13, 14, 15, 16, 0]
+    assert second.starts[0].tolist() == [False, False, False, False, True, False, False, False]
+    assert second.token_doc_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert second.loss_mask[0].tolist() == [True, True, True, False, True, True, True, False]
+    assert not second.reset[0] and second.doc_ids.tolist() == [0]
+
+
+def test_packed_fill_is_at_least_098_on_short_web_like_documents():
+    rng = np.random.default_rng(0)
+    lengths = np.maximum(2, rng.lognormal(np.log(150) - 0.5 ** 2 / 2 * 4, 1.0, size=3000)).astype(int)
+    assert 120 < lengths.mean() < 180
+    corpus = corpus_of(lengths.tolist())
+    packed = RollingChunkBatcher(corpus, lanes=8, chunk_len=256, seed=0, pack=True)
+    unpacked = RollingChunkBatcher(corpus, lanes=8, chunk_len=256, seed=0)
+    for _ in range(100):
+        next(packed), next(unpacked)
+    assert packed.fill >= 0.98 and unpacked.fill < 0.6
+
+
+@pytest.mark.parametrize("loop, stop_after", [(True, 17), (True, 60), (False, 9)])
+def test_packed_resume_mid_stream_gives_the_identical_remaining_stream(loop, stop_after):
+    lengths = np.random.default_rng(0).integers(1, 60, size=30).tolist()
+    make = lambda: RollingChunkBatcher(corpus_of(lengths), lanes=3, chunk_len=7, seed=11, loop=loop,
+                                       pack=True)
+    original = make()
+    for _ in range(stop_after):
+        next(original)
+    state = json.loads(json.dumps(original.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = lambda b: [next(b, None) for _ in range(40)]
+    for a, b in zip(rest(original), rest(resumed)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            for field in ("tokens", "reset", "loss_mask", "doc_ids", "starts", "token_doc_ids"):
+                assert torch.equal(getattr(a, field), getattr(b, field))
+    assert original.state_dict() == resumed.state_dict()
+
+
+def test_resume_refuses_a_different_packing_and_reads_version_1_unpacked():
+    unpacked = RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0)
+    state = unpacked.state_dict()
+    with pytest.raises(DataError, match=r"saved with pack=False, this batcher has pack=True"):
+        RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0, pack=True).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "pack"} | {"version": 1}
+    RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0).load_state_dict(old)
+    with pytest.raises(DataError, match=r"version 1.*data.pack=false"):
+        RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0, pack=True).load_state_dict(old)

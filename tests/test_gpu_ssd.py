@@ -44,14 +44,14 @@ def run(fn, inputs, wy, wf, **kw):
     return y, final, torch.autograd.grad(loss, live)
 
 
-def check_against_reference(inputs, chunk_size, dtype):
+def check_against_reference(inputs, chunk_size, dtype, seg=None):
     ref_inputs = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
     b, l, h, p = inputs[0].shape
     gen = torch.Generator(device=DEVICE).manual_seed(123)
     wy = torch.randn(b, l, h, p, device=DEVICE, generator=gen, dtype=torch.float64)
     wf = torch.randn(b, h, p, inputs[3].shape[-1], device=DEVICE, generator=gen, dtype=torch.float64)
-    y, final, grads = run(ssd_triton.ssd_triton, inputs, wy, wf, chunk_size=chunk_size)
-    y_ref, final_ref, grads_ref = run(ssd_chunked, ref_inputs, wy, wf, chunk_size=chunk_size)
+    y, final, grads = run(ssd_triton.ssd_triton, inputs, wy, wf, chunk_size=chunk_size, seg=seg)
+    y_ref, final_ref, grads_ref = run(ssd_chunked, ref_inputs, wy, wf, chunk_size=chunk_size, seg=seg)
     assert y.dtype == dtype and final.dtype == torch.float32
     tol = REL_TOL[dtype]
     errors = {"y": rel_err(y, y_ref), "final_state": rel_err(final, final_ref)}
@@ -137,6 +137,92 @@ def test_mamba2_triton_equals_reference_on_cuda(compiled):
     tol = REL_TOL[torch.bfloat16]
     assert rel_err(y_t, y_r) < tol and rel_err(s_t, s_r) < tol
     names = [n for n, _ in m.named_parameters()] + ["conv_state", "ssm_state"]
+    errors = {n: rel_err(a, b) for n, a, b in zip(names, g_t, g_r)}
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
+
+
+# --- document boundaries (packed sequences) -------------------------------------------------------
+
+def make_seg(b, l, mean_len, chunk, seed=0):
+    """Segment ids like packed documents: log-normal lengths around `mean_len`, plus boundaries at a
+    chunk edge, one token before and after it, and on the last token (row 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.zeros(b, l, dtype=torch.long)
+    for r in range(b):
+        t = 0
+        while True:
+            t += max(1, int(torch.empty(1).log_normal_(float(torch.tensor(mean_len).log()), 1.0,
+                                                       generator=gen)))
+            if t >= l:
+                break
+            starts[r, t] = 1
+    for t in (chunk - 1, chunk, chunk + 1, l - 1):
+        if 0 < t < l:
+            starts[0, t] = 1
+    return starts.cumsum(1).to(DEVICE)
+
+
+SEG_CASES = [  # b, l, h, g, p, n, chunk, init, D, mean document length
+    (2, 2048, 16, 1, 64, 64, 64, True, True, 600),   # the benchmark's head shape, web-like lengths
+    (2, 1000, 8, 1, 64, 128, 64, True, True, 40),    # many boundaries per chunk; d_state 128
+    (2, 300, 4, 2, 32, 64, 32, False, True, 20),     # two groups, no initial state, chunk 32
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,l,h,g,p,n,chunk,init,D,mean_len", SEG_CASES)
+def test_triton_with_boundaries_equals_chunked_on_cuda(dtype, b, l, h, g, p, n, chunk, init, D, mean_len):
+    inputs = make_inputs(b, l, h, g, p, n, dtype, init=init, D=D)
+    check_against_reference(inputs, chunk, dtype, seg=make_seg(b, l, mean_len, chunk))
+
+
+def test_triton_boundaries_keep_documents_apart_on_cuda():
+    """Changing everything before a boundary leaves the Triton scan's output after it unchanged."""
+    x, dt, A, B, C, D, s0 = (t.detach() if t is not None else None
+                             for t in make_inputs(1, 500, 8, 1, 64, 64, torch.float32))
+    seg = torch.zeros(1, 500, dtype=torch.long, device=DEVICE)
+    seg[:, 201:] = 1
+    with torch.no_grad():
+        y, s = ssd_triton.ssd_triton(x, dt, A, B, C, D, s0, seg=seg)
+        x2, B2 = x.clone(), B.clone()
+        x2[:, :201] = torch.randn_like(x2[:, :201])
+        B2[:, :201] = torch.randn_like(B2[:, :201])
+        y2, s2 = ssd_triton.ssd_triton(x2, dt, A, B2, C, D, s0 * 2, seg=seg)
+    assert torch.equal(y[:, 201:], y2[:, 201:]) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mamba2_with_boundaries_triton_equals_reference_on_cuda(compiled):
+    """The mixer with packed documents (segments, initial-memory conv tail and SSM state) under bf16
+    autocast: Triton path == reference path, values and gradients, eager and compiled."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=512, expand=2, mamba_head_dim=64, d_state=64, ssd_chunk=64)
+    m = Mamba2(cfg).to(DEVICE)
+    x = torch.randn(4, 300, 512, device=DEVICE)
+    conv0, ssm0 = m.init_state(4, device=DEVICE, dtype=torch.bfloat16)
+    conv0 = torch.randn_like(conv0).requires_grad_()
+    ssm0 = torch.randn_like(ssm0).requires_grad_()
+    tail = torch.randn(m.conv_dim, cfg.d_conv - 1, device=DEVICE, requires_grad=True)
+    s_init = torch.randn(m.heads, m.head_dim, m.d_state, device=DEVICE, requires_grad=True)
+    seg = make_seg(4, 300, 50, 64)
+
+    def grads(backend):
+        before = ssd.get_backend()
+        ssd.set_backend(backend)
+        try:
+            fn = torch.compile(m) if compiled and backend == "triton" else m
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, conv, ssm = fn(x, conv0, ssm0, seg=seg, init=(tail, s_init))
+            loss = (y.float() ** 2).mean() + ssm.square().mean() + conv.float().square().mean()
+            return y, ssm, torch.autograd.grad(loss, list(m.parameters()) + [conv0, ssm0, tail, s_init])
+        finally:
+            ssd.set_backend(before)
+    y_r, s_r, g_r = grads("ref")
+    y_t, s_t, g_t = grads("triton")
+    tol = REL_TOL[torch.bfloat16]
+    assert rel_err(y_t, y_r) < tol and rel_err(s_t, s_r) < tol
+    names = [n for n, _ in m.named_parameters()] + ["conv_state", "ssm_state", "tail", "ssm_init"]
     errors = {n: rel_err(a, b) for n, a, b in zip(names, g_t, g_r)}
     bad = {k: v for k, v in errors.items() if not v < tol}
     assert not bad, f"relative errors above {tol}: {bad}"

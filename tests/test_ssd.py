@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elephant.layers import ssd
-from elephant.layers.ssd import ssd_chunked, ssd_recurrent_ref, ssd_scan
+from elephant.layers.ssd import add_segment_init, ssd_chunked, ssd_recurrent_ref, ssd_scan
 
 
 def make_inputs(b=2, l=37, h=4, g=1, p=8, n=6, dtype=torch.float64, init=True, D=True, seed=0):
@@ -116,6 +116,87 @@ def test_bad_shapes_are_named():
         ssd_chunked(x, dt, A, B.expand(2, 8, 3, 6), C.expand(2, 8, 3, 6))
 
 
+# --- document boundaries (seg) ---------------------------------------------------------------
+
+def make_seg(b, l, n_starts, seed=0, first=False):
+    """(b, l) nondecreasing segment ids with `n_starts` boundaries per row at random positions
+    (row 0 also at a chunk edge and the last token); `first`: row 1 starts a segment at token 0."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.zeros(b, l, dtype=torch.long)
+    for r in range(b):
+        pos = torch.randperm(l - 1, generator=gen)[:n_starts] + 1
+        starts[r, pos] = 1
+    if l > 17:
+        starts[0, 16] = 1
+    starts[0, l - 1] = 1
+    if first and b > 1:
+        starts[1, 0] = 1
+    return starts.cumsum(1)
+
+
+@pytest.mark.parametrize("l", [1, 7, 37, 64, 100])
+@pytest.mark.parametrize("g", [1, 2])
+def test_chunked_with_boundaries_equals_recurrence(l, g):
+    inputs = make_inputs(l=l, g=g)
+    seg = make_seg(2, l, n_starts=min(4, l - 1), first=True)
+    y_ref, s_ref = ssd_recurrent_ref(*inputs, seg=seg)
+    y, s = ssd_chunked(*inputs, chunk_size=16, seg=seg)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12)
+    assert torch.allclose(s, s_ref, rtol=0, atol=1e-12)
+
+
+def test_chunked_gradients_with_boundaries_equal_recurrence():
+    inputs = make_inputs(l=45, g=2)
+    seg = make_seg(2, 45, n_starts=3, first=True)
+    _, _, g_ref = grads(ssd_recurrent_ref, inputs, seg=seg)
+    _, _, g = grads(ssd_chunked, inputs, chunk_size=16, seg=seg)
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+def test_a_segment_equals_the_same_tokens_scanned_alone():
+    x, dt, A, B, C, D, s0 = make_inputs(b=1, l=40)
+    seg = torch.zeros(1, 40, dtype=torch.long)
+    seg[:, 13:] = 1
+    y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg)
+    cut = lambda t: t[:, 13:]
+    y_alone, s_alone = ssd_chunked(cut(x), cut(dt), A, cut(B), cut(C), D, None, chunk_size=16)
+    assert torch.equal(y[:, 13:], y_alone) or torch.allclose(y[:, 13:], y_alone, rtol=0, atol=1e-12)
+    assert torch.allclose(s, s_alone, rtol=0, atol=1e-12)
+    y_head, _ = ssd_chunked(x[:, :13], dt[:, :13], A, B[:, :13], C[:, :13], D, s0, chunk_size=16)
+    assert torch.allclose(y[:, :13], y_head, rtol=0, atol=1e-12)
+
+
+def test_no_gradient_crosses_a_boundary():
+    x, dt, A, B, C, D, s0 = make_inputs(b=1, l=40)
+    seg = torch.zeros(1, 40, dtype=torch.long)
+    seg[:, 21:] = 1
+    y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg)
+    gx, gdt, gB, gs0 = torch.autograd.grad(y[:, 21:].sum() + s.sum(), [x, dt, B, s0])
+    assert not gx[:, :21].any() and not gdt[:, :21].any() and not gB[:, :21].any() and not gs0.any()
+    # and the values: changing everything before the boundary leaves the rest bitwise equal
+    other = [t.detach().clone() for t in (x, dt, B, C)]
+    for t in other:
+        t[:, :21] = t[:, :21].flip(1) * 0.5
+    y2, s2 = ssd_chunked(other[0], other[1], A, other[2], other[3], D, s0 * 3, chunk_size=16, seg=seg)
+    assert torch.equal(y2[:, 21:], y[:, 21:]) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("l", [9, 40])
+def test_segment_init_equals_recurrence_restarting_from_it(l):
+    x, dt, A, B, C, D, s0 = make_inputs(l=l, g=2)
+    seg = make_seg(2, l, n_starts=3, first=True)
+    init = torch.randn(4, 8, 6, dtype=torch.float64, requires_grad=True)
+    y_ref, s_ref = ssd_recurrent_ref(x, dt, A, B, C, D, s0, seg=seg, segment_init=init)
+    y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg)
+    y, s = add_segment_init(y, s, dt, A, C, seg, init)
+    assert torch.allclose(y, y_ref, rtol=0, atol=1e-12) and torch.allclose(s, s_ref, rtol=0, atol=1e-12)
+    g = torch.autograd.grad((y * y_ref.detach()).sum() + s.sum(), [init, dt])
+    g_ref = torch.autograd.grad((y_ref * y_ref.detach()).sum() + s_ref.sum(), [init, dt])
+    for a, b in zip(g, g_ref):
+        assert torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -212,3 +293,21 @@ def test_triton_half_precision_path():
     for name, a, r, t in zip("x dt A B C D initial_state".split(), g, g_ref, half):
         assert a.dtype == t.dtype, name
         assert rel_err(a, r) < 5e-3, name
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n,init,D", [
+    (2, 70, 2, 1, 16, 16, True, True),     # boundaries inside chunks, at a chunk edge, at the end
+    (2, 40, 4, 2, 16, 32, False, True),    # two groups, no initial state
+    (2, 5, 2, 1, 20, 16, True, False),     # shorter than a chunk
+])
+def test_triton_with_boundaries_equals_chunked(b, l, h, g, p, n, init, D):
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    inputs = make_inputs(b, l, h, g, p, n, dtype=torch.float32, init=init, D=D)
+    seg = make_seg(b, l, n_starts=min(3, l - 1), first=True)
+    y, s, g_tri = grads(ssd_triton, inputs, chunk_size=16, seg=seg)
+    y_ref, s_ref, g_ref = grads(ssd_chunked, inputs, chunk_size=16, seg=seg)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    names = [k for k, t in zip("x dt A B C D initial_state".split(), inputs) if t is not None]
+    for name, a, r in zip(names, g_tri, g_ref):
+        assert rel_err(a, r) < 1e-5, name

@@ -14,7 +14,13 @@ validity mask of the cache, which flash kernels cannot take. So:
                   GPU; also the reference path, forward and backward on CPU), or FlexAttention
                   with a block mask (`backend="flex"`, CUDA + torch.compile; no CPU backward).
 Shapes depend only on (B, S, W), never on how many cache slots are valid, so torch.compile
-compiles once. `benchmarks/bench_layers.py` times the two cache paths; the default is
+compiles once.
+
+Packed documents (`seg` (B, S): segment ids, 0 = the lane's carried document): a query sees the keys
+of its own segment (causally), the cache only when it is in segment 0, and the optional `prefix` K/V
+(M keys shared by all lanes: the initial memory's, with gradient) only when it is in a later segment,
+i.e. a document that started inside the chunk. One explicit boolean mask over [prefix | cache | chunk]
+through SDPA (`attend_segments`), whatever the backend. `benchmarks/bench_layers.py` times the two cache paths; the default is
 `ELEPHANT_ATTN` from the environment (sdpa | flex | reference), else sdpa.
 """
 from __future__ import annotations
@@ -123,6 +129,28 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
     return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
 
 
+def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tensor | None = None,
+                    cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
+                    prefix_k: Tensor | None = None, prefix_v: Tensor | None = None) -> Tensor:
+    """Attention masked by document: q, k, v (B, H, S, hd), seg (B, S) nondecreasing segment ids;
+    prefix_k/v (1 or B, H, M, hd) seen by segments > 0, the cache by segment 0. -> (B, H, S, hd)."""
+    B, H, S, hd = q.shape
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    keys, values = [k], [v]
+    masks = [causal & (seg[:, :, None] == seg[:, None, :])]                 # (B, S, S)
+    if cache_k is not None:
+        K, V = _with_cache(k, v, cache_k, cache_v)
+        keys, values = [K], [V]
+        masks.insert(0, cache_valid[:, None, :] & (seg == 0)[:, :, None])  # (B, S, W)
+    if prefix_k is not None:
+        keys.insert(0, prefix_k.to(k.dtype).expand(B, -1, -1, -1))
+        values.insert(0, prefix_v.to(v.dtype).expand(B, -1, -1, -1))
+        masks.insert(0, (seg > 0)[:, :, None].expand(B, S, prefix_k.shape[2]))  # (B, S, M)
+    mask = torch.cat(masks, dim=-1)[:, None]                               # (B, 1, S, M + W + S)
+    K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+
+
 # ------------------------------------------------------------------------------- the layer
 class Attention(nn.Module):
     """Multi-head causal self-attention with per-lane rotary positions and a carried K/V window.
@@ -147,9 +175,11 @@ class Attention(nn.Module):
                              f"(ELEPHANT_ATTN), got {self.backend!r}")
 
     def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
-                cache_v: Tensor | None = None, cache_valid: Tensor | None = None
-                ) -> tuple[Tensor, Tensor, Tensor]:
+                cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
+                seg: Tensor | None = None, prefix_k: Tensor | None = None,
+                prefix_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
+        seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
 
         Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each.
         """
@@ -168,6 +198,9 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin).to(dtype)
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
-        y = attend(q, k, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
+        if seg is None:
+            y = attend(q, k, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
+        else:
+            y = attend_segments(q, k, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
         y = y.transpose(1, 2).reshape(B, S, D)
         return self.o(y), k, v

@@ -11,6 +11,12 @@ carried state is the same as one pass over the whole sequence, and gradients flo
 states (training backpropagates through a few chunks). The conv state holds the last d_conv - 1 xBC
 inputs before activation and keeps the dtype it came in (init_state's dtype); the SSM state is float32
 (float64 for fp64 models).
+
+Packed documents: with `seg` (B, L) segment ids (0 = the carried document), the conv never mixes
+inputs of two segments (an explicit shifted sum over the d_conv taps with a same-segment mask) and
+the scan restarts at each boundary (ssd_scan's `seg`). A segment > 0 starts from zero conv inputs and
+a zero SSM state, or from `init = (conv_tail (conv_dim, d_conv - 1), ssm_init (H, P, N))` when given
+(the model's initial-memory prefix). The returned state is the last segment's.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers.ssd import ssd_scan
+from elephant.layers.ssd import add_segment_init, ssd_scan
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,6 +43,44 @@ class GatedRMSNorm(nn.Module):
         h = y.to(dtype) * F.silu(z.to(dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight.to(dtype)).to(y.dtype)
+
+
+def segment_conv(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal depthwise conv that does not mix segments: window (B, C, K-1+L) = [carried inputs
+    (segment 0) | this chunk's inputs], seg (B, L), weight (C, 1, K), bias (C,). A tap that would
+    read an earlier segment reads zero, or the matching input of `tail` (C, K-1) (the inputs a
+    segment > 0 starts after). Returns the conv output (B, C, L) and the last segment's conv state
+    (B, C, K-1), both in window's dtype. An explicit sum over the K taps: elementwise, it compiles
+    into one kernel and each output holds only its own segment's inputs."""
+    B, C, W = window.shape
+    K = weight.shape[-1]
+    L = W - (K - 1)
+    w = weight.to(window.dtype).view(C, K)
+    idx = torch.arange(L, device=seg.device)
+    seg_w = torch.cat([seg.new_zeros(B, K - 1), seg], dim=1)                  # (B, K-1+L)
+    is_start = seg_w[:, K - 1:] != seg_w[:, K - 2:-1] if K > 1 else torch.zeros_like(seg, dtype=torch.bool)
+    first = torch.where(is_start, idx, 0).cummax(1).values                   # (B, L) segment starts
+    since = idx - first                                                       # tokens since that start
+    out = bias.to(window.dtype)[None, :, None].expand(B, C, L)
+    for s in range(K):  # tap K-1-s reads the input s tokens back
+        xs = window[:, :, K - 1 - s: W - s]                                   # (B, C, L)
+        same = (seg_w[:, K - 1 - s: W - s] == seg)[:, None]                   # (B, 1, L)
+        if tail is None:
+            v = torch.where(same, xs, 0.0)
+        else:  # s - since tokens before the segment's start: tail input K-1-(s - since)
+            j = (K - 1 - s + since).clamp(0, K - 2)                           # (B, L)
+            v = torch.where(same, xs, tail.to(window.dtype)[:, j].permute(1, 0, 2))
+        out = out + w[:, K - 1 - s, None] * v
+    # the state after the chunk: the last K-1 inputs, as the last segment sees them
+    last = window[:, :, L:]                                                   # (B, C, K-1)
+    same = (seg_w[:, L:] == seg[:, -1:])[:, None]
+    if tail is None:
+        state = torch.where(same, last, 0.0)
+    else:
+        j = (torch.arange(K - 1, device=seg.device) + since[:, -1:] + 1).clamp(max=K - 2)  # (B, K-1)
+        state = torch.where(same, last, tail.to(window.dtype)[:, j].permute(1, 0, 2))
+    return out, state
 
 
 class Mamba2(nn.Module):
@@ -82,18 +126,26 @@ class Mamba2(nn.Module):
                                 dtype=torch.promote_types(dtype, torch.float32))
         return conv_state, ssm_state
 
-    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
-        """x (B, L, d_model) -> (y (B, L, d_model), new conv_state, new ssm_state); any L >= 1."""
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                seg: torch.Tensor | None = None, init: tuple | None = None):
+        """x (B, L, d_model) -> (y (B, L, d_model), new conv_state, new ssm_state); any L >= 1.
+        seg (B, L) segment ids of packed documents, init the state segments > 0 start from (see
+        the module docstring)."""
         b, l, _ = x.shape
         zxbcdt = self.in_proj(x)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
 
         # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
-        # in the incoming state's dtype, so that a state keeps its dtype from chunk to chunk
-        new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):].to(conv_state.dtype)
-        xBC = F.conv1d(window, self.conv1d.weight.to(window.dtype), self.conv1d.bias.to(window.dtype),
-                       groups=self.conv_dim)                                       # (B, conv_dim, L)
+        if seg is None:
+            # in the incoming state's dtype, so that a state keeps its dtype from chunk to chunk
+            new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):].to(conv_state.dtype)
+            xBC = F.conv1d(window, self.conv1d.weight.to(window.dtype),
+                           self.conv1d.bias.to(window.dtype), groups=self.conv_dim)  # (B, conv_dim, L)
+        else:
+            tail = None if init is None else init[0]
+            xBC, new_conv_state = segment_conv(window, seg, self.conv1d.weight, self.conv1d.bias, tail)
+            new_conv_state = new_conv_state.to(conv_state.dtype)
         xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)
         xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
 
@@ -103,7 +155,10 @@ class Mamba2(nn.Module):
         y, new_ssm_state = ssd_scan(
             xs.reshape(b, l, self.heads, self.head_dim), dt, A,
             Bm.reshape(b, l, 1, self.d_state), Cm.reshape(b, l, 1, self.d_state),
-            self.D, ssm_state, chunk_size=self.chunk_size)                        # y (B, L, H, P)
+            self.D, ssm_state, chunk_size=self.chunk_size, seg=seg)               # y (B, L, H, P)
+        if seg is not None and init is not None:  # segments > 0 start from the given SSM state
+            y, new_ssm_state = add_segment_init(y, new_ssm_state, dt, A, Cm.reshape(b, l, 1, self.d_state),
+                                                seg, init[1], self.chunk_size)
         y = self.norm(y.reshape(b, l, self.d_inner), z)
         return self.out_proj(y), new_conv_state, new_ssm_state
 

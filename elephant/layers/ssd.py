@@ -5,7 +5,7 @@ Per head, with a state s of shape (P, N) and a scalar decay per token:
     s_t = exp(dt_t * A) * s_{t-1} + dt_t * x_t B_t^T        y_t = s_t C_t + D * x_t
 
 Three implementations share one signature
-`f(x, dt, A, B, C, D=None, initial_state=None[, chunk_size]) -> (y, final_state)`:
+`f(x, dt, A, B, C, D=None, initial_state=None[, chunk_size], seg=None) -> (y, final_state)`:
 
 - `ssd_recurrent_ref`: token by token; slow, obviously right: the ground truth of the tests.
 - `ssd_chunked`: the chunked SSD algorithm in PyTorch (Dao & Gu 2024, https://arxiv.org/abs/2405.21060,
@@ -17,6 +17,13 @@ Three implementations share one signature
 `ssd_scan` picks one: the Triton kernels for CUDA tensors when Triton imports, otherwise
 `ssd_chunked`. `ELEPHANT_SSD=ref|triton|auto` in the environment (read at import) or `set_backend()`
 forces a path, for tests and benchmarks.
+
+Document boundaries (packed sequences, like mamba-ssm's `seq_idx`): `seg` (b, l) int, nondecreasing
+along l, gives each token a segment id; where it changes the state restarts from zero: the decay
+across a boundary is exactly 0 and no state passes from one segment's chunks to the next. The initial
+state belongs to segment 0 (a row whose first token has seg > 0 ignores it), the final state is the
+last segment's. `seg=None` is one segment (no boundary). `add_segment_init` adds, in PyTorch, a
+nonzero state that every segment after the first starts from (the model's initial memory prefix).
 
 Shapes: x (b, l, h, p); dt (b, l, h), already positive (after softplus); A (h,), negative;
 B, C (b, l, g, n) where the g groups divide the h heads (head i reads group i // (h // g));
@@ -51,16 +58,16 @@ def _check_backend(name: str) -> str:
     return name
 
 
-def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
     """The SSD scan through the path chosen by the backend switch (see module docstring)."""
     backend = get_backend()
     if backend == "ref":
-        return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+        return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
     if backend == "triton":
-        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size)
+        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size, seg)
     if x.is_cuda and ssd_triton.supports(x, B, chunk_size):
-        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size)
-    return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size, seg)
+    return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -68,7 +75,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def check_shapes(x, dt, A, B, C, D, initial_state) -> None:
+def check_shapes(x, dt, A, B, C, D, initial_state, seg=None) -> None:
     if x.dim() != 4:
         raise ValueError(f"ssd: x must be (batch, length, heads, head_dim), got shape {tuple(x.shape)}")
     b, l, h, p = x.shape
@@ -85,16 +92,22 @@ def check_shapes(x, dt, A, B, C, D, initial_state) -> None:
     if initial_state is not None and initial_state.shape != (b, h, p, n):
         raise ValueError(f"ssd: initial_state must be {(b, h, p, n)} or None, "
                          f"got {tuple(initial_state.shape)}")
+    if seg is not None and (seg.shape != (b, l) or seg.is_floating_point()):
+        raise ValueError(f"ssd: seg must be ({b}, {l}) integer segment ids or None, got "
+                         f"{tuple(seg.shape)} {seg.dtype}")
 
 
-def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None):
-    """Token-by-token recurrence; the ground truth. O(l) Python steps: tests only."""
-    check_shapes(x, dt, A, B, C, D, initial_state)
+def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None, seg=None, segment_init=None):
+    """Token-by-token recurrence; the ground truth. O(l) Python steps: tests only.
+
+    With `seg`, the state restarts where the segment id changes: from zero, or from
+    `segment_init` (h, p, n) when given (the ground truth of `add_segment_init`)."""
+    check_shapes(x, dt, A, B, C, D, initial_state, seg)
     with torch.autocast(x.device.type, enabled=False):
-        return _ssd_recurrent(x, dt, A, B, C, D, initial_state)
+        return _ssd_recurrent(x, dt, A, B, C, D, initial_state, seg, segment_init)
 
 
-def _ssd_recurrent(x, dt, A, B, C, D, initial_state):
+def _ssd_recurrent(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     cdt = compute_dtype(x)
@@ -103,7 +116,13 @@ def _ssd_recurrent(x, dt, A, B, C, D, initial_state):
     C = C.repeat_interleave(h // g, dim=2)
     s = (x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(cdt))
     ys = []
+    prev = torch.zeros(b, dtype=torch.long, device=x.device)
+    restart = 0.0 if segment_init is None else segment_init.to(cdt)
     for t in range(l):
+        if seg is not None:  # a new segment: the state before its first token is the restart state
+            new = (seg[:, t] != prev)[:, None, None, None]
+            s = torch.where(new, restart, s)
+            prev = seg[:, t]
         decay = torch.exp(dt[:, t] * A)[:, :, None, None]                    # (b, h, 1, 1)
         write = (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None]  # (b, h, p, n)
         s = decay * s + write
@@ -114,14 +133,46 @@ def _ssd_recurrent(x, dt, A, B, C, D, initial_state):
     return y, s
 
 
-def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
     """Chunked SSD in PyTorch; any length (the tail is padded with dt = 0: no decay, no write)."""
-    check_shapes(x, dt, A, B, C, D, initial_state)
+    check_shapes(x, dt, A, B, C, D, initial_state, seg)
     with torch.autocast(x.device.type, enabled=False):  # float32 products even under autocast
-        return _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+        return _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
 
 
-def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size):
+def segment_masks(seg, nc: int, Q: int):
+    """For `seg` (b, l): padded segment ids (b, nc, Q) (the tail repeats the last id) and, per chunk,
+    own (b, nc, Q): token j is in the chunk's last segment (it writes the state the chunk passes on);
+    incoming (b, nc, Q): token i is in the segment of the token before the chunk (it reads the
+    incoming state; the token before chunk 0 counts as segment 0); passes (b, nc): the chunk has no
+    boundary, so the incoming state goes through it."""
+    b, l = seg.shape
+    seg = seg.long()
+    if nc * Q > l:
+        seg = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1)
+    segc = seg.view(b, nc, Q)
+    before = torch.cat([seg.new_zeros(b, 1), segc[:, :-1, -1]], dim=1)   # (b, nc)
+    own = segc == segc[:, :, -1:]
+    incoming = segc == before[:, :, None]
+    passes = segc[:, :, -1] == before
+    return segc, own, incoming, passes
+
+
+def segment_cumsum(v, seg):
+    """Cumulative sum of v (..., L, k) along L that restarts where seg (..., L) changes.
+
+    A masked product with the (L, L) same-segment lower triangle, in float64: each sum holds only
+    its own segment's terms (a plain cumsum and a difference would carry the earlier segments'
+    rounding, and their gradient would cancel only up to rounding), so one document's decays are
+    bitwise independent of the document before it. L is a chunk (<= 128) or the number of chunks.
+    """
+    L = seg.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=seg.device).tril()
+    mask = causal & (seg[..., :, None] == seg[..., None, :])
+    return torch.matmul(mask.to(torch.float64), v.to(torch.float64)).to(v.dtype)
+
+
+def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg=None):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g                                   # heads per group
@@ -136,16 +187,27 @@ def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size):
     xdt = (xf * dtf[..., None]).view(b, nc, Q, g, r, p)                  # (b, c, Q, g, r, p)
     Bc = Bf.view(b, nc, Q, g, n)
     Cc = Cf.view(b, nc, Q, g, n)
-    cs = (dtf * A.to(cdt)).view(b, nc, Q, g, r).permute(0, 1, 3, 4, 2).cumsum(-1)  # (b, c, g, r, Q)
+    dA = (dtf * A.to(cdt)).view(b, nc, Q, h)
+    if seg is None:
+        cs = dA.cumsum(2)
+    else:  # restarting at each boundary
+        segc, own, incoming, passes = segment_masks(seg, nc, Q)
+        cs = segment_cumsum(dA, segc)
+    cs = cs.view(b, nc, Q, g, r).permute(0, 1, 3, 4, 2)                  # (b, c, g, r, Q)
 
     # 1. inside each chunk: y_i = sum_{j <= i} exp(cs_i - cs_j) (C_i . B_j) dt_j x_j
     causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    if seg is not None:  # and j in i's segment: the decay across a boundary is exactly 0
+        causal = causal & (segc[..., :, None] == segc[..., None, :])[:, :, None, None]
     decay = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, -math.inf))
     CB = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)                     # (b, c, g, Q, Q)
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", CB[:, :, :, None] * decay, xdt)
 
     # 2. each chunk's own contribution to the state at its end
-    to_end = torch.exp(cs[..., -1:] - cs)                                 # (b, c, g, r, Q)
+    to_end = cs[..., -1:] - cs                                            # (b, c, g, r, Q)
+    if seg is not None:  # only the chunk's last segment writes the state it passes on
+        to_end = to_end.masked_fill(~own[:, :, None, None, :], -math.inf)
+    to_end = torch.exp(to_end)
     states = torch.einsum("bcjgn,bcgrj,bcjgrp->bcgrpn", Bc, to_end, xdt)  # (b, c, g, r, p, n)
 
     # 3. pass states from chunk to chunk: states_in[c] = state before chunk c (incl. initial state)
@@ -153,19 +215,60 @@ def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size):
             else initial_state.to(cdt).reshape(b, g, r, p, n))
     states = torch.cat([init[:, None], states], dim=1)                    # (b, c + 1, g, r, p, n)
     last = F.pad(cs[..., -1], (0, 0, 0, 0, 1, 0))                         # (b, c + 1, g, r)
-    lc = last.cumsum(1).permute(0, 2, 3, 1)                               # (b, g, r, c + 1)
     causal_c = torch.ones(nc + 1, nc + 1, dtype=torch.bool, device=x.device).tril()
+    if seg is None:
+        lc = last.cumsum(1)
+    else:  # state z' reaches state z only through chunks z' .. z-1 without a boundary
+        blocked = F.pad((~passes).long().cumsum(1), (1, 0))                  # (b, c + 1)
+        causal_c = causal_c & (blocked[:, :, None] == blocked[:, None, :])[:, None, None]
+        lc = segment_cumsum(last.reshape(b, nc + 1, h), blocked).view(b, nc + 1, g, r)
+    lc = lc.permute(0, 2, 3, 1)                                           # (b, g, r, c + 1)
     chunk_decay = torch.exp((lc[..., :, None] - lc[..., None, :]).masked_fill(~causal_c, -math.inf))
     states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
     states_in, final = states[:, :-1], states[:, -1]
 
     # 4. the incoming state's contribution: y_i += exp(cs_i) states_in C_i
-    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states_in, torch.exp(cs))
+    into = cs
+    if seg is not None:  # only the tokens of the segment the incoming state belongs to
+        into = into.masked_fill(~incoming[:, :, None, None, :], -math.inf)
+    into = torch.exp(into)
+    y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states_in, into)
 
     y = y.reshape(b, nc * Q, h, p)[:, :l]
     if D is not None:
         y = y + D.to(cdt)[:, None] * xf[:, :l]
     return y.to(x.dtype), final.reshape(b, h, p, n)
+
+
+def add_segment_init(y, final, dt, A, C, seg, segment_init, chunk_size: int = 64):
+    """Make every segment after the first start from `segment_init` (h, p, n) instead of zero.
+
+    Adds to a zero-restarting scan's output y (b, l, h, p) the term C_t . exp(sum_{a<=k<=t} dt_k A)
+    segment_init for each token t of a segment starting at a (seg > 0), and to the final state the
+    same decayed state when the last segment is not segment 0. Linear in the state, so this equals
+    the scan restarted from segment_init (held equal to ssd_recurrent_ref in the tests). The log
+    decays are summed per segment in float64, in blocks of `chunk_size` with a carry from block to
+    block, so a segment's sums hold only its own terms.
+    """
+    b, l, h, p = y.shape
+    g = C.shape[2]
+    cdt = compute_dtype(y)
+    Q = chunk_size
+    nc = max(1, math.ceil(l / Q))
+    dA = F.pad(dt.double() * A.double(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+    segc, own, incoming, passes = segment_masks(seg, nc, Q)
+    cs = segment_cumsum(dA, segc)                                            # (b, nc, Q, h)
+    carry, total = dA.new_zeros(b, h), []
+    for c in range(nc):  # carry: the log decay of the segment running into chunk c
+        total.append(cs[:, c] + torch.where(incoming[:, c, :, None], carry[:, None], 0.0))
+        carry = torch.where(passes[:, c, None], carry, 0.0) + cs[:, c, -1]
+    total = torch.stack(total, 1).view(b, nc * Q, h)[:, :l]
+    decay = torch.exp(total.masked_fill(~(seg > 0)[..., None], -math.inf)).to(cdt)   # (b, l, h)
+    Ch = C.to(cdt).repeat_interleave(h // g, dim=2)                          # (b, l, h, n)
+    init = segment_init.to(cdt)
+    y = y + (torch.einsum("blhn,hpn->blhp", Ch, init) * decay[..., None]).to(y.dtype)
+    final = final + (decay[:, -1, :, None, None] * init).to(final.dtype)
+    return y, final
 
 
 # at the end: ssd_triton imports check_shapes from this module (and imports without Triton or CUDA)

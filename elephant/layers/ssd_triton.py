@@ -19,6 +19,13 @@ PyTorch, deterministic). The states entering each chunk (b, chunks, h, p, n) in 
 for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) with float32
 accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
 
+Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
+boundary (ssd.segment_cumsum, in PyTorch), and the kernels mask by segment: the in-chunk decay
+between two segments is exactly 0, only the chunk's last segment writes S_c, only the tokens of the
+segment entering the chunk read H_c, and H_c passes through a chunk only when it holds no boundary.
+Masked exponents are -inf before exp (never exp(...) * 0), so no inf * 0 appears. HAS_SEG=False
+compiles the kernels without any of it.
+
 Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
 """
 from __future__ import annotations
@@ -29,7 +36,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from elephant.layers.ssd import check_shapes
+from elephant.layers.ssd import check_shapes, segment_cumsum, segment_masks
 
 try:
     import triton
@@ -64,14 +71,24 @@ if HAVE_TRITON:
             return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
     @triton.jit
+    def _segments(seg_ptr, b, c, NC, Q: tl.constexpr):
+        """Segment ids of chunk c's tokens (Q,), of its last token, and of the token before it
+        (0 before chunk 0). seg is padded to NC * Q (the tail repeats the last id)."""
+        base = seg_ptr + b * NC * Q + c * Q
+        seg = tl.load(base + tl.arange(0, Q))
+        seg_end = tl.load(base + Q - 1)
+        seg_prev = tl.load(base - 1, mask=c > 0, other=0)
+        return seg, seg_end, seg_prev
+
+    @triton.jit
     def _chunk_state_kernel(
-        u_ptr, dt_ptr, v_ptr, cs_ptr, out_ptr,
+        u_ptr, dt_ptr, v_ptr, cs_ptr, seg_ptr, out_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_ub, s_ul, s_uh, s_up,
         s_db, s_dl, s_dh,
         s_vb, s_vl, s_vg, s_vn,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        BACKWARD: tl.constexpr, PREC: tl.constexpr,
+        BACKWARD: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
     ):
         """out[b, c, h] = sum_j w_j u_j v_j^T over the chunk's tokens j, (P, N) in float32.
         forward:  u = dt * x, v = B, w = exp(cs_end - cs_j)   (the chunk's own state)
@@ -92,21 +109,35 @@ if HAVE_TRITON:
                     mask=tmask[:, None] & (n[None, :] < N), other=0.0)                       # (Q, N)
         cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
         cs = tl.load(cs_base + i)
+        if HAS_SEG:
+            seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
         if BACKWARD:
-            w = tl.exp(cs)
+            if HAS_SEG:  # only the tokens that read the incoming state
+                w = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
+            else:
+                w = tl.exp(cs)
         else:
             cs_end = tl.load(cs_base + Q - 1)
             dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
-            w = tl.exp(cs_end - cs) * dt
+            if HAS_SEG:  # only the chunk's last segment writes the state it passes on
+                w = tl.exp(tl.where(seg == seg_end, cs_end - cs, float("-inf"))) * dt
+            else:
+                w = tl.exp(cs_end - cs) * dt
         acc = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                                    # (P, N)
         out = out_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
         tl.store(out, acc, mask=(p[:, None] < P) & (n[None, :] < N))
 
     @triton.jit
+    def _passes(seg_ptr, b, c, NC, Q: tl.constexpr):
+        """Whether chunk c holds no boundary (its last token is in the segment entering it)."""
+        base = seg_ptr + b * NC * Q + c * Q
+        return tl.load(base + Q - 1) == tl.load(base - 1, mask=c > 0, other=0)
+
+    @triton.jit
     def _state_pass_fwd_kernel(
-        states_ptr, init_ptr, final_ptr, cs_ptr,
+        states_ptr, init_ptr, final_ptr, cs_ptr, seg_ptr,
         H, NC, PN,
-        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
     ):
         """In place over states (b, c, h, p*n): chunk c's own state S_c in, the state entering it out."""
         blk = tl.program_id(0)
@@ -124,15 +155,17 @@ if HAVE_TRITON:
             own = tl.load(ptr, mask=emask, other=0.0)
             tl.store(ptr, s, mask=emask)
             decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
+            if HAS_SEG:  # a chunk with a boundary passes nothing on
+                decay = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0)
             s = decay * s + own
             c += 1
         tl.store(final_ptr + (b * H + h) * PN + e, s, mask=emask)
 
     @triton.jit
     def _state_pass_bwd_kernel(
-        dstates_ptr, states_ptr, dfinal_ptr, dinit_ptr, dcs_end_ptr, cs_ptr,
+        dstates_ptr, states_ptr, dfinal_ptr, dinit_ptr, dcs_end_ptr, cs_ptr, seg_ptr,
         H, NC, PN, NBLK,
-        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
     ):
         """In place over dstates (b, c, h, p*n): dLoss/dH_c through chunk c's outputs in, the gradient
         w.r.t. chunk c's own state S_c (= G_{c+1}) out. Also the partial sums of dLoss/dcs_end per
@@ -150,6 +183,8 @@ if HAVE_TRITON:
             tl.store(ptr, grad, mask=emask)
             s_in = tl.load(states_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask, other=0.0)
             decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
+            if HAS_SEG:
+                decay = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0)
             tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * s_in) * decay)
             grad = from_y + decay * grad
             c -= 1
@@ -158,14 +193,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _chunk_scan_fwd_kernel(
-        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, states_ptr, d_ptr, y_ptr,
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, d_ptr, y_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_xb, s_xl, s_xh, s_xp,
         s_db, s_dl, s_dh,
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
     ):
         """y for one chunk: the in-chunk quadratic form, the incoming state's part, and D x."""
         c = tl.program_id(0)
@@ -192,17 +227,23 @@ if HAVE_TRITON:
                        mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)                  # (P, N)
 
         causal = i[:, None] >= i[None, :]
+        if HAS_SEG:
+            seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
+            causal = causal & (seg[:, None] == seg[None, :])
+            e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
+        else:
+            e_cs = tl.exp(cs)
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
         M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
         y = _dot(M, x * dt[:, None], DT, PREC)
-        y += _dot(Cm, tl.trans(s_in), DT, PREC) * tl.exp(cs)[:, None]
+        y += _dot(Cm, tl.trans(s_in), DT, PREC) * e_cs[:, None]
         if HAS_D:
             y += tl.load(d_ptr + h).to(tl.float32) * x
         tl.store(y_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], y, mask=qp_mask)
 
     @triton.jit
     def _chunk_scan_bwd_kernel(
-        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, states_ptr, d_ptr, dy_ptr, dstates_ptr,
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, d_ptr, dy_ptr, dstates_ptr,
         dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_xb, s_xl, s_xh, s_xp,
@@ -211,7 +252,7 @@ if HAVE_TRITON:
         s_cb, s_cl, s_cg, s_cn,
         s_yb, s_yl, s_yh, s_yp,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PREC: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
     ):
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
         dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
@@ -246,7 +287,15 @@ if HAVE_TRITON:
 
         # the chunk's own state: S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
         ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                          # (P, N)
-        w = tl.exp(cs_end - cs)
+        causal = i[:, None] >= i[None, :]
+        if HAS_SEG:
+            seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
+            causal = causal & (seg[:, None] == seg[None, :])
+            w = tl.exp(tl.where(seg == seg_end, cs_end - cs, float("-inf")))
+            e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
+        else:
+            w = tl.exp(cs_end - cs)
+            e_cs = tl.exp(cs)
         BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                              # (Q, P)
         dB = _dot(xdt, ds, DT, PREC) * w[:, None]                                           # (Q, N)
         dxdt = BdS * w[:, None]                                                             # (Q, P)
@@ -255,12 +304,10 @@ if HAVE_TRITON:
 
         # the incoming state's part: y_i += exp(cs_i) H_c C_i
         s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
-        e_cs = tl.exp(cs)
         dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
         dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
 
         # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
-        causal = i[:, None] >= i[None, :]
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
         dM = _dot(dy, tl.trans(xdt), DT, PREC)                                              # (Q, Q)
         dK = dM * decay
@@ -298,31 +345,34 @@ def _blocks(p: int, n: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n))
 
 
-def _fwd(x, dt, cs, B, C, D, init, Q):
+def _fwd(x, dt, cs, seg, B, C, D, init, Q):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
     BP, BN = _blocks(p, n)
     prec = _precision(x)
     states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
+    has_seg = seg is not None
+    seg = seg if has_seg else cs  # a placeholder pointer when there are no boundaries
     _chunk_state_kernel[(nc, b, h)](
-        x, dt, B, cs, states, l, h, nc, p, n, h // g,
+        x, dt, B, cs, seg, states, l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, num_warps=4)
+        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, HAS_SEG=has_seg, num_warps=4)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     block = min(1024, triton.next_power_of_2(p * n))
     _state_pass_fwd_kernel[(triton.cdiv(p * n, block), b, h)](
-        states, init if init is not None else final, final, cs, h, nc, p * n,
-        Q=Q, BLOCK=block, HAS_INIT=init is not None, num_warps=4)
+        states, init if init is not None else final, final, cs, seg, h, nc, p * n,
+        Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg, num_warps=4)
     y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     _chunk_scan_fwd_kernel[(nc, b, h)](
-        x, dt, B, C, cs, states, D if D is not None else x, y, l, h, nc, p, n, h // g,
+        x, dt, B, C, cs, seg, states, D if D is not None else x, y, l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=8 if max(Q, BP, BN) > 64 else 4)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg,
+        num_warps=8 if max(Q, BP, BN) > 64 else 4)
     return y, final, states
 
 
-def _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, Q):
+def _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal, Q):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
@@ -331,17 +381,20 @@ def _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, Q):
     f32 = dict(device=x.device, dtype=torch.float32)
     # gradient w.r.t. the state entering each chunk through that chunk's outputs
     dstates = torch.empty(b, nc, h, p, n, **f32)
+    has_seg = seg is not None
+    seg = seg if has_seg else cs
     _chunk_state_kernel[(nc, b, h)](
-        dy, dt, C, cs, dstates, l, h, nc, p, n, h // g,
+        dy, dt, C, cs, seg, dstates, l, h, nc, p, n, h // g,
         *dy.stride(), *dt.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, num_warps=4)
+        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, HAS_SEG=has_seg, num_warps=4)
     block = min(1024, triton.next_power_of_2(p * n))
     nblk = triton.cdiv(p * n, block)
     dcs_end = torch.empty(b, h, nc, nblk, **f32)
     dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
     _state_pass_bwd_kernel[(nblk, b, h)](
         dstates, states, dfinal.float().contiguous(), dinit if dinit is not None else dcs_end,
-        dcs_end, cs, h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None, num_warps=4)
+        dcs_end, cs, seg, h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None,
+        HAS_SEG=has_seg, num_warps=4)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
     dB = torch.empty(b, l, h, n, **f32)
@@ -349,11 +402,11 @@ def _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, Q):
     dcs = torch.empty(b, h, nc, Q, **f32)
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
     _chunk_scan_bwd_kernel[(nc, b, h)](
-        x, dt, B, C, cs, states, D if D is not None else x, dy, dstates,
+        x, dt, B, C, cs, seg, states, D if D is not None else x, dy, dstates,
         dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, num_warps=8)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, num_warps=8)
     dcs[..., -1] += dcs_end.sum(-1)
     dB = dB.view(b, l, g, h // g, n).sum(3)
     dC = dC.view(b, l, g, h // g, n).sum(3)
@@ -367,32 +420,34 @@ def _on_device(x: torch.Tensor):
 
 
 class _SSDTriton(torch.autograd.Function):
-    """(x, dt, cs, B, C, D, init) -> (y, final state); saves the states entering each chunk."""
+    """(x, dt, cs, seg, B, C, D, init) -> (y, final state); saves the states entering each chunk.
+    seg: None, or the padded segment ids (b, chunks * Q) int32."""
 
     @staticmethod
-    def forward(ctx, x, dt, cs, B, C, D, init, Q):
+    def forward(ctx, x, dt, cs, seg, B, C, D, init, Q):
         with _on_device(x):
-            y, final, states = _fwd(x, dt, cs, B, C, D, init, Q)
-        ctx.save_for_backward(x, dt, cs, B, C, D, init, states)
+            y, final, states = _fwd(x, dt, cs, seg, B, C, D, init, Q)
+        ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, states)
         ctx.Q = Q
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, cs, B, C, D, init, states = ctx.saved_tensors
+        x, dt, cs, seg, B, C, D, init, states = ctx.saved_tensors
         with _on_device(x):
-            dx, ddt, dcs, dB, dC, dD, dinit = _bwd(x, dt, cs, B, C, D, init, states, dy, dfinal, ctx.Q)
-        return (dx, ddt.to(dt.dtype), dcs, dB.to(B.dtype), dC.to(C.dtype),
+            dx, ddt, dcs, dB, dC, dD, dinit = _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal,
+                                                   ctx.Q)
+        return (dx, ddt.to(dt.dtype), dcs, None, dB.to(B.dtype), dC.to(C.dtype),
                 dD.to(D.dtype) if dD is not None else None, dinit, None)
 
 
 @torch.compiler.disable
-def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
     """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
     dtype, final state in float32), for float32 / bfloat16 / float16 inputs."""
     if not HAVE_TRITON:
         raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
-    check_shapes(x, dt, A, B, C, D, initial_state)
+    check_shapes(x, dt, A, B, C, D, initial_state, seg)
     if not supports(x, B, chunk_size):
         raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size 16, 32, 64 or 128, "
                          f"head_dim and d_state <= 128, and tensors under 2**31 elements (split the "
@@ -402,7 +457,15 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64)
     Q = chunk_size
     nc = max(1, math.ceil(l / Q))
     # in-chunk cumulative log-decay (b, h, chunks, Q); the padded tail has dt = 0: no decay, no write
-    dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l))
-    cs = dA.view(b, nc, Q, h).cumsum(2).permute(0, 3, 1, 2).contiguous()
+    dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+    if seg is None:
+        cs = dA.cumsum(2)
+        segp = None
+    else:  # restarting at each boundary; the padded segment ids go to the kernels
+        segc = segment_masks(seg, nc, Q)[0]
+        with torch.autocast(x.device.type, enabled=False):
+            cs = segment_cumsum(dA, segc)
+        segp = segc.reshape(b, nc * Q).to(torch.int32).contiguous()
+    cs = cs.permute(0, 3, 1, 2).contiguous()
     init = initial_state.float().contiguous() if initial_state is not None else None
-    return _SSDTriton.apply(x, dt, cs, B, C, D, init, Q)
+    return _SSDTriton.apply(x, dt, cs, segp, B, C, D, init, Q)

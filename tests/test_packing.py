@@ -1,0 +1,196 @@
+"""Packed documents (issue 11): documents back to back inside a chunk, with `starts` (B, T) marking
+each document's first token. A document never sees the one before it (attention masked by document,
+KV window included; Mamba conv and SSM state restarted; rotary positions from 0; the learned initial
+memory, not the lane's), and a document that starts mid-chunk is the same as one that starts a chunk."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elephant.config import ModelConfig
+from elephant.layers.mamba import Mamba2, segment_conv
+from elephant.model import ElephantLM
+
+V = 97
+
+
+def make(seed=0, **kw) -> ElephantLM:
+    base = dict(vocab_size=V, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                mamba_head_dim=16, expand=2, d_conv=4, ssd_chunk=8, n_mem=0, kv_window=0)
+    base.update(kw)
+    torch.manual_seed(seed)
+    return ElephantLM(ModelConfig(**base)).double().eval()
+
+
+def starts_at(B, T, *cols) -> torch.Tensor:
+    s = torch.zeros(B, T, dtype=torch.bool)
+    for c in cols:
+        s[:, c] = True
+    return s
+
+
+@pytest.mark.parametrize("n_mem, kv_window", [(3, 16), (0, 16), (3, 0)])
+def test_previous_document_never_leaks_into_the_next(n_mem, kv_window):
+    # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
+    # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged.
+    model = make(n_mem=n_mem, kv_window=kv_window)
+    T, b0 = 12, 7
+    gen = torch.Generator().manual_seed(1)
+    chunks = torch.randint(0, V, (3, 2, T), generator=gen)
+    starts = [starts_at(2, T, 0), starts_at(2, T, b0), starts_at(2, T)]
+    other = chunks.clone()
+    other[0] = torch.randint(0, V, (2, T), generator=gen)
+    other[1, :, :b0] = torch.randint(0, V, (2, b0), generator=gen)
+
+    def run(chunks):
+        state, outs = None, []
+        for c in range(3):
+            logits, state = model(chunks[c], state, starts=starts[c])
+            outs.append(logits)
+        return outs, state
+    a, state_a = run(chunks)
+    b, state_b = run(other)
+    assert torch.equal(a[1][:, b0:], b[1][:, b0:]) and torch.equal(a[2], b[2])
+    assert not torch.equal(a[1][:, :b0], b[1][:, :b0])  # doc A itself did change
+    for name, t in state_a.tensors().items():
+        assert torch.equal(t, state_b.tensors()[name]), name
+
+
+@pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA"])
+def test_document_starting_mid_chunk_equals_document_fed_alone(layers):
+    # memory off, a window covering the document: doc B starting at token 7 of a chunk and running on
+    # into the next two chunks gives the logits of one pass over doc B in a fresh state
+    model = make(layers=layers, kv_window=64)
+    T = 16
+    gen = torch.Generator().manual_seed(2)
+    doc_a = torch.randint(0, V, (1, 20), generator=gen)
+    doc_b = torch.randint(0, V, (1, 30), generator=gen)
+    alone, _ = model(doc_b)
+    _, state = model(doc_a[:, :13])                          # doc A's first chunk
+    stream = torch.cat([doc_a[:, 13:20], doc_b], dim=1)     # 7 tokens of A, then B (starts at 7)
+    stream = torch.cat([stream, torch.randint(0, V, (1, 3 * T - stream.shape[1]), generator=gen)], 1)
+    outs = []
+    for c in range(3):
+        s = torch.zeros(1, T, dtype=torch.bool)
+        if c == 0:
+            s[0, 7] = True
+        if c == 2:
+            s[0, 37 - 2 * T] = True  # doc C starts after doc B (at 7 + 30 = 37)
+        logits, state = model(stream[:, c * T:(c + 1) * T], state, starts=s)
+        outs.append(logits)
+    packed = torch.cat(outs, dim=1)[:, 7:37]
+    assert (packed - alone).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("layers, mem_update", [("MAMA", "gated"), ("AMMA", "replace"), ("MM", "gated")])
+def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update):
+    # memory on: doc B starting at token 5 of a chunk (and filling it) gives the logits, and leaves the
+    # state, of doc B starting a chunk of its own after a reset; so does the chunk after that
+    model = make(layers=layers, n_mem=3, kv_window=16, mem_update=mem_update)
+    T, b0 = 14, 5
+    gen = torch.Generator().manual_seed(3)
+    doc_b = torch.randint(0, V, (2, T - b0 + 9), generator=gen)
+    _, state = model(torch.randint(0, V, (2, 10), generator=gen))            # doc A's first chunk
+    packed_in = torch.cat([torch.randint(0, V, (2, b0), generator=gen), doc_b[:, :T - b0]], dim=1)
+    packed, s_packed = model(packed_in, state, starts=starts_at(2, T, b0))
+    reset, s_reset = model(doc_b[:, :T - b0], state, torch.ones(2, dtype=torch.bool))
+    assert (packed[:, b0:] - reset).abs().max() < 1e-10
+    assert torch.equal(s_packed.pos, s_reset.pos)
+    nxt = doc_b[:, T - b0:]
+    after_packed, _ = model(nxt, s_packed, starts=starts_at(2, nxt.shape[1]))
+    after_reset, _ = model(nxt, s_reset)
+    assert (after_packed - after_reset).abs().max() < 1e-10
+
+
+def test_gradients_do_not_cross_a_document_boundary():
+    # the loss of doc B (starting mid-chunk) has no gradient into doc A's tokens, in this chunk or
+    # the one before, nor into the state doc A carried in
+    model = make(n_mem=3, kv_window=16, bptt_chunks=4)
+    embedded = []
+    handle = model.embed.register_forward_hook(lambda m, a, out: embedded.append(out))
+    T, b0 = 12, 6
+    _, state = model(torch.randint(0, V, (2, T)))                      # doc A's first chunk
+    logits, _ = model(torch.randint(0, V, (2, T)), state, starts=starts_at(2, T, b0))
+    handle.remove()
+    loss_b = logits[:, b0:].pow(2).sum()
+    g_prev, g_this = torch.autograd.grad(loss_b, embedded, retain_graph=True)
+    assert not g_prev.any() and not g_this[:, :b0].any() and g_this[:, b0:].abs().sum() > 0
+    # and doc A's loss does not reach doc B's tokens (causality, kept by the mask)
+    (g_a,) = torch.autograd.grad(logits[:, :b0].pow(2).sum(), embedded[1], retain_graph=True)
+    assert not g_a[:, b0:].any()
+    # doc B's loss does reach the parameters of the initial memory
+    (g_mem,) = torch.autograd.grad(loss_b, model.mem_init, retain_graph=True)
+    assert g_mem.abs().sum() > 0
+
+
+def test_a_start_at_token_0_is_a_reset():
+    model = make(n_mem=2, kv_window=8)
+    _, state = model(torch.randint(0, V, (3, 9)))
+    tokens = torch.randint(0, V, (3, 9))
+    flags = torch.tensor([True, False, True])
+    by_reset, s1 = model(tokens, state, flags)
+    starts = torch.zeros(3, 9, dtype=torch.bool)
+    starts[:, 0] = flags
+    by_starts, s2 = model(tokens, state, starts=starts)
+    assert (by_reset - by_starts).abs().max() < 1e-12
+    for name, t in s1.tensors().items():
+        assert (t.double() - s2.tensors()[name].double()).abs().max() < 1e-12, name
+
+
+def test_rotary_positions_restart_at_each_document():
+    model = make(layers="A", kv_window=32)
+    _, state = model(torch.randint(0, V, (1, 11)))
+    _, s = model(torch.randint(0, V, (1, 10)), state, starts=starts_at(1, 10, 4))
+    assert s.pos.tolist() == [6]
+    _, s = model(torch.randint(0, V, (1, 10)), state, starts=starts_at(1, 10))
+    assert s.pos.tolist() == [21]
+
+
+# --- the Mamba-2 mixer ----------------------------------------------------------------------------
+
+def mixer(seed=0) -> Mamba2:
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_heads=4, layers="M", d_mlp=0, d_state=16,
+                      mamba_head_dim=16, expand=2, d_conv=4, ssd_chunk=8)
+    torch.manual_seed(seed)
+    m = Mamba2(cfg).double()
+    with torch.no_grad():
+        m.conv1d.bias.normal_()
+    return m
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+def test_conv_and_scan_restart_at_each_boundary(with_init):
+    # each segment of a packed row equals the mixer run on that segment alone: segment 0 from the
+    # carried state, later ones from zero (or from `init`: conv tail and SSM state)
+    m = mixer()
+    L = 29
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, L, 32, generator=gen, dtype=torch.float64)
+    conv0, ssm0 = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in m.init_state(2))
+    bounds = [0, 2, 3, 11, 12, 13, 26, L]  # segments of 1, 2, 8 and 13 tokens; the last one of 3
+    seg = torch.zeros(2, L, dtype=torch.long)
+    for k, a in enumerate(bounds[1:-1], start=1):
+        seg[:, a:] = k
+    init = None
+    if with_init:
+        init = (torch.randn(m.conv_dim, 3, generator=gen, dtype=torch.float64),
+                torch.randn(m.heads, m.head_dim, m.d_state, generator=gen, dtype=torch.float64))
+    y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=init)
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if k == 0:
+            c_in, s_in = conv0, ssm0
+        elif init is None:
+            c_in, s_in = m.init_state(2, dtype=torch.float64)
+        else:
+            c_in, s_in = init[0].expand(2, -1, -1), init[1].expand(2, -1, -1, -1)
+        y_k, conv_k, ssm_k = m(x[:, a:b], c_in, s_in)
+        assert (y[:, a:b] - y_k).abs().max() < 1e-12, k
+    assert (conv - conv_k).abs().max() < 1e-12 and (ssm - ssm_k).abs().max() < 1e-12
+
+
+def test_segment_conv_without_boundaries_is_the_causal_conv():
+    gen = torch.Generator().manual_seed(5)
+    window = torch.randn(2, 6, 3 + 10, generator=gen, dtype=torch.float64)
+    w, b = torch.randn(6, 1, 4, generator=gen, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    out, state = segment_conv(window, torch.zeros(2, 10, dtype=torch.long), w, b)
+    assert (out - F.conv1d(window, w, b, groups=6)).abs().max() < 1e-12
+    assert torch.equal(state, window[:, :, -3:])
