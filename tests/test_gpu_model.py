@@ -135,9 +135,11 @@ def test_packed_previous_document_never_leaks_on_cuda():
     model = ElephantLM(cfg(n_mem=4, kv_window=64)).cuda()
     model.set_fast_paths(True)
     T, b0 = 96, 37
-    tokens = torch.randint(0, 512, (2, 3, T), device="cuda")
-    tokens[1, 0] = torch.randint(0, 512, (3, T), device="cuda")
-    tokens[1, 1, :, :b0] = torch.randint(0, 512, (3, b0), device="cuda")
+    base = torch.randint(0, 512, (3, 3, T), device="cuda")         # (chunk, lane, T)
+    other = base.clone()                                            # every token of doc A changed
+    other[0] = torch.randint(0, 512, (3, T), device="cuda")
+    other[1, :, :b0] = torch.randint(0, 512, (3, b0), device="cuda")
+    tokens = torch.stack([base, other])
     starts = torch.zeros(3, 3, T, dtype=torch.bool, device="cuda")
     starts[0, :, 0] = True
     starts[1, :, b0] = True
