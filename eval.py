@@ -13,7 +13,6 @@ mean loss (labelled: the figure the model this project descends from reported). 
 word perplexity are the fair comparison across tokenizers.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -41,6 +40,7 @@ def parse(argv):
     p.add_argument("--push-to-hub", metavar="USER/NAME",
                    help="export the model with these results and upload it")
     p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(json_written=False)
     return p.parse_args(argv)
 
 
@@ -50,12 +50,21 @@ def main(argv=None) -> int:
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError
     from elephant.hub import HubError
+    from elephant.preemption import Interrupted, exit_code, interrupt_on_signals, signal_name
 
     try:
-        return run(args)
+        with interrupt_on_signals():
+            return run(args)
     except (ConfigError, DataError, CheckpointError, HubError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a folder without write permission
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        written = f"; {args.json} was left as it was" if args.json and not args.json_written else ""
+        print(f"interrupted by {signal_name(e.signum)}{written}", file=sys.stderr)
+        return exit_code(e.signum)
 
 
 def run(args) -> int:
@@ -65,6 +74,7 @@ def run(args) -> int:
     from data_packing.sources import canonical_split
     from elephant.config import DataConfig, load_config
     from elephant.evaluate import evaluate
+    from elephant.fsutil import atomic_write_json
     from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
     from elephant.metrics import plot_position_loss
 
@@ -122,8 +132,9 @@ def run(args) -> int:
                   if isinstance(r, dict) and r.get("position_buckets")}
         plot_position_loss(curves, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if args.json:  # all or nothing: an interrupted run leaves the file as it was
+        atomic_write_json(args.json, results, indent=1, default=str)
+        args.json_written = True
         print(f"wrote {args.json}", file=sys.stderr)
     if args.push_to_hub:
         metrics = {f"{data.source}/{split}": {k: ours[k] for k in
