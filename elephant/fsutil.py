@@ -3,8 +3,9 @@
 `atomic_write_text` / `atomic_write_json` write a hidden temporary file beside the target, flush it
 to disk, and rename it over the target (`os.replace` is atomic on POSIX), then flush the folder so
 the rename itself survives a power cut. A process killed at any point leaves the target as it was,
-plus at most a `.NAME.tmp-PID-XXXX` file that nothing reads. Checkpoints (`latest`, the run's
-config), the run lock and `eval.py --json` all write through here: one piece of code for the job.
+plus at most a `.NAME.tmp-PID-XXXX` file that nothing reads. A checkpoint's `latest`, the run's
+resolved_config.json and env.json and `eval.py --json` are written this way; a checkpoint's own
+files and the run lock use `write_synced` (a new file, flushed), the step before the rename.
 """
 from __future__ import annotations
 

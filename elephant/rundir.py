@@ -26,6 +26,7 @@ import weakref
 from pathlib import Path
 
 from .checkpoint import step_folders
+from .fsutil import write_synced
 
 LOCK = ".lock"
 
@@ -107,7 +108,8 @@ def acquire_lock(run_dir: Path, command: str = "") -> RunLock:
           "token": secrets.token_hex(8)}
     for _ in range(5):  # a stale lock taken over by another process at the same moment: look again
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            write_synced(path, json.dumps(me).encode("utf-8"))  # O_CREAT | O_EXCL: one winner
+            return RunLock(path, me["token"])
         except FileExistsError:
             holder = _read(path)
             if holder is None:
@@ -126,12 +128,9 @@ def acquire_lock(run_dir: Path, command: str = "") -> RunLock:
                     f"{holder.get('since')} ({holder.get('command') or 'train.py'}); wait for it or "
                     f"stop it, or set another train.run_dir") from None
             _take_over(path, holder)
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(me))
-            f.flush()
-            os.fsync(f.fileno())
-        return RunLock(path, me["token"])
+        except OSError:
+            path.unlink(missing_ok=True)  # created but not filled (a full disk): leave no husk
+            raise
     raise RunDirError(f"{path}: other processes keep taking this lock; try again")
 
 
