@@ -14,7 +14,6 @@ mean loss (labelled: the figure the model this project descends from reported). 
 word perplexity are the fair comparison across tokenizers.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -52,6 +51,7 @@ def parse(argv):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off (default)")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
     g.add_argument("--eager", action="store_true", help="no CUDA graph for the decoding step")
+    p.set_defaults(json_written=False)
     return p.parse_args(argv)
 
 
@@ -62,14 +62,23 @@ def main(argv=None) -> int:
     from elephant.config import ConfigError
     from elephant.generate import GenerationError
     from elephant.hub import HubError
+    from elephant.preemption import Interrupted, exit_code, interrupt_on_signals, signal_name
 
     try:
-        if args.prompt is not None or args.prompt_file is not None:
-            return run_generate(args)
-        return run(args)
+        with interrupt_on_signals():
+            if args.prompt is not None or args.prompt_file is not None:
+                return run_generate(args)
+            return run(args)
     except (ConfigError, DataError, CheckpointError, HubError, GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a folder without write permission
+        print(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        written = f"; {args.json} was left as it was" if args.json and not args.json_written else ""
+        print(f"interrupted by {signal_name(e.signum)}{written}", file=sys.stderr)
+        return exit_code(e.signum)
 
 
 def run(args) -> int:
@@ -79,6 +88,7 @@ def run(args) -> int:
     from data_packing.sources import canonical_split
     from elephant.config import DataConfig, load_config
     from elephant.evaluate import evaluate
+    from elephant.fsutil import atomic_write_json
     from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
     from elephant.metrics import plot_position_loss
 
@@ -137,8 +147,9 @@ def run(args) -> int:
                   if isinstance(r, dict) and r.get("position_buckets")}
         plot_position_loss(curves, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if args.json:  # all or nothing: an interrupted run leaves the file as it was
+        atomic_write_json(args.json, results, indent=1, default=str)
+        args.json_written = True
         print(f"wrote {args.json}", file=sys.stderr)
     if args.push_to_hub:
         metrics = {f"{data.source}/{split}": {k: ours[k] for k in

@@ -118,8 +118,11 @@ def build_corpus(source: Source, tokenizer, out_dir: str | os.PathLike, *, appen
     if progress:
         rate = manifest["n_tokens"] / max(manifest["seconds"], 1e-9)
         m = manifest
+        bad = m.get("invalid_utf8_docs", 0)
+        replaced = (f"; {bad} document{'s' * (bad != 1)} had bytes that are not UTF-8, replaced by "
+                    f"U+FFFD" if bad else "")
         print(f"{out_dir}: {m['n_docs']} docs, {m['n_tokens']} tokens, {m['n_bytes']} bytes, "
-              f"{m['n_words']} words in {m['seconds']:.1f}s ({rate / 1e6:.2f}M tokens/s)",
+              f"{m['n_words']} words in {m['seconds']:.1f}s ({rate / 1e6:.2f}M tokens/s){replaced}",
               file=sys.stderr)
     return TokenizedCorpus.open(out_dir)
 

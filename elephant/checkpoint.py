@@ -6,22 +6,29 @@ A checkpoint is a folder `run_dir/checkpoints/step_NNNNNNN/`:
     rankR.json          the rest of that rank's state (batcher positions, counters) with the
                         structure that puts its tensors back in place
     meta.json           step, world size, the resolved config and the SHA-256 of every file
-It is written under a temporary name and renamed into place, then `latest` (a text file naming
-the folder) is replaced atomically; a killed writer leaves at most a `.tmp-*` folder that nothing
-loads. Only the newest `keep` checkpoints are kept. Loading verifies the hashes and the config,
-so a corrupt or foreign checkpoint is refused with a message instead of half-loaded.
+It is written under a temporary name, flushed to disk and renamed into place, then `latest` (a
+text file naming the folder) is replaced atomically: a killed writer leaves at most a `.tmp-*`
+folder that nothing loads (the next save removes it), and a write that fails (a full disk) removes
+its temporary folder and leaves the earlier checkpoints and `latest` as they were. Only the newest
+`keep` checkpoints are kept. Loading verifies the hashes and the config, so a corrupt or foreign
+checkpoint is refused with a message instead of half-loaded; a resume starts from the newest
+checkpoint that verifies (`newest_intact_checkpoint`), whatever `latest` says.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from .fsutil import atomic_write_text, fsync_dir, write_synced
 
 
 class CheckpointError(ValueError):
@@ -76,42 +83,136 @@ def _sha256(path: Path) -> str:
 # ------------------------------------------------------------------ save / load
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, rank_state: dict,
                     meta: dict, keep: int = 2, rank: int = 0, world: int = 1,
-                    barrier=lambda: None) -> Path:
+                    all_ok: Callable[[bool], bool] = lambda ok: ok) -> Path:
     """Write checkpoint `step`. Every rank calls this with its own `rank_state` (a nested dict of
     tensors and plain values: its optimizer shard, batcher positions, lane states, RNG); rank 0
-    also writes the weights and `meta`, hashes everything and renames the folder into place."""
+    also writes the weights and `meta`, hashes everything and renames the folder into place.
+
+    `all_ok(ok)` tells whether every rank's `ok` is true (a collective, so it is a barrier too).
+    A write that fails on any rank (a full disk) raises CheckpointError on every rank and leaves
+    the checkpoints before this one and `latest` as they were; the temporary folder is removed."""
     root = Path(run_dir) / "checkpoints"
     name = f"step_{step:07d}"
     final, tmp = root / name, root / f".tmp-{name}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    barrier()
+
+    def stage(fn, *args) -> None:
+        """Run one stage of the write on this rank; stop on every rank if it failed on any."""
+        error = None
+        try:
+            if fn is not None:
+                fn(*args)
+        except (OSError, SafetensorError) as e:
+            error = e
+        if not all_ok(error is None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            why = _reason(error) if error is not None else "another rank could not write its part"
+            raise CheckpointError(f"cannot write checkpoint {final}: {why}; the checkpoints before "
+                                  f"it and {root / 'latest'} are intact")
+
+    stage(_fresh_folder if rank == 0 else None, root, tmp)
+    stage(_write_rank_state, tmp, rank, rank_state)
+    stage(_publish if rank == 0 else None, tmp, final, model, meta, step, world, keep)
+    return final
+
+
+def _fresh_folder(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(".tmp-step_*"):  # left by a killed save; this process holds the run lock
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.mkdir()
+
+
+def _write_rank_state(tmp: Path, rank: int, rank_state: dict) -> None:
     tensors: dict = {}
     structure = flatten(rank_state, "s", tensors)
     save_file(tensors, str(tmp / f"rank{rank}.safetensors"))
-    (tmp / f"rank{rank}.json").write_text(json.dumps(structure))
-    barrier()
-    if rank == 0:
-        save_model(model, str(tmp / "model.safetensors"))
-        files = ["model.safetensors"] + [f"rank{r}.{ext}" for r in range(world)
-                                         for ext in ("safetensors", "json")]
-        meta = dict(meta, step=step, world_size=world, sha256={f: _sha256(tmp / f) for f in files})
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        os.replace(latest_tmp, root / "latest")
-        for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return final
+    _fsync(tmp / f"rank{rank}.safetensors")  # each rank flushes its own files (its own node's cache)
+    write_synced(tmp / f"rank{rank}.json", json.dumps(structure).encode("utf-8"))
+
+
+def _publish(tmp: Path, final: Path, model: torch.nn.Module, meta: dict, step: int, world: int,
+             keep: int) -> None:
+    """Rank 0: weights and meta.json into the temporary folder, rename it into place, then `latest`."""
+    save_model(model, str(tmp / "model.safetensors"))
+    _fsync(tmp / "model.safetensors")
+    files = ["model.safetensors"] + [f"rank{r}.{ext}" for r in range(world)
+                                     for ext in ("safetensors", "json")]
+    meta = dict(meta, step=step, world_size=world, sha256={f: _sha256(tmp / f) for f in files})
+    write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode("utf-8"))
+    fsync_dir(tmp)
+    if final.exists():
+        _remove(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    set_latest(final)
+    for old in step_folders(final.parent)[max(keep, 1):]:
+        try:
+            _remove(old)
+        except OSError:  # the new checkpoint is safe; an old one left behind costs only space
+            pass
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint folder without ever showing a half-deleted one: rename it to a `.tmp-*`
+    name first (atomic), which no loader reads and the next save clears if this one is killed."""
+    doomed = ckpt.with_name(f".tmp-{ckpt.name}.removed")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(ckpt, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror} ({e.filename})" if e.filename else e.strerror
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def step_folders(root: str | Path) -> list[Path]:
+    """The checkpoint folders `step_NNNNNNN` under `root`, newest first (never a `.tmp-*` one)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint of a run whose every file matches its hash, and the newer ones that
+    did not (folder, why). `latest` is not consulted: a crash between the rename of a folder and
+    the update of `latest` leaves it one behind, and the newest complete folder is what counts."""
+    root = Path(run_dir) / "checkpoints"
+    skipped = []
+    for ckpt in step_folders(root):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt, skipped
+        except CheckpointError as e:
+            skipped.append((ckpt, str(e)))
+    if not skipped:
+        raise CheckpointError(f"no checkpoint in {root} to resume from; start over with --restart, "
+                              f"or set another train.run_dir")
+    raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(why for _, why in skipped))
+
+
+def set_latest(ckpt: Path) -> None:
+    """Point the run's `latest` at `ckpt` (atomically)."""
+    atomic_write_text(ckpt.parent / "latest", ckpt.name + "\n")
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a broken checkpoint folder out of the way (kept for inspection, never deleted)."""
+    aside, n = ckpt.with_name(f"{ckpt.name}.broken"), 1
+    while aside.exists():
+        aside, n = ckpt.with_name(f"{ckpt.name}.broken-{n}"), n + 1
+    os.rename(ckpt, aside)
+    return aside
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -136,8 +237,20 @@ def read_meta(ckpt: Path) -> dict:
         meta = json.loads((ckpt / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{ckpt / 'meta.json'}: unreadable ({e})") from None
-    if not isinstance(meta, dict) or "step" not in meta or "sha256" not in meta:
+    if not isinstance(meta, dict) or "step" not in meta or not isinstance(meta.get("sha256"), dict):
         raise CheckpointError(f"{ckpt / 'meta.json'}: not an elephant checkpoint")
+    return meta
+
+
+def verify_checkpoint(ckpt: Path, files: list[str] | None = None, hashes: bool = True) -> dict:
+    """meta.json of `ckpt` once `files` (default: every file it lists) are there and match their
+    SHA-256; CheckpointError naming the first that does not."""
+    meta = read_meta(ckpt)
+    for f in files if files is not None else list(meta["sha256"]):
+        if f not in meta["sha256"] or not (ckpt / f).is_file():
+            raise CheckpointError(f"{ckpt / f}: missing (written by {meta.get('world_size')} ranks)")
+        if hashes and _sha256(ckpt / f) != meta["sha256"][f]:
+            raise CheckpointError(f"{ckpt / f}: corrupt (SHA-256 does not match meta.json)")
     return meta
 
 
@@ -145,13 +258,8 @@ def load_checkpoint(ckpt: str | Path, model: torch.nn.Module | None = None, rank
                     verify: bool = True) -> tuple[dict, dict]:
     """Load weights into `model` (strictly) and return (meta, this rank's state) of a checkpoint."""
     ckpt = find_checkpoint(ckpt)
-    meta = read_meta(ckpt)
-    mine = ["model.safetensors", f"rank{rank}.safetensors", f"rank{rank}.json"]
-    for f in mine:
-        if f not in meta["sha256"] or not (ckpt / f).is_file():
-            raise CheckpointError(f"{ckpt / f}: missing (written by {meta.get('world_size')} ranks)")
-        if verify and _sha256(ckpt / f) != meta["sha256"][f]:
-            raise CheckpointError(f"{ckpt / f}: corrupt (SHA-256 does not match meta.json)")
+    meta = verify_checkpoint(ckpt, ["model.safetensors", f"rank{rank}.safetensors",
+                                    f"rank{rank}.json"], hashes=verify)
     if model is not None:
         try:
             missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False,

@@ -27,13 +27,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, find_checkpoint, load_checkpoint, read_meta,
-                         save_checkpoint)
+from .checkpoint import (CheckpointError, load_checkpoint, newest_intact_checkpoint, read_meta,
+                         save_checkpoint, set_aside, set_latest)
 from .config import Config, ConfigError
 from .evaluate import evaluate, open_corpus
+from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
 from .model import ElephantLM
 from .optim import build_optimizers
+from .preemption import StopRequest, signal_name
+from .rundir import RunDirError, RunLock, claim_run_dir
 
 
 class TrainingStopped(RuntimeError):
@@ -79,11 +82,24 @@ def setup_runtime(cfg: Config) -> Runtime:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool | None = None):
+    """One run in `train.run_dir`, which it holds locked from construction until `fit()` ends
+    (or `close()`): `resume` continues the run there, `restart` moves an earlier run aside."""
+
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool | None = None,
+                 restart: bool = False):
         self.cfg = cfg
-        self.rt = rt = setup_runtime(cfg)
+        self.rt = setup_runtime(cfg)
         self.run_dir = Path(cfg.train.run_dir)
         self.progress = sys.stderr.isatty() if progress is None else progress
+        self.lock = self._claim_run_dir(resume, restart)
+        try:
+            self._setup(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg, rt = self.cfg, self.rt
         torch.manual_seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
 
@@ -117,19 +133,48 @@ class Trainer:
         self.bad_steps = 0
         self.skipped_steps = 0
         self.tokens_seen = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote or read
+        self.resume_record: dict | None = None
         if resume:
             self._resume()
         elif rt.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "resolved_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-            (self.run_dir / "env.json").write_text(json.dumps(environment(rt), indent=1))
+            atomic_write_json(self.run_dir / "resolved_config.json", cfg.to_dict(), indent=1)
+            atomic_write_json(self.run_dir / "env.json", environment(rt), indent=1)
+
+    # ------------------------------------------------------------------ the run dir
+    def _agree(self, value: int, op: str) -> int:
+        """`value` combined over ranks by "min" or "max"; a collective, so every rank calls it at
+        the same point (world size 1: the value itself)."""
+        if self.rt.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.rt.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _claim_run_dir(self, resume: bool, restart: bool) -> RunLock | None:
+        """Rank 0 locks the run dir (see rundir.py); every rank stops if it could not."""
+        lock, error = None, None
+        if self.rt.main:
+            try:
+                lock = claim_run_dir(self.run_dir, resume=resume, restart=restart,
+                                     command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+            except RunDirError as e:
+                error = e
+        if not self._agree(int(error is None), "min"):
+            raise error or RunDirError(f"{self.run_dir}: rank 0 could not claim it (see its message)")
+        return lock
+
+    def close(self) -> None:
+        """Release the run dir; `fit()` does it when it ends. Idempotent."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ------------------------------------------------------------------ checkpoints
-    def _barrier(self) -> None:
-        if self.rt.world > 1:
-            dist.barrier()
-
-    def save(self) -> None:
+    def save(self) -> Path:
+        ckpt = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
+        if self.saved_step == self.step:  # e.g. a resumed run that was already complete
+            return ckpt
         rank_state = {
             "optim": self.opt.state_dict(),
             "states": [s.state_dict() for s in self.states],
@@ -143,10 +188,34 @@ class Trainer:
                 "grad_accum": self.cfg.train.grad_accum}
         save_checkpoint(self.run_dir, self.step, self.model, rank_state, meta,
                         keep=self.cfg.train.keep_ckpts, rank=self.rt.rank, world=self.rt.world,
-                        barrier=self._barrier)
+                        all_ok=lambda ok: bool(self._agree(int(ok), "min")))
+        self.saved_step = self.step
+        return ckpt
 
     def _resume(self) -> None:
-        ckpt = find_checkpoint(self.run_dir)
+        """Continue from the newest intact checkpoint: rank 0 picks it (setting broken newer ones
+        aside, with a message) and every rank loads that one."""
+        found, error, skipped = None, None, []
+        if self.rt.main:
+            try:
+                found, skipped = newest_intact_checkpoint(self.run_dir)
+                for bad, why in skipped:
+                    print(f"skipped checkpoint {bad.name}: {why}; moved it to "
+                          f"{set_aside(bad).name}", file=sys.stderr)
+                if skipped:
+                    set_latest(found)  # it may have named one of them
+            except CheckpointError as e:
+                error = e
+            except OSError as e:
+                error = CheckpointError(f"{e.filename}: {e.strerror} (setting a broken checkpoint "
+                                        f"aside)")
+        step = self._agree(read_meta(found)["step"] if found else -1, "max")
+        if error is not None:
+            raise error
+        if step < 0:
+            raise CheckpointError(f"{self.run_dir}: rank 0 found no checkpoint to resume from "
+                                  f"(see its message)")
+        ckpt = self.run_dir / "checkpoints" / f"step_{step:07d}"
         meta = read_meta(ckpt)
         if meta.get("config", {}).get("model") != self.cfg.model.to_dict():
             raise CheckpointError(f"{ckpt}: its model config differs from this run's "
@@ -154,7 +223,8 @@ class Trainer:
         if meta["world_size"] != self.rt.world or meta["grad_accum"] != self.cfg.train.grad_accum:
             raise CheckpointError(f"{ckpt}: written with world_size={meta['world_size']} and "
                                   f"grad_accum={meta['grad_accum']}; resume with the same")
-        meta, state = load_checkpoint(ckpt, self.model, rank=self.rt.rank)
+        # rank 0 has just verified every file of it
+        meta, state = load_checkpoint(ckpt, self.model, rank=self.rt.rank, verify=not self.rt.main)
         self.opt.load_state_dict(state["optim"])
         for b, sd in zip(self.batchers, state["batchers"]):
             b.load_state_dict(sd)
@@ -167,6 +237,9 @@ class Trainer:
         self.step = meta["step"]
         self.bad_steps, self.skipped_steps = meta["bad_steps"], meta["skipped_steps"]
         self.tokens_seen = meta["tokens_seen"]
+        self.saved_step = self.step
+        self.resume_record = {"kind": "resumed", "step": self.step, "checkpoint": str(ckpt),
+                              "skipped": [{"checkpoint": str(p), "why": why} for p, why in skipped]}
         if self.rt.main:
             print(f"resumed from {ckpt} at step {self.step}", file=sys.stderr)
 
@@ -229,8 +302,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict:
+        """Train to `max_steps`; on SIGTERM or SIGINT finish the step, write a checkpoint and return
+        early (`preempted`: the signal's number, `checkpoint`: the folder written). Releases the run
+        dir when it returns or raises."""
+        try:
+            with StopRequest(announce=self.rt.main) as stop, \
+                    RunLog(self.run_dir, self.rt.main, self.cfg.train.tensorboard) as log:
+                return self._fit(log, stop)
+        finally:
+            self.close()
+
+    def _fit(self, log: "RunLog", stop: StopRequest) -> dict:
         rt, t = self.rt, self.cfg.train
-        log = RunLog(self.run_dir, enabled=rt.main, tensorboard=t.tensorboard)
+        for record in (self.resume_record, self._data_record()):
+            if record is not None:
+                log.write(record)
         flops = self.model.flops_per_token(t.chunk_len)
         peak = peak_flops(torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None)
         if rt.main and self.step == 0:
@@ -243,12 +329,11 @@ class Trainer:
         if rt.main and self.progress:
             from tqdm import tqdm
             bar = tqdm(total=t.max_steps, initial=self.step, dynamic_ncols=True, desc="train")
-        last_eval = None
+        last_eval, preempted = None, 0
         t0, tokens0 = time.perf_counter(), self.tokens_seen
         while self.step < t.max_steps:
             out = self.train_step()
             if self.bad_steps >= t.max_bad_steps:
-                log.close()
                 raise TrainingStopped(
                     f"{self.bad_steps} consecutive steps had a non-finite loss; stopped at step "
                     f"{self.step}. The last good checkpoint in {self.run_dir / 'checkpoints'} is "
@@ -278,6 +363,10 @@ class Trainer:
                 t0, tokens0 = time.perf_counter(), self.tokens_seen
             if bar is not None:
                 bar.update(1)
+            # a signal on any rank stops every rank after this same step
+            preempted = self._agree(stop.signum, "max")
+            if preempted and self.step < t.max_steps:
+                break
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                 last_eval = self._eval_and_log(log)
                 t0, tokens0 = time.perf_counter(), self.tokens_seen
@@ -286,12 +375,35 @@ class Trainer:
                 self.save()
         if bar is not None:
             bar.close()
-        last_eval = self._eval_and_log(log) or last_eval
+        result = {"step": self.step, "eval": last_eval, "skipped_steps": self.skipped_steps}
+        if preempted and self.step < t.max_steps:
+            # in a bad streak the newest checkpoint stays the last good one
+            ckpt = None if self.bad_steps else self.save()
+            log.write({"kind": "preempted", "step": self.step, "signal": signal_name(preempted),
+                       "checkpoint": str(ckpt) if ckpt else None})
+            return dict(result, preempted=preempted, checkpoint=ckpt)
+        result["eval"] = self._eval_and_log(log) or last_eval
         self.save()
         log.close()
         if rt.main:
             plot_losses(self.run_dir / "log.jsonl", self.run_dir / "loss.png")
-        return {"step": self.step, "eval": last_eval, "skipped_steps": self.skipped_steps}
+        return result
+
+    def _data_record(self) -> dict:
+        """The corpora's counts for the log; a note when documents had bytes that are not UTF-8."""
+        record = {"kind": "data", "step": self.step}
+        for split, corpus in (("train", self.train_corpus), ("valid", self.valid_corpus)):
+            if corpus is None:
+                continue
+            m = corpus.manifest
+            record[split] = {"documents": len(corpus), "tokens": corpus.n_tokens,
+                             "invalid_utf8_docs": m.get("invalid_utf8_docs", 0),
+                             "skipped_empty_docs": m.get("skipped_empty_docs", 0)}
+            bad = record[split]["invalid_utf8_docs"]
+            if bad and self.rt.main:
+                print(f"note: {bad} document{'s' * (bad != 1)} of the {split} split had bytes that "
+                      f"are not UTF-8, replaced by U+FFFD ({corpus.path})", file=sys.stderr)
+        return record
 
     def _eval_and_log(self, log: "RunLog") -> dict | None:
         result = self.validate()
@@ -311,7 +423,12 @@ class RunLog:
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
         self.enabled = enabled
-        self.file = open(run_dir / "log.jsonl", "a") if enabled else None
+        self.file = None
+        if enabled:
+            path = run_dir / "log.jsonl"
+            self.file = open(path, "a")
+            if self.file.tell() and _last_byte(path) != b"\n":
+                self.file.write("\n")  # a line cut short by a killed run must not swallow the next
         self.tb = None
         if enabled and tensorboard:
             try:
@@ -337,6 +454,19 @@ class RunLog:
             self.file = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
 
 
 def read_log(path: Path) -> list[dict]:
