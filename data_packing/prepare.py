@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -202,7 +203,7 @@ def _worker_pool(n_workers: int, config: tuple):
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        return mp.get_context(method).Pool(n_workers, initializer=_init_worker, initargs=config)
+        return mp.get_context(method).Pool(n_workers, initializer=_init_pool_worker, initargs=config)
     finally:
         if old is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
@@ -215,6 +216,15 @@ _WORKER: dict = {}
 
 def _init_worker(tokenizer, append_eot: bool, dtype: np.dtype) -> None:
     _WORKER.update(tokenizer=tokenizer, append_eot=append_eot, dtype=np.dtype(dtype))
+
+
+def _init_pool_worker(*config) -> None:
+    # A forked worker inherits the parent's Python signal handlers (a trainer or eval.py that
+    # turns SIGTERM into a graceful stop): then Pool.terminate()'s SIGTERM no longer ends it and
+    # the pool waits forever. Workers die on SIGTERM and leave Ctrl-C to the parent.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(*config)
 
 
 def _encode_batch(docs: list) -> tuple:

@@ -13,7 +13,6 @@ closed, tokens/s and peak memory (flat in the document length: the state has a f
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -239,10 +238,9 @@ def _eval(args) -> int:
     result["checkpoint"] = str(args.checkpoint)
     print(format_table(result, f"recall of {args.checkpoint}"))
     if args.json:
+        from elephant.fsutil import atomic_write_json
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{args.json}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.json)
+        atomic_write_json(args.json, result, indent=1)
     return 0
 
 

@@ -234,3 +234,26 @@ def test_unknown_tokenizers_give_one_line_errors(tmp_path, monkeypatch):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(DataError, match=r"tokenizer\.json is not readable JSON"):
         load_tokenizer(tmp_path)
+
+
+
+def test_tokenizing_workers_do_not_inherit_a_graceful_sigterm_handler():
+    # train.py and eval.py turn SIGTERM into a graceful stop. Forked tokenizing workers must die on
+    # SIGTERM (Pool.terminate() sends it) and leave Ctrl-C to the parent, or the pool can wait for
+    # them forever when it closes.
+    import signal
+
+    from data_packing.prepare import _worker_pool
+    from data_packing.tokenizer import ByteTokenizer
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        with _worker_pool(1, (ByteTokenizer(), True, "uint16")) as pool:
+            term, interrupt = pool.apply(_dispositions)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert term == signal.SIG_DFL and interrupt == signal.SIG_IGN
+
+
+def _dispositions():
+    import signal
+    return signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
