@@ -151,8 +151,10 @@ class DataConfig:
     recall_max_gap: int = 16384
     recall_max_pairs: int = 4        # facts per document: 1..max_pairs
     recall_max_queries: int = 4      # queries per document: 1..max_queries
-    pack: bool = True                # training rows hold documents back to back (exact per-token
-                                     # boundaries, no padding); false: one document per row, padded
+    pack: bool = False               # training rows hold documents back to back (exact per-token
+                                     # boundaries, no padding); false: one document per row, padded.
+                                     # Off by default: on the H100 the packed path runs at 0.43x
+                                     # (docs/RESULTS.md), more than the padding it saves
     pack_eval: bool = False          # the same for the validation pass (faster on short documents;
                                      # with memory on, the numbers differ slightly from unpacked ones)
 

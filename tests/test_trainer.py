@@ -97,6 +97,19 @@ def test_training_learns_and_writes_its_run_dir(tmp_path, corpus_dir):
     assert json.loads((run / "resolved_config.json").read_text())["train"]["max_steps"] == 25
 
 
+def test_packed_training_fills_its_chunks_and_learns(tmp_path, corpus_dir):
+    # data.pack: documents back to back in each row (the corpus' documents are 200-2000 bytes,
+    # the chunks 32 bytes), memory on
+    run = tmp_path / "packed"
+    cfg = load_config(ROOT / "configs/tiny.toml",
+                      overrides(run, corpus_dir, **{"train.max_steps": 20, "data.pack": True}))
+    Trainer(cfg, progress=False).fit()
+    records = [r for r in read_log(run / "log.jsonl") if r["kind"] == "train"]
+    assert min(r["fill"] for r in records) >= 0.9
+    ls = [r["loss"] for r in records]
+    assert sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 0.5
+
+
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus_dir):
     steps = 12
     ref = tmp_path / "ref"
