@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layers.attention import apply_rotary, rotary_cos_sin
 from .state import RecurrentState
 
 
@@ -198,21 +197,13 @@ class Decoder:
     @staticmethod
     def _attention(mixer, x: Tensor, pos: Tensor, kv: tuple[Tensor, Tensor], idx: Tensor,
                    mask: Tensor) -> Tensor:
-        """Attention.forward's projections and rotary, with this step's keys/values written into
-        the layer's buffer at idx (B, S) and the queries attending over the whole buffer."""
+        """Attention.forward's projections and rotary (`Attention.project`), with this step's
+        keys/values written into the layer's buffer at idx (B, S) and the queries attending over
+        the whole buffer."""
         B, S, D = x.shape
         H, hd = mixer.n_heads, mixer.head_dim
-        q, k, v = mixer.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
+        q, k, v = mixer.project(x, pos)                               # (B, H, S, hd)
         dtype = v.dtype
-        work = torch.promote_types(dtype, torch.float32)
-        q, k = q.to(work), k.to(work)
-        if mixer.q_norm is not None:
-            eps = mixer.q_norm.eps
-            q = F.rms_norm(q, (hd,), mixer.q_norm.weight.to(work), eps)
-            k = F.rms_norm(k, (hd,), mixer.k_norm.weight.to(work), eps)
-        cos, sin = rotary_cos_sin(pos, hd, mixer.rope_base, work)     # (B, 1, S, hd/2)
-        q = apply_rotary(q, cos, sin).to(dtype)
-        k = apply_rotary(k, cos, sin).to(dtype)
         K, V = kv                                                     # (B, H, W + C, hd)
         at = idx[:, None, :, None].expand(B, H, S, hd)
         K.scatter_(2, at, k.to(K.dtype))

@@ -174,15 +174,9 @@ class Attention(nn.Module):
             raise ValueError(f"attention backend: expected one of {', '.join(BACKENDS)} "
                              f"(ELEPHANT_ATTN), got {self.backend!r}")
 
-    def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
-                cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
-                seg: Tensor | None = None, prefix_k: Tensor | None = None,
-                prefix_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
-        seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
-
-        Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each.
-        """
+    def project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
+        shared by the chunk forward and the generation step."""
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         q, k, v = self.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
@@ -194,8 +188,19 @@ class Attention(nn.Module):
             q = F.rms_norm(q, (hd,), self.q_norm.weight.to(work), eps)
             k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
         cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work)     # (B, 1, S, hd/2)
-        q = apply_rotary(q, cos, sin).to(dtype)
-        k = apply_rotary(k, cos, sin).to(dtype)
+        return apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
+
+    def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
+                cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
+                seg: Tensor | None = None, prefix_k: Tensor | None = None,
+                prefix_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
+        seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
+
+        Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each.
+        """
+        B, S, D = x.shape
+        q, k, v = self.project(x, pos)                                # (B, H, S, hd) each
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
         if seg is None:
