@@ -37,8 +37,9 @@ VARIANTS = {
     "gated": {},                                   # gated update, gates under 0.05 exactly 0
     "soft": {"mem_gate_min": 0.0},                 # gated, but never exactly 0
     "replace": {"mem_update": "replace"},          # the plain RMT rewrite
-    "spread": {"mem_gate_init": -4.0},             # initial gate logits -4 .. 0 across the slots
-    "spread-cost": {"mem_gate_init": -4.0, "mem_write_cost": 0.01},
+    "closed": {"mem_gate_init": -3.0},             # every gate starts closed (exactly 0 forward)
+    "closed-floor": {"mem_gate_init": -3.0, "mem_gate_min": 0.3},   # a gate under 0.3 writes nothing
+    "closed-cost-late": {"mem_gate_init": -3.0, "mem_write_cost": 0.01, "cost_from": 0.5},
     "cost": {"mem_write_cost": 0.01},              # writing costs: gates close where it does not pay
     "closed-cost": {"mem_gate_init": -3.0, "mem_write_cost": 0.01},
     # copying through attention (window of one chunk), no memory: attention alone vs hybrids
@@ -52,15 +53,21 @@ VARIANTS = {
 
 def run(name: str, args) -> dict:
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(**{**BASE, **VARIANTS[name]})
+    settings = {**BASE, **VARIANTS[name]}
+    cost_from = settings.pop("cost_from", 0.0)     # the write cost starts at this fraction of training
+    cfg = ModelConfig(**settings)
     model = ElephantLM(cfg)
     opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
                                               adam_lr=0.01, embed_lr=0.01, head_lr=0.01))
     gaps = tuple(parse_count(g) for g in args.train_gaps.split(","))
+    cost = cfg.mem_write_cost
+
+    def schedule(step: int) -> None:
+        model.cfg.mem_write_cost = cost if step >= cost_from * args.steps else 0.0
     t0 = time.perf_counter()
     curve = train_on_answers(model, opt, args.steps, args.lanes, args.chunk, gaps, args.digits,
                              args.seed, log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True),
-                             start_max_gap=args.curriculum_from)
+                             start_max_gap=args.curriculum_from, before_step=schedule)
     tok, T = ByteTokenizer(), args.chunk
     distances = [parse_count(d) for d in args.distances.split(",")]
     out = {"variant": name, "config": cfg.to_dict(), "params": model.num_params(), "curve": curve,

@@ -34,9 +34,8 @@ VARIANTS = {
     "soft": ["model.mem_gate_min=0"],                                     # gates never exactly 0
     "bptt2": ["model.bptt_chunks=2"],                                     # short gradient path
     "transformer": ["model.layers=AAAAAA", "model.n_mem=0", "model.kv_window=0"],
-    "spread": ["model.mem_gate_init=-4"],                                 # slow slots from the start
-    "attention-spread": ["model.layers=AAAAAA", "model.mem_gate_init=-4"],
-    "spread-cost": ["model.mem_gate_init=-4", "model.mem_write_cost=0.002"],
+    "closed": ["model.mem_gate_init=-3"],                                 # gates start closed
+    "attention-closed": ["model.layers=AAAAAA", "model.mem_gate_init=-3"],
 }
 SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state=16",
          "model.mamba_head_dim=16", "model.ssd_chunk=16", "model.n_mem=2", "model.kv_window=32",

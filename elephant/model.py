@@ -108,9 +108,9 @@ class ElephantLM(nn.Module):
                 # a gated memory holds normalized vectors (RMS 1): so does the initial memory
                 nn.init.normal_(self.mem_init, std=1.0)
                 nn.init.zeros_(self.mem_gate)
-                # many timescales from the start: slot 0 at logit mem_gate_init (< 0: slower, and
-                # exactly closed under mem_gate_min), the last slot half open
-                self.mem_gate_bias.copy_(torch.linspace(cfg.mem_gate_init, 0.0, cfg.n_mem))
+                # every gate starts at the logit mem_gate_init: 0 is half open; -3 is closed, and
+                # exactly so under mem_gate_min, until training opens it (docs/RESULTS.md)
+                nn.init.constant_(self.mem_gate_bias, cfg.mem_gate_init)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

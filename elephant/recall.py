@@ -170,17 +170,20 @@ def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int
 
 
 def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],
-                     digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0) -> list[dict]:
+                     digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0,
+                     before_step=None) -> list[dict]:
     """A short training loop with the loss on the answer digits only: the signal a CPU can afford
     (the CPU test and benchmarks/recall_cpu_study.py). Every document is one BPTT window, so
     the model's bptt_chunks must cover it. With `start_max_gap`, a curriculum: the largest
     distance grows geometrically from it to gaps[1] over the first half of the steps. Returns the
-    answer loss every 50 steps."""
+    answer loss every 50 steps. `before_step(step)`, if given, runs before each step (schedules)."""
     from data_packing.tokenizer import ByteTokenizer
 
     tok, rng, curve, t0 = ByteTokenizer(), np.random.default_rng(seed), [], time.perf_counter()
     model.train()
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         hi = gaps[1]
         if start_max_gap:
             grown = min(1.0, step / max(1, steps // 2))
