@@ -7,9 +7,10 @@ Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the l
 [read memory (n_mem) | tokens (T) | write slots (n_mem)] (recurrent memory transformer, Bulatov et
 al. 2022). What the write slots produce becomes the next chunk's read memory through a gated update
 (`update_memory`): each slot keeps its content unless its gate opens, and a gate under
-`mem_gate_min` is exactly zero, so a fact written once survives any number of chunks bit for bit
-(the plain RMT rewrite, `mem_update="replace"`, must re-encode it through the whole network at
-every chunk and loses it within a few). Attention layers see the previous
+`mem_gate_min` is exactly zero, so a slot whose gate stays shut carries its content through any
+number of chunks bit for bit (the plain RMT rewrite, `mem_update="replace"`, re-encodes the whole
+memory through the network at every chunk). How far trained gates do stay shut is measured in
+docs/RESULTS.md. Attention layers see the previous
 `kv_window` keys of the lane's document (no gradient through them); Mamba-2 layers start from the
 lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
 chunks: a state that has been through that many chunks is detached before the next one.
