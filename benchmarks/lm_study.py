@@ -51,7 +51,10 @@ def matched_mlp(overrides: list[str], target: int) -> int:
     def params(d_mlp: int) -> int:
         cfg = load_config(None, overrides + [f"model.d_mlp={d_mlp}"])
         return ElephantLM(cfg.model).num_params()
-    return min(range(64, 16384, 64), key=lambda d: abs(params(d) - target))
+    # the count is linear in d_mlp: two points give the line
+    p64, p128 = params(64), params(128)
+    per = (p128 - p64) / 64
+    return max(64, 64 + 64 * round((target - p64) / per / 64))
 
 
 def main() -> int:
