@@ -34,14 +34,14 @@ from elephant.recall import evaluate_recall, format_table, parse_count, train_on
 BASE = dict(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, d_state=16,
             mamba_head_dim=32, ssd_chunk=16, n_mem=4, kv_window=0, bptt_chunks=8)
 VARIANTS = {
-    "gated": {},                                   # gated update, gates under 0.05 exactly 0
-    "soft": {"mem_gate_min": 0.0},                 # gated, but never exactly 0
+    "closed": {},                                  # the defaults: gated, every gate shut at start
+    "gated": {"mem_gate_init": 0.0},               # gated, gates half open at start
+    "soft": {"mem_gate_init": 0.0, "mem_gate_min": 0.0},   # ... and never exactly 0
     "replace": {"mem_update": "replace"},          # the plain RMT rewrite
-    "closed": {"mem_gate_init": -3.0},             # every gate starts closed (exactly 0 forward)
-    "closed-floor": {"mem_gate_init": -3.0, "mem_gate_min": 0.3},   # a gate under 0.3 writes nothing
-    "closed-cost-late": {"mem_gate_init": -3.0, "mem_write_cost": 0.01, "cost_from": 0.5},
-    "cost": {"mem_write_cost": 0.01},              # writing costs: gates close where it does not pay
-    "closed-cost": {"mem_gate_init": -3.0, "mem_write_cost": 0.01},
+    "closed-floor": {"mem_gate_min": 0.3},         # a gate under 0.3 writes nothing
+    "cost": {"mem_gate_init": 0.0, "mem_write_cost": 0.01},   # writing costs from the start
+    "closed-cost": {"mem_write_cost": 0.01},
+    "closed-cost-late": {"mem_write_cost": 0.01, "cost_from": 0.5},   # ... from halfway
     # copying through attention (window of one chunk), no memory: attention alone vs hybrids
     "copy-attn": {"n_mem": 0, "kv_window": 32},
     "copy-MA": {"layers": "MA", "n_mem": 0, "kv_window": 32},
@@ -82,7 +82,7 @@ def run(name: str, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="gated,soft,replace")
+    p.add_argument("--variants", default="closed,gated,replace")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--lanes", type=int, default=32)
     p.add_argument("--chunk", type=int, default=32)

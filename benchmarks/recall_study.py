@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
-    "hybrid": [],                                                          # the recipe
+    "hybrid": [],                                                          # the recipe (gates shut at start)
     "attention": ["model.layers=AAAAAA"],                                 # attention only
     "replace": ["model.mem_update=replace"],                              # plain RMT rewrite
     "nomem": ["model.n_mem=0"],                                           # no memory tokens
@@ -34,8 +34,7 @@ VARIANTS = {
     "soft": ["model.mem_gate_min=0"],                                     # gates never exactly 0
     "bptt2": ["model.bptt_chunks=2"],                                     # short gradient path
     "transformer": ["model.layers=AAAAAA", "model.n_mem=0", "model.kv_window=0"],
-    "closed": ["model.mem_gate_init=-3"],                                 # gates start closed
-    "attention-closed": ["model.layers=AAAAAA", "model.mem_gate_init=-3"],
+    "open": ["model.mem_gate_init=0"],                                    # gates half open at start
 }
 SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state=16",
          "model.mamba_head_dim=16", "model.ssd_chunk=16", "model.n_mem=2", "model.kv_window=32",

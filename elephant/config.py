@@ -32,7 +32,9 @@ class ModelConfig:
     n_mem: int = 0                   # RMT memory tokens read at the start / written at the end of a chunk
     mem_update: str = "gated"        # gated: m' = m + g (norm(w) - m), one gate per slot | replace: m' = w
     mem_gate_min: float = 0.05       # gates below this are exactly 0: memory persists bit for bit
-    mem_gate_init: float = 0.0       # initial logit of every memory gate (0: half open, -3: closed)
+    mem_gate_init: float = -3.0      # initial logit of every memory gate (-3: shut, exactly, under
+                                     # mem_gate_min; 0: half open). Shut gates reach much further
+                                     # (docs/RESULTS.md, CPU recall study)
     mem_write_cost: float = 0.0      # loss per token per unit of mean gate: write only what pays
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     rope_base: float = 10000.0

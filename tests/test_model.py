@@ -108,7 +108,9 @@ def test_lanes_never_influence_each_other(n_mem):
 def test_gradient_depth_is_bptt_chunks(bptt, layers):
     # The loss of chunk t reaches the chunks of its BPTT window [t - bptt + 1, t] through the carried
     # memory and SSM state, and nothing before it (KV caches never carry gradient).
-    model = make(n_mem=2, kv_window=8, bptt_chunks=bptt, layers=layers)
+    # gates half open: shut gates (the default) pass no gradient to the write slots until their
+    # gate vectors move from zero
+    model = make(n_mem=2, kv_window=8, bptt_chunks=bptt, layers=layers, mem_gate_init=0.0)
     embedded = []
     handle = model.embed.register_forward_hook(lambda m, a, out: embedded.append(out))
     state, losses = None, []
@@ -127,7 +129,8 @@ def test_gradient_depth_is_bptt_chunks(bptt, layers):
 def test_read_memory_comes_from_the_write_slots(mem_update):
     # attention-only, no KV cache: the only path from chunk 1 to chunk 2 is the memory
     M, T = 3, 5
-    model = make(layers="AA", n_mem=M, kv_window=0, bptt_chunks=2, mem_update=mem_update)
+    model = make(layers="AA", n_mem=M, kv_window=0, bptt_chunks=2, mem_update=mem_update,
+                 mem_gate_init=0.0)
     captured = {}
 
     def hook(module, args, output):
@@ -246,8 +249,8 @@ def test_memory_write_cost_is_charged_in_training_only():
     # mem_write_cost adds cost x mean gate per token to the training loss, pushing gates closed;
     # evaluation (eval mode, or reduction="none") reports the cross-entropy alone.
     tokens, targets = torch.randint(0, 97, (2, 6)), torch.randint(0, 97, (2, 6))
-    free = make(n_mem=2, layers="AA")
-    paid = make(n_mem=2, layers="AA", mem_write_cost=0.5)
+    free = make(n_mem=2, layers="AA", mem_gate_init=0.0)
+    paid = make(n_mem=2, layers="AA", mem_write_cost=0.5, mem_gate_init=0.0)
     paid.load_state_dict(free.state_dict())
     ce = free(tokens, targets=targets, reduction="sum")[0]
     for model in (free, paid):
