@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from elephant.config import ModelConfig, load_config  # noqa: E402
 from elephant.generate import Decoder, generate, sample  # noqa: E402
+from benchmarks.common import result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 TOP_K, TEMPERATURE = 200, 0.8   # eval.py's defaults
@@ -157,10 +158,7 @@ def main() -> None:
         results["triton"] = triton.__version__
     except ImportError:
         pass
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
-    path = out / f"generate_{tag}.json"
+    path = result_path("generate", smoke)
 
     def save():  # after every measurement: a run cut short keeps what it measured
         path.write_text(json.dumps(results, indent=1))

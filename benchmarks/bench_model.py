@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elephant.config import ModelConfig  # noqa: E402
+from benchmarks.common import result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 
@@ -99,10 +100,7 @@ def main() -> None:
             results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                       "trace": traceback.format_exc()[-1500:]}
         print(name, json.dumps(results["paths"][name]), flush=True)
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
-    (out / f"model_{tag}.json").write_text(json.dumps(results, indent=1))
+    result_path("model", smoke).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

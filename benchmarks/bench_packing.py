@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
+from benchmarks.common import result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 MEDIAN, SIGMA = 600, 1.0
@@ -163,10 +164,7 @@ def main() -> None:
         print("summary", json.dumps(results["summary"]), flush=True)
     except (KeyError, ZeroDivisionError):
         pass
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
-    (out / f"packing_{tag}.json").write_text(json.dumps(results, indent=1))
+    result_path("packing", smoke).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

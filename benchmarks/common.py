@@ -89,3 +89,12 @@ def train_for_budget(trainer, budget_s: float, warm: int = 10, log_every: int = 
             print(f"[{name}] step {trainer.step}/{total} loss {rec['loss']:.4f} {seconds:.0f}s",
                   file=sys.stderr, flush=True)
     return curve
+
+
+def result_path(prefix: str, smoke: bool):
+    """benchmarks/results/<prefix>_<gpu name>.json (or _cpu-smoke), its folder created."""
+    from pathlib import Path
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
+    return out / f"{prefix}_{tag}.json"
