@@ -24,11 +24,11 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     cpu = torch.device("cpu")
     recall = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3)
     accuracy = [r["accuracy"] for r in recall["by_distance"].values()]
-    assert min(accuracy) > 0.35, recall["by_distance"]          # 0.56 and 0.47 when written
+    assert min(accuracy) > 0.6, recall["by_distance"]           # 0.85 and 0.79 when written
     # drop the memory after every chunk: the fact is gone, so it did travel in the memory
     ablated = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3,
                               ablation="memory")
-    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25
+    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.09 and 0.06
 
 
 def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
