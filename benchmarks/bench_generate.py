@@ -17,9 +17,7 @@ weights in bf16, chunk_len 512.
 writes benchmarks/results/generate_<gpu>.json (about 3 minutes on an H100, compile included).
 """
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 import traceback
@@ -31,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from elephant.config import ModelConfig, load_config  # noqa: E402
 from elephant.generate import Decoder, generate, sample  # noqa: E402
-from benchmarks.common import result_path  # noqa: E402
+from benchmarks.common import environment, result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 TOP_K, TEMPERATURE = 200, 0.8   # eval.py's defaults
@@ -148,16 +146,10 @@ def main() -> None:
     command = "python benchmarks/bench_generate.py" + " ".join(
         [""] + [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "cpu_smoke"]
         + (["--cpu-smoke"] if smoke else []))
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-               "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    results = {**environment(device),
                "command": command, "config": model.cfg.to_dict(), "chunk_len": chunk_len,
                "dtype": str(model.embed.weight.dtype), "parameters": model.num_params(),
                "sampling": {"temperature": TEMPERATURE, "top_k": TOP_K}, "decode": {}, "memory": {}}
-    try:
-        import triton
-        results["triton"] = triton.__version__
-    except ImportError:
-        pass
     path = result_path("generate", smoke)
 
     def save():  # after every measurement: a run cut short keeps what it measured

@@ -7,9 +7,7 @@ fused elephant MLP), eager and with compiled blocks, bf16 autocast.
 writes benchmarks/results/model_<gpu>.json.
 """
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 import traceback
@@ -19,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import result_path  # noqa: E402
+from benchmarks.common import bf16_autocast, environment, result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 
@@ -71,21 +69,12 @@ def main() -> None:
     cfg = make_config(smoke)
     torch.manual_seed(0)
     model = ElephantLM(cfg).to(device)
-    if device.type == "cuda":
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    else:
-        from contextlib import nullcontext as autocast
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-               "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    autocast = bf16_autocast(device)
+    results = {**environment(device),
                "command": "python benchmarks/bench_model.py" + (" --cpu-smoke" if smoke else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T,
                "parameters": model.num_params(), "flops_per_token": model.flops_per_token(T),
                "paths": {}}
-    try:
-        import triton
-        results["triton"] = triton.__version__
-    except ImportError:
-        pass
     variants = [("reference", False, False), ("fast", True, False), ("fast+compile", True, True)]
     for name, fast, compiled in variants:
         if compiled and smoke:

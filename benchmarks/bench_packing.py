@@ -14,9 +14,7 @@ weights, bf16 autocast, fast paths, compiled blocks as the trainer does; 32 lane
 writes benchmarks/results/packing_<device>.json (in about 2 minutes on an H100, most of it compiling).
 """
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 import traceback
@@ -28,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import result_path  # noqa: E402
+from benchmarks.common import bf16_autocast, environment, result_path  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 MEDIAN, SIGMA = 600, 1.0
@@ -108,21 +106,12 @@ def main() -> None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         for block in model.blocks:
             block.compile(dynamic=False)
-    if device.type == "cuda":
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    else:
-        from contextlib import nullcontext as autocast
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-               "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    autocast = bf16_autocast(device)
+    results = {**environment(device),
                "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}
-    try:
-        import triton
-        results["triton"] = triton.__version__
-    except ImportError:
-        pass
 
     corpus = lognormal_corpus(4000 if not smoke else 400, cfg.vocab_size, median)
     n = steps + warmup

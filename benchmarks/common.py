@@ -43,15 +43,18 @@ def saved_bytes(fn, *args, exclude=()) -> int:
     return sum(seen.values())
 
 
-def environment() -> dict:
-    """Device, versions, date and command line, for a result file."""
+def environment(device=None) -> dict:
+    """Device, versions, date and command line, for a result file (`device`: the one measured;
+    default the GPU when there is one)."""
     import datetime
+    import platform
     import sys
-    env = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
            "torch": torch.__version__, "python": sys.version.split()[0],
            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "command": " ".join(sys.argv)}
-    if torch.cuda.is_available():
+           "command": " ".join(["python", *sys.argv])}
+    if cuda:
         env["cuda"] = torch.version.cuda
     try:
         import triton
@@ -98,3 +101,11 @@ def result_path(prefix: str, smoke: bool):
     out.mkdir(exist_ok=True)
     tag = "cpu-smoke" if smoke else torch.cuda.get_device_name().replace(" ", "_")
     return out / f"{prefix}_{tag}.json"
+
+
+def bf16_autocast(device):
+    """A context-manager factory: bf16 autocast on CUDA, nothing on the CPU."""
+    if torch.device(device).type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    from contextlib import nullcontext
+    return nullcontext
