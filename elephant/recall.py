@@ -31,7 +31,8 @@ def parse_count(text: str) -> int:
     """'512', '4K', '1M' -> tokens (K = 1024, M = 1024**2)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
     if not m:
-        raise ValueError(f"not a token count: {text!r} (expected e.g. 512, 4K, 1M)")
+        from elephant.config import ConfigError
+        raise ConfigError(f"not a token count: {text!r} (expected e.g. 512, 4K, 1M)")
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
 
 
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
         if args.command == "eval":
             return _eval(args)
         return _train(args)
-    except (ConfigError, DataError, CheckpointError, HubError, ValueError) as e:
+    except (ConfigError, DataError, CheckpointError, HubError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -2,6 +2,7 @@
 boundaries in its memory, and `python -m elephant.recall` trains and scores by distance."""
 import json
 
+import pytest
 import torch
 
 from data_packing.tokenizer import ByteTokenizer
@@ -57,3 +58,5 @@ def test_bad_recall_arguments_get_one_line_errors(tmp_path, capsys):
     assert parse_count("4K") == 4096 and parse_count("1M") == 1024 ** 2
     code = main(["eval", "--checkpoint", str(tmp_path / "missing"), "--no-progress"])
     assert code == 2 and capsys.readouterr().err.startswith("error: ")
+    with pytest.raises(ValueError, match="token count"):
+        parse_count("4 kilo")
