@@ -48,6 +48,11 @@ VARIANTS = {
     "copy-AM": {"layers": "AM", "n_mem": 0, "kv_window": 32},
     "hybrid": {"layers": "MA"},                    # Mamba + attention, gated memory
     "hybrid-nomem": {"layers": "MA", "n_mem": 0},  # only the Mamba state carries across chunks
+    # truncated BPTT over `window` chunks (train gaps beyond it), with and without memory-only
+    # backpropagation past the window
+    "window": {"window": 2},
+    "path": {"window": 2, "memory_path": True},
+    "path-open": {"window": 2, "memory_path": True, "mem_gate_init": 0.0},
 }
 
 
@@ -55,6 +60,8 @@ def run(name: str, args) -> dict:
     torch.manual_seed(args.seed)
     settings = {**BASE, **VARIANTS[name]}
     cost_from = settings.pop("cost_from", 0.0)     # the write cost starts at this fraction of training
+    window = settings.pop("window", 0)
+    memory_path = settings.pop("memory_path", False)
     cfg = ModelConfig(**settings)
     model = ElephantLM(cfg)
     opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
@@ -67,7 +74,8 @@ def run(name: str, args) -> dict:
     t0 = time.perf_counter()
     curve = train_on_answers(model, opt, args.steps, args.lanes, args.chunk, gaps, args.digits,
                              args.seed, log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True),
-                             start_max_gap=args.curriculum_from, before_step=schedule)
+                             start_max_gap=args.curriculum_from, before_step=schedule,
+                             window=window, memory_path=memory_path)
     tok, T = ByteTokenizer(), args.chunk
     distances = [parse_count(d) for d in args.distances.split(",")]
     out = {"variant": name, "config": cfg.to_dict(), "params": model.num_params(), "curve": curve,

@@ -1,12 +1,14 @@
 """The recall study: train variants of configs/recall.toml side by side for the same wall-clock
-budget on one GPU, then evaluate each by distance, with the state ablations.
+budget on one GPU (`elephant.recall.train_recall`: the loss on the answers, truncated BPTT over 8
+chunks, memory-only backpropagation over 32), then evaluate each by distance, with the state
+ablations.
 
     python benchmarks/recall_study.py --variants hybrid,attention,replace,nomem --budget-s 330 \
         --out benchmarks/results/recall_study [--distances 128,512,1K,4K,16K,64K] [--long 1M]
 
 Every variant is the recipe plus a few overrides (VARIANTS below); they train concurrently, one
 process each, so all see the same GPU for the same minutes. A variant trains until its budget is
-spent: after a short warm-up its step time is measured and `max_steps` set to what fits, so the
+spent: after a short warm-up its step time is measured and the step count set to what fits, so the
 learning-rate schedule runs to its end. Each writes `<out>/<name>.json` (training curve, recall by
 distance, recall with the memory / KV window / Mamba state dropped after every chunk); the parent
 writes `<out>/summary.json` with device, versions, date and command. `--cpu-smoke` runs a tiny
@@ -22,19 +24,26 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = {
-    "hybrid": [],                                                          # the recipe (gates shut at start)
-    "attention": ["model.layers=AAAAAA"],                                 # attention only
-    "replace": ["model.mem_update=replace"],                              # plain RMT rewrite
-    "nomem": ["model.n_mem=0"],                                           # no memory tokens
-    "nokv": ["model.kv_window=0"],                                        # no KV window
-    "soft": ["model.mem_gate_min=0"],                                     # gates never exactly 0
-    "bptt2": ["model.bptt_chunks=2"],                                     # short gradient path
-    "transformer": ["model.layers=AAAAAA", "model.n_mem=0", "model.kv_window=0"],
-    "open": ["model.mem_gate_init=0"],                                    # gates half open at start
+VARIANTS = {   # name: (overrides, memory-only backpropagation)
+    "hybrid": ([], True),                                                  # the recipe
+    "nopath": ([], False),                                                 # BPTT over 8 chunks only
+    "attention": (["model.layers=AAAAAA"], True),                         # attention only, memory
+    "attention-nopath": (["model.layers=AAAAAA"], False),
+    "mamama": (["model.layers=MAMAMA"], True),                            # three attention layers
+    "replace": (["model.mem_update=replace"], True),                      # plain RMT rewrite
+    "nomem": (["model.n_mem=0"], False),                                  # no memory tokens
+    "nokv": (["model.kv_window=0"], True),                                # no KV window
+    "soft": (["model.mem_gate_min=0"], True),                             # gates never exactly 0
+    "open": (["model.mem_gate_init=0"], True),                            # gates half open at start
+    # a plain transformer: attention only, no memory, no KV window (sees its own chunk only)
+    "transformer": (["model.layers=AAAAAA", "model.n_mem=0", "model.kv_window=0"], False),
+    # ... and one that sees the previous chunk too (KV window of one chunk), at the same compute
+    "transformer-kv": (["model.layers=AAAAAA", "model.n_mem=0"], False),
 }
 SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state=16",
          "model.mamba_head_dim=16", "model.ssd_chunk=16", "model.n_mem=2", "model.kv_window=32",
@@ -44,24 +53,21 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
 
 def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, distances: str,
                    long: str, lanes: int, runs: Path) -> dict:
-    from benchmarks.common import train_for_budget
     from elephant.config import load_config
-    from elephant.recall import evaluate_recall, format_table, parse_count
-    from elephant.trainer import Trainer
+    from elephant.hub import from_pretrained
+    from elephant.recall import evaluate_recall, format_table, parse_count, train_recall
 
+    overrides_v, memory_path = VARIANTS[name]
     cfg = load_config(ROOT / "configs/recall.toml",
-                      [f"train.run_dir={runs / name}", *VARIANTS[name], *overrides])
-    trainer = Trainer(cfg, progress=False)
-    t_start = time.perf_counter()
-    curve = train_for_budget(trainer, budget_s, name=name)
-    train_s = time.perf_counter() - t_start
-    trainer.save()
-    model = trainer.model
-    device = trainer.rt.device
-    autocast = trainer.rt.autocast
-    result = {"name": name, "overrides": VARIANTS[name] + overrides, "config": cfg.to_dict(),
-              "params": model.num_params(), "steps": trainer.step, "train_seconds": train_s,
-              "tokens_seen": trainer.tokens_seen, "curve": curve, "recall": {}}
+                      [f"train.run_dir={runs / name}", *overrides_v, *overrides])
+    info = train_recall(cfg, budget_s=budget_s, memory_path=memory_path,
+                        log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True))
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
+    model, tokenizer, _ = from_pretrained(runs / name, device=device)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
+    result = {"name": name, "overrides": overrides_v + overrides, "memory_path": memory_path,
+              "config": cfg.to_dict(), "params": model.num_params(), "steps": info["steps"],
+              "train_seconds": info["train_seconds"], "curve": info["curve"], "recall": {}}
     dist = [parse_count(d) for d in distances.split(",")]
     parts = ["none", "memory", "kv", "ssm"]
     for part in parts:
@@ -71,16 +77,16 @@ def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, 
             continue
         if part == "ssm" and "M" not in cfg.model.layers:
             continue
-        r = evaluate_recall(model, trainer.tokenizer, dist, lanes, cfg.train.chunk_len, device,
+        r = evaluate_recall(model, tokenizer, dist, lanes, cfg.train.chunk_len, device,
                             n_pairs=1, autocast=autocast, ablation=part)
         result["recall"][part] = r
         print(format_table(r, f"[{name}] ablation={part}"), file=sys.stderr, flush=True)
-    r = evaluate_recall(model, trainer.tokenizer, dist[:4], lanes, cfg.train.chunk_len, device,
+    r = evaluate_recall(model, tokenizer, dist[:4], lanes, cfg.train.chunk_len, device,
                         n_pairs=4, autocast=autocast)
     result["recall_4pairs"] = r
     print(format_table(r, f"[{name}] 4 pairs"), file=sys.stderr, flush=True)
     if long:
-        r = evaluate_recall(model, trainer.tokenizer, [parse_count(d) for d in long.split(",")],
+        r = evaluate_recall(model, tokenizer, [parse_count(d) for d in long.split(",")],
                             max(1, lanes // 2), cfg.train.chunk_len, device, autocast=autocast)
         result["recall_long"] = r
         print(format_table(r, f"[{name}] long"), file=sys.stderr, flush=True)
@@ -90,12 +96,12 @@ def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="hybrid,attention,replace,nomem")
+    p.add_argument("--variants", default="hybrid,nopath,attention,transformer")
     p.add_argument("--budget-s", type=float, default=330)
     p.add_argument("--out", default="benchmarks/results/recall_study")
     p.add_argument("--distances", default="128,512,1K,4K,16K,64K")
     p.add_argument("--long", default="", help="distances for a second, longer evaluation (e.g. 1M)")
-    p.add_argument("--long-variants", default="hybrid,attention")
+    p.add_argument("--long-variants", default="hybrid,nopath,attention")
     p.add_argument("--lanes", type=int, default=32)
     p.add_argument("--runs", default="runs/recall_study", help="run dirs (checkpoints) of the variants")
     p.add_argument("--run", help="(internal) train and evaluate this one variant")
@@ -114,14 +120,7 @@ def main() -> int:
                        Path(args.runs))
         return 0
 
-    # build the corpus once, then start every variant
-    from elephant.config import load_config
-    from elephant.evaluate import open_corpus
     from benchmarks.common import environment
-    cfg = load_config(ROOT / "configs/recall.toml", overrides)
-    t0 = time.perf_counter()
-    open_corpus(cfg.data, "train", progress=False)
-    prep_s = time.perf_counter() - t0
     names = args.variants.split(",")
     procs = {}
     for name in names:
@@ -131,14 +130,15 @@ def main() -> int:
         procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     codes = {name: proc.wait() for name, proc in procs.items()}
     summary = {"benchmark": "recall_study", "command": " ".join(sys.argv), **environment(),
-               "corpus_prep_s": prep_s, "budget_s": args.budget_s, "exit_codes": codes, "variants": {}}
+               "budget_s": args.budget_s, "exit_codes": codes, "variants": {}}
     for name in names:
         f = out / f"{name}.json"
         if f.is_file():
             r = json.loads(f.read_text())
             summary["variants"][name] = {
                 "overrides": r["overrides"], "params": r["params"], "steps": r["steps"],
-                "train_seconds": r["train_seconds"], "final_loss": r["curve"][-1]["loss"] if r["curve"] else None,
+                "train_seconds": r["train_seconds"],
+                "final_answer_loss": r["curve"][-1]["answer_loss"] if r["curve"] else None,
                 "recall": {part: {k: v["accuracy"] for k, v in rr["by_distance"].items()}
                            for part, rr in r["recall"].items()},
                 "recall_4pairs": {k: v["accuracy"] for k, v in r["recall_4pairs"]["by_distance"].items()},

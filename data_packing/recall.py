@@ -195,18 +195,21 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
 
 
 class RecallTask:
-    """The training distribution: 1..max_pairs facts, 1..max_queries queries, each at a distance
-    drawn log-uniformly from [min_gap, max_gap] tokens, after a lead of 0..min_gap*4 characters."""
+    """The training distribution: 1..max_pairs facts of `digits`-digit values, 1..max_queries
+    queries, each at a distance drawn log-uniformly from [min_gap, max_gap] tokens, after a lead of
+    0..min_gap*4 characters."""
 
     def __init__(self, min_gap: int = 16, max_gap: int = 16384, max_pairs: int = 4,
-                 max_queries: int = 4):
+                 max_queries: int = 4, digits: int = N_DIGITS):
         if not 1 <= min_gap <= max_gap:
             raise DataError(f"recall: need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
         if max_pairs < 1 or max_queries < 1:
             raise DataError(f"recall: max_pairs and max_queries must be >= 1, got {max_pairs}, "
                             f"{max_queries}")
         self.min_gap, self.max_gap = min_gap, max_gap
-        self.max_pairs, self.max_queries = max_pairs, max_queries
+        if digits < 1:
+            raise DataError(f"recall: values need at least one digit, got {digits}")
+        self.max_pairs, self.max_queries, self.digits = max_pairs, max_queries, digits
 
     def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:
         n_pairs = int(rng.integers(1, self.max_pairs + 1))
@@ -214,7 +217,8 @@ class RecallTask:
         lo, hi = math.log(self.min_gap), math.log(self.max_gap)
         plan = [(int(rng.integers(0, n_pairs)), int(round(math.exp(rng.uniform(lo, hi)))))
                 for _ in range(n_queries)]
-        return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 4 * self.min_gap + 1)))
+        return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 4 * self.min_gap + 1)),
+                              digits=self.digits)
 
     def texts(self, seed: int, n_docs: int):
         """`n_docs` document texts (characters are tokens for the byte tokenizer)."""

@@ -13,7 +13,11 @@ memory through the network at every chunk). How far trained gates do stay shut i
 docs/RESULTS.md. Attention layers see the previous
 `kv_window` keys of the lane's document (no gradient through them); Mamba-2 layers start from the
 lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
-chunks: a state that has been through that many chunks is detached before the next one.
+chunks: a state that has been through that many chunks is detached before the next one. With
+memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory updates is
+kept across those detaches: a gradient that reaches a chunk's read memory travels on to every
+earlier gate (and through each shut gate unchanged), at the cost of a few (B, n_mem, D) tensors
+per chunk, not of the chunks' activations.
 """
 from __future__ import annotations
 
@@ -243,7 +247,7 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
 
-        new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
+        new = RecurrentState(pos=new_pos, chunks=state.chunks + 1, links=state.links)
         for i, block in enumerate(self.blocks):
             init = None if prefix is None else prefix[i]
             if block.kind == "M":
@@ -264,9 +268,13 @@ class ElephantLM(nn.Module):
                     new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T],
                                                new_valid=tok_seg == tok_seg[:, -1:], keep=~started))
         if M:
-            read = state.memory
+            read, path = state.memory, state.memory_path
             if starts is not None:  # a document that began in this chunk read the initial memory
                 read = torch.where(started[:, None, None], self.mem_init.to(read.dtype), read)
+                if path is not None:
+                    path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
+            if path is not None:  # the same update on the memory-only path (see RecurrentState)
+                new.memory_path = self._memory_update(path, x[:, M + T:].detach())[0]
             new.memory, gate = self._memory_update(read, x[:, M + T:])
             x = x[:, M:M + T]
         else:

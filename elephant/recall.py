@@ -3,6 +3,9 @@
     python -m elephant.recall train --config configs/recall.toml [section.key=value ...]
     python -m elephant.recall eval --checkpoint runs/recall [--distances 128,4K,64K,1M] [--json F]
 
+`train` trains on the loss of the answer digits alone (`train_recall`: rolling lanes of
+documents, truncated BPTT over `bptt_chunks`, memory-only backpropagation over 4x as many), or with
+`--lm-loss` runs the general trainer on every token of the recall corpus.
 `eval` streams `lanes` documents side by side, chunk by chunk with carried state, exactly as
 `eval.py` streams text: each document states one fact (or `--pairs` of them) and asks for it again
 at every distance of `--distances` (counted in tokens from the key's previous mention). The answer
@@ -170,18 +173,56 @@ def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int
     return torch.from_numpy(tokens), torch.from_numpy(mask), n_chunks
 
 
+def answer_step(model, chunks: list, state, window: int = 0, memory_path: bool = False,
+                autocast=None):
+    """Forward and backward (no optimizer step) over consecutive `chunks` of every lane, each
+    (tokens (B, T + 1), answer mask (B, T), reset (B,) bool or None), with the loss on the masked
+    targets only, averaged over the step's answer tokens. Returns (loss, state after the chunks).
+
+    window = 0: all chunks are one BPTT window (the model's bptt_chunks must cover them).
+    window = k: truncated BPTT, a backward pass every k chunks with the state detached after it,
+    so a fact further back than the window reaches the loss only through what carries it. With
+    `memory_path` the chain of memory updates survives those detaches (memory-only
+    backpropagation, `RecurrentState.track_memory_path`) and is backpropagated once the windows
+    are done: the gates of every chunk of the step learn whether keeping the memory paid off."""
+    if window and model.cfg.bptt_chunks < window:
+        raise ValueError(f"window {window} is longer than the model's bptt_chunks "
+                         f"{model.cfg.bptt_chunks}")
+    count = sum(m.sum() for _, m, _ in chunks).clamp(min=1).float()
+    if memory_path:
+        state.memory_path, state.links = None, []
+        state = state.detach().track_memory_path()
+    total, part = 0.0, 0.0
+    for c, (x, mask, reset) in enumerate(chunks):
+        if window and c and c % window == 0:
+            (part / count).backward()
+            total, part = total + float(part.detach()), 0.0
+            state = state.detach()
+        with autocast() if autocast else nullcontext():
+            nll, state = model(x[:, :-1], state, reset, targets=x[:, 1:], loss_mask=mask,
+                               reduction="sum")
+        part = part + nll
+    (part / count).backward()
+    if memory_path:
+        state.backward_memory_path()
+    state.memory_path = None
+    return (total + float(part.detach())) / float(count), state.detach()
+
+
 def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],
                      digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0,
-                     before_step=None) -> list[dict]:
+                     before_step=None, memory_path: bool = False, window: int = 0) -> list[dict]:
     """A short training loop with the loss on the answer digits only: the signal a CPU can afford
-    (the CPU test and benchmarks/recall_cpu_study.py). Every document is one BPTT window, so
-    the model's bptt_chunks must cover it. With `start_max_gap`, a curriculum: the largest
-    distance grows geometrically from it to gaps[1] over the first half of the steps. Returns the
-    answer loss every 50 steps. `before_step(step)`, if given, runs before each step (schedules)."""
+    (the CPU test and benchmarks/recall_cpu_study.py). Each step is one batch of one-fact
+    documents, each a fresh lane state; `window` and `memory_path` as in `answer_step`. With
+    `start_max_gap`, a curriculum: the largest distance grows geometrically from it to gaps[1]
+    over the first half of the steps. Returns the answer loss every 50 steps.
+    `before_step(step)`, if given, runs before each step (schedules)."""
     from data_packing.tokenizer import ByteTokenizer
 
     tok, rng, curve, t0 = ByteTokenizer(), np.random.default_rng(seed), [], time.perf_counter()
     model.train()
+    device = model.embed.weight.device
     for step in range(steps):
         if before_step is not None:
             before_step(step)
@@ -190,23 +231,143 @@ def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: t
             grown = min(1.0, step / max(1, steps // 2))
             hi = int(round(start_max_gap * (gaps[1] / start_max_gap) ** grown))
         tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (gaps[0], hi), digits)
+        tokens, mask = tokens.to(device), mask.to(device)
+        reset = torch.ones(lanes, dtype=torch.bool, device=device)
+        chunks = [(tokens[:, c * chunk_len:(c + 1) * chunk_len + 1],
+                   mask[:, c * chunk_len:(c + 1) * chunk_len], reset if c == 0 else None)
+                  for c in range(n_chunks)]
         opt.set_step(step, steps)
-        state, loss = None, 0.0
-        for c in range(n_chunks):
-            x = tokens[:, c * chunk_len:c * chunk_len + chunk_len + 1]
-            nll, state = model(x[:, :-1], state, targets=x[:, 1:],
-                               loss_mask=mask[:, c * chunk_len:(c + 1) * chunk_len], reduction="sum")
-            loss = loss + nll
-        loss = loss / mask.sum()
-        loss.backward()
+        loss, _ = answer_step(model, chunks, model.init_state(lanes, device=device), window,
+                              memory_path)
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
         if step % 50 == 0 or step == steps - 1:
-            curve.append({"step": step, "answer_loss": loss.item(), "seconds": time.perf_counter() - t0})
+            curve.append({"step": step, "answer_loss": loss, "seconds": time.perf_counter() - t0})
             if log:
-                log(f"step {step} answer loss {loss.item():.3f}")
+                log(f"step {step} answer loss {loss:.3f}")
     return curve
+
+
+class AnswerLanes:
+    """Training input for the answer loss: each of `lanes` rows reads documents of `task` back to
+    back, each padded to whole chunks so that a document always starts a chunk (with its lane's
+    reset flag), so no step waits for its longest document. `next()` gives one chunk of every
+    lane: (tokens (B, T + 1), answer mask (B, T) over the targets, reset (B,) bool)."""
+
+    def __init__(self, task, tokenizer, lanes: int, chunk_len: int, seed: int = 0):
+        self.task, self.tokenizer, self.T = task, tokenizer, chunk_len
+        self.rng = np.random.default_rng(seed)
+        self.tokens = [np.zeros(1, np.int64)] * lanes
+        self.mask = [np.zeros(0, bool)] * lanes
+        self.at = [0] * lanes                      # chunks of the lane's document already read
+        self.documents = 0
+
+    def _refill(self, b: int) -> None:
+        doc = self.task.document(self.rng, self.tokenizer)
+        n = max(1, -(-(len(doc.tokens) - 1) // self.T))
+        tokens = np.zeros(n * self.T + 1, np.int64)
+        tokens[:len(doc.tokens)] = doc.tokens
+        mask = np.zeros(n * self.T, bool)
+        for q in doc.queries:
+            mask[q.answer_start - 1:q.answer_start - 1 + q.answer_len] = True
+        self.tokens[b], self.mask[b], self.at[b] = tokens, mask, 0
+        self.documents += 1
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, B = self.T, len(self.tokens)
+        reset = np.zeros(B, bool)
+        for b in range(B):
+            if self.at[b] * T >= len(self.mask[b]):
+                self._refill(b)
+                reset[b] = True
+        a = [self.at[b] * T for b in range(B)]
+        x = np.stack([self.tokens[b][a[b]:a[b] + T + 1] for b in range(B)])
+        m = np.stack([self.mask[b][a[b]:a[b] + T] for b in range(B)])
+        for b in range(B):
+            self.at[b] += 1
+        return torch.from_numpy(x), torch.from_numpy(m), torch.from_numpy(reset)
+
+
+def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: bool = True,
+                 log=print) -> dict:
+    """Train `cfg` (a Config; model, optim and the data.recall_* task) on the answer loss:
+    `train.lanes` rolling lanes of recall documents (AnswerLanes), every step advancing each lane
+    by `step_chunks` = 4 x bptt_chunks chunks, with truncated BPTT over `bptt_chunks` and, with
+    `memory_path`, memory-only backpropagation over the whole step (see `answer_step`). Runs
+    `train.max_steps` steps, or as many as fit in `budget_s` seconds (measured after a warm-up,
+    so the learning-rate schedule still runs to its end), then writes a checkpoint to
+    `train.run_dir` that `eval` and `from_pretrained` read. With `resume`, continues from the newest
+    intact checkpoint there (weights, optimizer and step; the lanes start new documents).
+    Returns a summary (steps, seconds, curve)."""
+    from data_packing.recall import RecallTask
+    from data_packing.tokenizer import load_tokenizer
+    from elephant.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
+    from elephant.model import ElephantLM
+    from elephant.optim import build_optimizers
+
+    t, d = cfg.train, cfg.data
+    device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if t.device == "auto" else t.device)
+    torch.manual_seed(t.seed)
+    tokenizer = load_tokenizer(d.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        from elephant.config import ConfigError
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({tokenizer.vocab_size})")
+    model = ElephantLM(cfg.model).to(device)
+    opt = build_optimizers(model, cfg.optim)
+    step = 0
+    if resume:
+        ckpt, skipped = newest_intact_checkpoint(t.run_dir)
+        for path, why in skipped:
+            log(f"skipping {path}: {why}")
+        meta, rank_state = load_checkpoint(ckpt, model)
+        opt.load_state_dict(rank_state["optim"])
+        step = int(meta["step"])
+        log(f"resumed from {ckpt} (step {step})")
+    if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else None)
+    task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
+    lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)
+    window = cfg.model.bptt_chunks
+    step_chunks = 4 * window
+    state = model.init_state(t.lanes, device=device)
+    total, curve, t0, first, t10 = t.max_steps, [], time.perf_counter(), step, 0.0
+    model.train()
+    while step < total:
+        chunks = []
+        for _ in range(step_chunks):
+            x, m, r = lanes.next()
+            chunks.append((x.to(device, non_blocking=True), m.to(device, non_blocking=True),
+                           r.to(device, non_blocking=True)))
+        opt.set_step(step, total)
+        loss, state = answer_step(model, chunks, state, window, memory_path, autocast)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        elapsed = time.perf_counter() - t0
+        if budget_s and step == first + 10:            # compiled by now: time steps from here
+            t10 = elapsed
+        if budget_s and step == first + 30:            # fit the schedule to the budget
+            per_step = (elapsed - t10) / 20
+            total = min(total, step + max(1, int((budget_s - elapsed) / per_step)))
+            log(f"{per_step:.3f} s per step: training {total} steps")
+        if budget_s and elapsed > 1.05 * budget_s:      # never far past the budget
+            total = step
+        if step % t.log_every == 0 or step == total:
+            curve.append({"step": step, "answer_loss": loss, "seconds": elapsed,
+                          "documents": lanes.documents})
+            log(f"step {step} answer loss {loss:.4f} ({elapsed:.0f} s, {lanes.documents} documents)")
+    save_checkpoint(t.run_dir, step, model, {"optim": opt.state_dict()},
+                    {"config": cfg.to_dict(), "tokenizer": tokenizer.fingerprint, "step": step},
+                    keep=t.keep_ckpts)
+    return {"steps": step, "train_seconds": time.perf_counter() - t0, "curve": curve,
+            "memory_path": memory_path, "step_chunks": step_chunks, "params": model.num_params()}
 
 
 def format_table(result: dict, title: str = "") -> str:
@@ -250,17 +411,28 @@ def _eval(args) -> int:
 
 def _train(args) -> int:
     from elephant.config import load_config
-    from elephant.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.data.source != "recall":
-        print(f"note: data.source is {cfg.data.source!r}, not 'recall'", file=sys.stderr)
-    trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
-    trainer.fit()
-    if trainer.rt.main:
-        args.checkpoint = cfg.train.run_dir
-        return _eval(args)
-    return 0
+    if args.lm_loss:   # the general trainer: the loss on every token of the recall corpus
+        from elephant.trainer import Trainer
+        if cfg.data.source != "recall":
+            print(f"note: data.source is {cfg.data.source!r}, not 'recall'", file=sys.stderr)
+        trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
+        trainer.fit()
+        if not trainer.rt.main:
+            return 0
+    else:
+        from elephant.rundir import claim_run_dir
+        lock = claim_run_dir(cfg.train.run_dir, resume=args.resume, command=" ".join(sys.argv))
+        try:
+            info = train_recall(cfg, resume=args.resume, budget_s=args.budget_s,
+                                memory_path=not args.no_memory_path,
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+        finally:
+            lock.release()
+        print(f"trained {info['steps']} steps in {info['train_seconds']:.0f} s", file=sys.stderr)
+    args.checkpoint = cfg.train.run_dir
+    return _eval(args)
 
 
 def main(argv=None) -> int:
@@ -271,6 +443,12 @@ def main(argv=None) -> int:
         if name == "train":
             s.add_argument("--config", default="configs/recall.toml")
             s.add_argument("--resume", action="store_true")
+            s.add_argument("--budget-s", type=float, default=0.0,
+                           help="train for about this many seconds (the schedule fits them)")
+            s.add_argument("--no-memory-path", action="store_true",
+                           help="no memory-only backpropagation past bptt_chunks")
+            s.add_argument("--lm-loss", action="store_true",
+                           help="the general trainer, loss on every token (default: the answers)")
             s.add_argument("overrides", nargs="*", help="section.key=value")
         else:
             s.add_argument("--checkpoint", required=True, help="run dir, export folder or Hub id")
@@ -290,11 +468,12 @@ def main(argv=None) -> int:
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError
     from elephant.hub import HubError
+    from elephant.rundir import RunDirError
     try:
         if args.command == "eval":
             return _eval(args)
         return _train(args)
-    except (ConfigError, DataError, CheckpointError, HubError) as e:
+    except (ConfigError, DataError, CheckpointError, HubError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -46,6 +46,12 @@ class RecurrentState:
     ssm: list[Tensor | None] = field(default_factory=list)      # (B, H, P, N) float32 per Mamba layer
     memory: Tensor | None = None                      # (B, n_mem, D) read memory of the next chunk
     chunks: int = 0                                   # chunks processed since the last detach
+    # Memory-only backpropagation (training only; never saved): `memory_path` has the value of
+    # `memory` but its graph runs through the memory updates alone (the write slots' outputs
+    # detached), across every detach since `track_memory_path()`; `links` pairs each detach's
+    # path tensor with the leaf the next chunks read, for `backward_memory_path()`.
+    memory_path: Tensor | None = None
+    links: list = field(default_factory=list)
 
     @property
     def lanes(self) -> int:
@@ -76,10 +82,40 @@ class RecurrentState:
         )
 
     def detach(self) -> "RecurrentState":
-        """Cut the gradient path into earlier chunks (truncated backpropagation through time)."""
+        """Cut the gradient path into earlier chunks (truncated backpropagation through time).
+
+        With a tracked memory path (`track_memory_path`), the path is kept: the next chunks read
+        the memory as a fresh leaf, and the gradient that collects there is carried on through
+        the earlier memory updates by `backward_memory_path`."""
         state = self._map(Tensor.detach)
         state.chunks = 0
+        if self.memory_path is not None:
+            state.memory = state.memory.requires_grad_()
+            state.memory_path = self.memory_path
+            state.links = self.links + [(self.memory_path, state.memory)]
         return state
+
+    def track_memory_path(self) -> "RecurrentState":
+        """Start memory-only backpropagation from here (see `memory_path`): from now on a detach
+        cuts the activations but not the chain of memory updates. Returns self."""
+        if self.memory is not None and self.memory_path is None:
+            self.memory_path = self.memory
+        return self
+
+    def backward_memory_path(self) -> int:
+        """Carry the gradient that reached each detach's memory leaf back along the memory path
+        (to the gates that let earlier chunks write, and to the initial memory), after the
+        backward passes of all the windows. Accumulates into the parameters' .grad like any
+        backward; returns the number of links that carried a gradient. Clears the links."""
+        roots, grads = [], []
+        for path, leaf in self.links:
+            if leaf.grad is not None and path.requires_grad:
+                roots.append(path)
+                grads.append(leaf.grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self.links = []
+        return len(roots)
 
     def to(self, device=None, dtype=None) -> "RecurrentState":
         """Move to a device; `dtype` applies to floating tensors except the float32 SSM state."""
@@ -130,6 +166,10 @@ class RecurrentState:
         if self.memory is not None and init_memory is not None:
             mask = keep.view(-1, 1, 1)
             state.memory = torch.where(mask, self.memory, init_memory.to(self.memory.dtype).unsqueeze(0))
+            if self.memory_path is not None:
+                state.memory_path = torch.where(mask, self.memory_path,
+                                                init_memory.to(self.memory_path.dtype).unsqueeze(0))
+        state.links = self.links
         return state
 
     def state_dict(self) -> dict[str, Tensor]:

@@ -265,3 +265,72 @@ def test_memory_write_cost_is_charged_in_training_only():
     paid.train()
     nll = paid(tokens, targets=targets, reduction="none")[0]
     assert torch.allclose(nll.sum(), ce)
+
+
+def test_memory_only_backprop_equals_its_reference_and_reaches_past_the_window():
+    # Truncated BPTT over windows of 2 chunks, with the memory path kept across the detaches
+    # (backward per window, then backward_memory_path) must give, in every parameter, the sum over
+    # windows w of the gradient of window w's loss through (a) its own chunks in full and (b) the
+    # memory updates of all earlier chunks with their written slots detached, computed here from
+    # scratch for each window.
+    model = make(layers="MA", n_mem=2, kv_window=4, bptt_chunks=2, mem_gate_init=0.0).train()
+    torch.manual_seed(1)
+    B, T, n = 2, 5, 6
+    tokens, targets = torch.randint(0, 97, (B, T * n)), torch.randint(0, 97, (B, T * n))
+    chunk = lambda c: (tokens[:, c * T:(c + 1) * T], targets[:, c * T:(c + 1) * T])
+
+    state = model.init_state(B, dtype=torch.float64).track_memory_path()
+    part = 0.0
+    for c in range(n):
+        if c and c % 2 == 0:
+            part.backward()
+            part, state = 0.0, state.detach()
+            assert state.memory.requires_grad and state.memory_path.requires_grad
+        x, y = chunk(c)
+        loss, state = model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None,
+                            targets=y, reduction="sum")
+        assert torch.equal(state.memory, state.memory_path)   # the path changes no value
+        part = part + loss
+    part.backward()
+    assert state.backward_memory_path() == 2                  # two detaches carried a gradient
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad()
+    update = model._memory_update
+    model.cfg.bptt_chunks = n     # the reference cuts the activations itself
+    for w in range(n // 2):
+        state = model.init_state(B, dtype=torch.float64)
+        for c in range(2 * w + 2):
+            if c == 2 * w and c:   # entering window w: activations cut, the memory chain kept
+                memory, state = state.memory, state.detach()
+                state.memory = memory
+            model._memory_update = (lambda r, u: update(r, u.detach())) if c < 2 * w else update
+            x, y = chunk(c)
+            loss, state = model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None,
+                                targets=y, reduction="sum")
+            if c == 2 * w:
+                window_loss = loss
+            elif c > 2 * w:
+                window_loss = window_loss + loss
+        window_loss.backward()
+    model._memory_update = update
+    model.cfg.bptt_chunks = 2
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12, msg=k)
+    # the path is what carries the later windows' loss to the gates of the first chunks: without
+    # it the gate parameters get less gradient
+    model.zero_grad()
+    state = model.init_state(B, dtype=torch.float64)
+    part = 0.0
+    for c in range(n):
+        if c and c % 2 == 0:
+            part.backward()
+            part, state = 0.0, state.detach()
+        x, y = chunk(c)
+        loss, state = model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None,
+                            targets=y, reduction="sum")
+        part = part + loss
+    part.backward()
+    assert not torch.allclose(model.mem_gate.grad, got["mem_gate"])
