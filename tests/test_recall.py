@@ -60,3 +60,47 @@ def test_bad_recall_arguments_get_one_line_errors(tmp_path, capsys):
     assert code == 2 and capsys.readouterr().err.startswith("error: ")
     with pytest.raises(ValueError, match="token count"):
         parse_count("4 kilo")
+
+
+def test_answer_lanes_roll_documents_and_mask_exactly_the_answer_digits():
+    # Every lane reads documents back to back, each starting a chunk with the lane's reset flag;
+    # the mask covers exactly the targets that are answer digits, and each chunk's last input
+    # token is the next chunk's first.
+    import numpy as np
+    from data_packing.recall import RecallTask
+    from elephant.recall import AnswerLanes
+    tok = ByteTokenizer()
+    lanes = AnswerLanes(RecallTask(min_gap=16, max_gap=100, max_pairs=2, max_queries=3), tok,
+                        lanes=3, chunk_len=32, seed=0)
+    chunks = [lanes.next() for _ in range(40)]
+    assert chunks[0][2].all() and lanes.documents > 3
+    for c in range(1, 40):
+        cont = ~chunks[c][2]                       # lanes that go on with the same document
+        assert torch.equal(chunks[c - 1][0][cont, -1], chunks[c][0][cont, 0])
+    digits = set(tok.encode("0123456789"))
+    for x, m, _ in chunks:
+        assert all(int(t) in digits for t in x[:, 1:][m])
+    # every finished document asked at least one 6-digit question
+    answers = sum(int(m.sum()) for _, m, _ in chunks)
+    assert answers >= 6 * (lanes.documents - 3)
+
+
+def test_train_recall_trains_saves_and_resumes(tmp_path):
+    from elephant.config import load_config
+    from elephant.hub import from_pretrained
+    from elephant.recall import train_recall
+    cfg = load_config("configs/recall.toml", [
+        f"train.run_dir={tmp_path / 'run'}", "data.recall_max_gap=100", "model.d_model=32",
+        "model.n_heads=2", "model.d_mlp=64", "model.d_state=16", "model.mamba_head_dim=16",
+        "model.ssd_chunk=16", "model.n_mem=2", "model.kv_window=32", "model.bptt_chunks=2",
+        "train.lanes=2", "train.chunk_len=32", "train.max_steps=2", "train.device=cpu",
+        "train.compile=off", "train.log_every=1"])
+    info = train_recall(cfg, log=lambda m: None)
+    assert info["steps"] == 2 and info["memory_path"] and len(info["curve"]) == 2
+    model, _, _ = from_pretrained(tmp_path / "run")
+    cfg.train.max_steps = 3
+    more = train_recall(cfg, resume=True, log=lambda m: None)
+    assert more["steps"] == 3
+    again, _, _ = from_pretrained(tmp_path / "run")
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     again.state_dict().values()))
