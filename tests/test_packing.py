@@ -251,3 +251,54 @@ def test_segment_conv_has_no_per_token_indexing_of_the_tail():
         return {type(f).__name__ for f in seen}
     assert "IndexBackward0" in graph_ops(segment_conv_reference)
     assert "IndexBackward0" not in graph_ops(segment_conv)
+
+
+# --- the fast ways of feeding packed chunks (what the trainer does) --------------------------------
+
+def test_prefix_computed_once_for_several_chunks_equals_per_chunk():
+    # the initial-memory prefix computed once and shared by the chunks backpropagated together:
+    # the same losses and the same gradients (mem_init included) as computing it in every chunk
+    model = make(n_mem=3, kv_window=16, bptt_chunks=3)
+    T = 12
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, V, (3, 2, T + 1), generator=gen)
+    starts = [starts_at(2, T, 0, 5), starts_at(2, T, 3, 9), starts_at(2, T, 7)]
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        prefix = model.init_prefix() if shared else None
+        state, loss = None, 0.0
+        for c in range(3):
+            nll, state = model(tokens[c, :, :-1], state, targets=tokens[c, :, 1:], reduction="sum",
+                               starts=starts[c], prefix=prefix)
+            loss = loss + nll
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                         if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert (l0 - l1).abs() < 1e-10 and g0.keys() == g1.keys() and "mem_init" in g0
+    for name, g in g0.items():
+        assert (g - g1[name]).abs().max() < 1e-10, name
+
+
+def test_a_prefix_of_the_wrong_model_is_refused():
+    model = make(n_mem=2, kv_window=8)
+    with pytest.raises(ValueError, match="init_prefix"):
+        model(torch.randint(0, V, (1, 6)), starts=starts_at(1, 6, 0, 3), prefix=[])
+
+
+@pytest.mark.parametrize("n_mem", [0, 3])
+def test_chunk_without_inner_start_takes_the_unpacked_path_exactly(n_mem):
+    # a chunk where documents start at token 0 at most (the batcher's inner_starts is False): the
+    # boundary path and the plain path (starts=None, reset = starts[:, 0]) agree, logits and state
+    model = make(n_mem=n_mem, kv_window=16)
+    gen = torch.Generator().manual_seed(10)
+    _, state = model(torch.randint(0, V, (3, 11), generator=gen))
+    tokens = torch.randint(0, V, (3, 11), generator=gen)
+    starts = torch.zeros(3, 11, dtype=torch.bool)
+    starts[1, 0] = True
+    packed, s1 = model(tokens, state, starts=starts)
+    plain, s2 = model(tokens, state, starts[:, 0])
+    assert (packed - plain).abs().max() < 1e-12
+    for name, t in s1.tensors().items():
+        assert (t.double() - s2.tensors()[name].double()).abs().max() < 1e-12, name
