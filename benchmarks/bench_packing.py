@@ -212,6 +212,8 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
     for mode in ("eager",) if smoke else ("eager", "compiled"):
         res = out.setdefault(mode, {})
         for name, (fn, inputs) in pieces.items():
+            if mode == "compiled" and name.startswith(("scan_", "attention_cache", "attention_by")):
+                continue  # kernels already (Triton, SDPA): compiling them changes nothing
             try:
                 f = fn if mode == "eager" else torch.compile(fn, dynamic=False)
                 with autocast():
