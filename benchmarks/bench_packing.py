@@ -1,17 +1,29 @@
 """What packing documents back to back (issue 11) costs and gains, on the wt103-70m model shape
 (configs/wt103-70m.toml: d_model 512, MAMMAMMA, 8 memory tokens, 512-token KV window; random
-weights, bf16 autocast, fast paths, compiled blocks as the trainer does; 32 lanes x 512 tokens):
+weights, bf16 autocast, fast paths, compiled blocks as the trainer does; 32 lanes x 512 tokens).
+A step is what the trainer does: `bptt_chunks` chunks, one backward; a packed step takes the
+boundary path only for chunks where a document starts inside (the batcher's `inner_starts`) and
+computes the initial-memory prefix once per step.
 
-  fill 1.0    forward+backward tokens/s on rows without padding: today's path (no `starts`), the
-              packing path with `starts` but no boundary inside a chunk, and the packing path with
-              the boundaries of documents of a FineWeb-like length distribution (every slot real).
-  real tok/s  batches from RollingChunkBatcher over a corpus of log-normal document lengths
-              (median 600 tokens, sigma 1), unpacked (pack=False, padded rows, no `starts`) against
-              packed (pack=True, `starts`): predicted (unmasked) tokens per second. Packing should
-              raise it by the fill gained, less its own overhead.
+  paths       forward+backward tokens/s.
+              fill 1.0, on rows without padding: today's path (no `starts`); the packing path on
+              chunks without an inner start (it takes today's path); the boundary path forced on
+              them (`starts` given, the cost of the boundary machinery alone); the packing path with
+              the boundaries of a FineWeb-like length distribution, with the prefix once per step
+              and, for comparison, once per chunk (as before).
+              real tok/s: batches from RollingChunkBatcher over a corpus of log-normal document
+              lengths (median 600 tokens, sigma 1), unpacked (pack=False, padded rows) against packed
+              (pack=True): predicted (unmasked) tokens per second; packing should raise it by the
+              fill gained, less its own overhead.
+  breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
+              (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
+              kernel / the masked sum / its indexing reference), the scan (without / with `seg`) and
+              the initial state of later segments (add_segment_init), attention (today's masked
+              SDPA over [cache | chunk] / masked by document with the prefix), whole Mamba and
+              attention layers with and without boundaries, and the initial-memory prefix.
 
-    python benchmarks/bench_packing.py [--cpu-smoke]
-writes benchmarks/results/packing_<device>.json (in about 2 minutes on an H100, most of it compiling).
+    python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown]
+writes benchmarks/results/packing_<device>.json after every section.
 """
 import argparse
 import json
@@ -22,11 +34,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import bf16_autocast, environment, result_path  # noqa: E402
+from benchmarks.common import bf16_autocast, environment, result_path, timer  # noqa: E402
+from elephant.layers import ssd  # noqa: E402
+from elephant.layers.attention import Attention, attend, attend_segments  # noqa: E402
+from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 MEDIAN, SIGMA = 600, 1.0
@@ -52,51 +68,188 @@ def lognormal_corpus(n_docs: int, vocab: int, median: float, seed: int = 0) -> T
 
 
 def batches_from(corpus, B, T, n, pack, device):
-    """n batches as (tokens, reset, loss_mask, starts or None) on the device, and the batcher fill."""
+    """n batches as (tokens, reset, loss_mask, starts or None, inner_starts) on the device, the
+    batcher fill and its ms per batch."""
     batcher = RollingChunkBatcher(corpus, lanes=B, chunk_len=T, seed=0, pack=pack)
     t0 = time.perf_counter()
     raw = [next(batcher) for _ in range(n)]
     build_s = time.perf_counter() - t0
     out = [(b.tokens.to(device), b.reset.to(device), b.loss_mask.to(device),
-            b.starts.to(device) if pack else None) for b in raw]
+            b.starts.to(device) if pack else None, b.inner_starts) for b in raw]
     return out, batcher.fill, build_s / n
 
 
-def measure(model, batches, device, autocast, warmup: int) -> dict:
-    """Forward+backward per chunk with carried state (detached as in bench_model); median step."""
-    B = batches[0][0].shape[0]
+def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
+            prefix_per_step: bool = True) -> dict:
+    """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
+    median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
+    choice); prefix_per_step: the initial-memory prefix once per step (else in every chunk)."""
+    k = model.cfg.bptt_chunks
+    B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device)
-    times, real = [], 0
-    for i, (tokens, reset, mask, starts) in enumerate(batches):
+    times, real, boundary_chunks = [], 0, 0
+    for i in range(len(batches) // k):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        loss, prefix = 0.0, None
         with autocast():
-            loss, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], loss_mask=mask,
-                                reduction="sum", starts=starts)
+            for tokens, reset, mask, starts, inner in batches[i * k:(i + 1) * k]:
+                if starts is not None and host_skip and not inner:
+                    starts = None
+                if starts is not None and model.cfg.n_mem and prefix_per_step and prefix is None:
+                    prefix = model.init_prefix()
+                nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
+                                   loss_mask=mask, reduction="sum", starts=starts, prefix=prefix)
+                loss = loss + nll
+                if i >= warmup:
+                    real += int(mask.sum())
+                    boundary_chunks += starts is not None
         loss.backward()
         state = state.detach()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-            real += int(mask.sum())
         model.zero_grad(set_to_none=True)
-    T = batches[0][0].shape[1] - 1
     med = sorted(times)[len(times) // 2]
-    mean = sum(times) / len(times)
-    return {"median_ms": med * 1e3, "tokens_per_s": B * T / med,
-            "fill": real / (len(times) * B * T), "real_tokens_per_s": real / sum(times),
-            "mean_ms": mean * 1e3, "steps": len(times)}
+    return {"median_ms_per_step": med * 1e3, "tokens_per_s": k * B * T / med,
+            "fill": real / (len(times) * k * B * T), "real_tokens_per_s": real / sum(times),
+            "mean_ms_per_step": sum(times) / len(times) * 1e3, "steps": len(times),
+            "chunks_per_step": k, "boundary_path_chunks": boundary_chunks}
+
+
+# ------------------------------------------------------------------------------- breakdown
+def time_fwd_bwd(fn, inputs, device, reps: int, warmup: int = 3) -> float:
+    """Median ms of fn(*inputs) forward + backward of the sum of its outputs (fixed random
+    weights, so nothing is optimised away)."""
+    start, stop = timer(device)
+    out = fn(*inputs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    weights = [torch.randn_like(o, dtype=torch.float32) for o in outs]
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    times = []
+    for i in range(warmup + reps):
+        h = start()
+        out = fn(*inputs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        loss = sum((o.float() * w).sum() for o, w in zip(outs, weights))
+        torch.autograd.grad(loss, leaves)
+        ms = stop(h)
+        if i >= warmup:
+            times.append(ms)
+    return sorted(times)[len(times) // 2]
+
+
+def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
+    """Each piece of the boundary path alone, eager and compiled (forward + backward ms)."""
+    B, T = starts.shape
+    M, S = cfg.n_mem, cfg.n_mem + T + cfg.n_mem
+    reps = 3 if smoke else 20
+    # the segment ids the model forms for [memory | chunk | write slots] (as in ElephantLM.forward)
+    inner = starts.clone()
+    inner[:, 0] = False
+    tok_seg = inner.long().cumsum(1)
+    seg = torch.cat([tok_seg.new_zeros(B, M), tok_seg, tok_seg[:, -1:].expand(B, M)], dim=1)
+    zero_seg = torch.zeros_like(seg)
+    dt16 = torch.float32 if smoke else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32, grad=True, scale=1.0):
+        t = torch.randn(*shape, generator=gen, device=device, dtype=dtype) * scale
+        return t.requires_grad_(grad)
+
+    out = {"lanes": B, "tokens_per_layer_call": S,
+           "boundaries_per_row": float(inner.sum(1).float().mean())}
+    mamba = Mamba2(cfg).to(device)
+    C, K = mamba.conv_dim, mamba.d_conv
+    H, P, N = mamba.heads, mamba.head_dim, mamba.d_state
+    w, bias = mamba.conv1d.weight, mamba.conv1d.bias
+    window = rand(B, C, K - 1 + S, dtype=dt16)
+    tail = rand(C, K - 1)
+    attn = Attention(cfg).to(device)
+    hd, W = cfg.head_dim, cfg.kv_window
+    q, k, v = (rand(B, cfg.n_heads, S, hd, dtype=dt16) for _ in range(3))
+    ck, cv = rand(B, cfg.n_heads, W, hd, dtype=dt16, grad=False), rand(B, cfg.n_heads, W, hd, dtype=dt16, grad=False)
+    valid = torch.ones(B, W, dtype=torch.bool, device=device)
+    pk, pv = rand(1, cfg.n_heads, M, hd, dtype=dt16), rand(1, cfg.n_heads, M, hd, dtype=dt16)
+    x_scan = rand(B, S, H, P, dtype=dt16)
+    dt_scan = torch.nn.functional.softplus(rand(B, S, H, grad=False) - 3).requires_grad_()
+    A = -torch.linspace(1, 16, H, device=device)
+    Bm, Cm = rand(B, S, 1, N, dtype=dt16), rand(B, S, 1, N, dtype=dt16)
+    Dp = torch.ones(H, device=device, requires_grad=True)
+    s0 = rand(B, H, P, N, scale=0.1)
+    init_ssm = rand(H, P, N, scale=0.1)
+    y_scan = rand(B, S, H, P, dtype=dt16)
+    x_layer = rand(B, S, cfg.d_model, dtype=dt16)
+    conv0, ssm0 = rand(B, C, K - 1, dtype=dt16), rand(B, H, P, N, scale=0.1)
+    pos = torch.arange(S, device=device).expand(B, S).contiguous()
+
+    def scan(seg_):
+        return lambda x, dt, B_, C_, init: ssd.ssd_scan(x, dt, A, B_, C_, Dp, init, cfg.ssd_chunk, seg_)
+
+    pieces = {
+        "conv_kernel_no_boundaries": (lambda x: F.conv1d(x, w.to(x.dtype), bias.to(x.dtype), groups=C),
+                                      (window,)),
+        "conv_masked_sum_with_tail": (lambda x, t: segment_conv(x, seg, w, bias, t), (window, tail)),
+        "conv_masked_sum_no_boundaries": (lambda x, t: segment_conv(x, zero_seg, w, bias, t), (window, tail)),
+        "conv_indexing_reference_with_tail": (lambda x, t: segment_conv_reference(x, seg, w, bias, t),
+                                              (window, tail)),
+        "scan_no_seg": (scan(None), (x_scan, dt_scan, Bm, Cm, s0)),
+        "scan_with_seg": (scan(seg), (x_scan, dt_scan, Bm, Cm, s0)),
+        "segment_init_alone": (lambda y, dt, C_, init: ssd.add_segment_init(
+            y, s0.detach(), dt, A, C_, seg, init, cfg.ssd_chunk), (y_scan, dt_scan, Cm, init_ssm)),
+        "attention_cache_masked_sdpa": (lambda q_, k_, v_: attend(q_, k_, v_, ck, cv, valid), (q, k, v)),
+        "attention_by_document_with_prefix": (lambda q_, k_, v_, a, b: attend_segments(
+            q_, k_, v_, seg, ck, cv, valid, a, b), (q, k, v, pk, pv)),
+        "mamba_layer_no_seg": (lambda x, c, s_: mamba(x, c, s_), (x_layer, conv0, ssm0)),
+        "mamba_layer_seg_and_init": (lambda x, c, s_, t, i: mamba(x, c, s_, seg=seg, init=(t, i)),
+                                     (x_layer, conv0, ssm0, tail, init_ssm)),
+        "attention_layer_cache": (lambda x: attn(x, pos, ck, cv, valid), (x_layer,)),
+        "attention_layer_by_document": (lambda x, a, b: attn(x, pos, ck, cv, valid, seg=seg, prefix_k=a,
+                                                             prefix_v=b), (x_layer, pk, pv)),
+    }
+    for mode in ("eager",) if smoke else ("eager", "compiled"):
+        res = out.setdefault(mode, {})
+        for name, (fn, inputs) in pieces.items():
+            if mode == "compiled" and name.startswith(("scan_", "attention_cache", "attention_by")):
+                continue  # kernels already (Triton, SDPA): compiling them changes nothing
+            try:
+                f = fn if mode == "eager" else torch.compile(fn, dynamic=False)
+                with autocast():
+                    res[name] = time_fwd_bwd(f, inputs, device, reps)
+            except Exception as e:  # record and go on
+                res[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(mode, name, res[name], flush=True)
+    # the initial-memory prefix through the model's (compiled) blocks: what a step pays once, and
+    # what it paid in every chunk before
+    start, stop = timer(device)
+    ts = []
+    for i in range(3 + reps):
+        h = start()
+        with autocast():
+            prefix = model.init_prefix()
+        sum(t.float().sum() for pair in prefix for t in pair).backward()
+        ts.append(stop(h))
+    model.zero_grad(set_to_none=True)
+    out["init_prefix_fwd_bwd"] = sorted(ts[3:])[len(ts[3:]) // 2]
+    return out
+
+
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": counters["stats"].get("unique_graphs", 0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--only", choices=["paths", "breakdown"], default=None)
     args = ap.parse_args()
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
-    B, T, steps, warmup = (2, 32, 4, 1) if smoke else (32, 512, 30, 6)
+    B, T, steps, warmup = (2, 32, 3, 1) if smoke else (32, 512, 15, 4)
     median = 40 if smoke else MEDIAN  # the smoke run keeps several documents per 32-token chunk
     cfg = make_config(smoke)
     torch.manual_seed(0)
@@ -107,53 +260,75 @@ def main() -> None:
         for block in model.blocks:
             block.compile(dynamic=False)
     autocast = bf16_autocast(device)
+    out_path = result_path("packing", smoke)
     results = {**environment(device),
-               "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else ""),
+               "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else "")
+               + (f" --only {args.only}" if args.only else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}
 
     corpus = lognormal_corpus(4000 if not smoke else 400, cfg.vocab_size, median)
-    n = steps + warmup
+    k = cfg.bptt_chunks
+    n = (steps + warmup) * k
     packed, fill_packed, build_packed = batches_from(corpus, B, T, n, True, device)
     unpacked, fill_unpacked, build_unpacked = batches_from(corpus, B, T, n, False, device)
     results["batcher_ms_per_batch"] = {"packed": build_packed * 1e3, "unpacked": build_unpacked * 1e3}
     results["batcher_fill"] = {"packed": fill_packed, "unpacked": fill_unpacked}
-    # fill 1.0: the packed batches' tokens (every slot real) without / with their boundaries
-    full_mask = torch.ones(B, T, dtype=torch.bool, device=device)
-    reset = [torch.full((B,), i == 0, dtype=torch.bool, device=device) for i in range(n)]
-    only_first = [torch.zeros(B, T, dtype=torch.bool, device=device) for _ in range(n)]
-    only_first[0][:, 0] = True  # every lane starts a document with the first chunk, none after
-    variants = {
-        "fill1_today_path": [(t, reset[i], full_mask, None) for i, (t, _, _, _) in enumerate(packed)],
-        "fill1_packing_path_no_boundaries": [(t, reset[i], full_mask, only_first[i])
-                                             for i, (t, _, _, _) in enumerate(packed)],
-        "fill1_packing_path_with_boundaries": [(t, r, full_mask, s) for t, r, _, s in packed],
-        "lognormal_unpacked": unpacked,
-        "lognormal_packed": packed,
-    }
-    for name, batches in variants.items():
-        try:
-            results["paths"][name] = measure(model, batches, device, autocast, warmup)
-        except Exception as e:  # record and go on with the other paths
-            results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
-                                      "trace": traceback.format_exc()[-1500:]}
-        print(name, json.dumps(results["paths"][name]), flush=True)
-    p = results["paths"]
-    try:
-        results["summary"] = {
-            "fill1_packing_vs_today_tokens_per_s": p["fill1_packing_path_with_boundaries"]["tokens_per_s"]
-            / p["fill1_today_path"]["tokens_per_s"],
-            "fill1_packing_no_boundaries_vs_today": p["fill1_packing_path_no_boundaries"]["tokens_per_s"]
-            / p["fill1_today_path"]["tokens_per_s"],
-            "fill_gain": p["lognormal_packed"]["fill"] / p["lognormal_unpacked"]["fill"],
-            "real_tokens_per_s_gain": p["lognormal_packed"]["real_tokens_per_s"]
-            / p["lognormal_unpacked"]["real_tokens_per_s"],
+    results["packed_chunks_with_inner_start"] = sum(b[4] for b in packed) / len(packed)
+    if args.only != "breakdown":
+        # fill 1.0: the packed batches' tokens (every slot real) without / with their boundaries
+        full_mask = torch.ones(B, T, dtype=torch.bool, device=device)
+        first = [torch.full((B,), i == 0, dtype=torch.bool, device=device) for i in range(n)]
+        only_first = [torch.zeros(B, T, dtype=torch.bool, device=device) for _ in range(n)]
+        only_first[0][:, 0] = True  # every lane starts a document with the first chunk, none after
+        no_inner = [(t, first[i], full_mask, only_first[i], False) for i, (t, *_) in enumerate(packed)]
+        variants = {
+            "fill1_today_path": ([(t, first[i], full_mask, None, False)
+                                  for i, (t, *_) in enumerate(packed)], {}),
+            "fill1_packing_no_inner_starts": (no_inner, {}),
+            "fill1_boundary_path_forced_no_inner_starts": (no_inner, {"host_skip": False}),
+            "fill1_packing_with_boundaries": ([(t, r, full_mask, s, i) for t, r, _, s, i in packed], {}),
+            "fill1_packing_with_boundaries_prefix_per_chunk": (
+                [(t, r, full_mask, s, i) for t, r, _, s, i in packed], {"prefix_per_step": False}),
+            "lognormal_unpacked": (unpacked, {}),
+            "lognormal_packed": (packed, {}),
         }
-        print("summary", json.dumps(results["summary"]), flush=True)
-    except (KeyError, ZeroDivisionError):
-        pass
-    result_path("packing", smoke).write_text(json.dumps(results, indent=1))
+        for name, (batches, opts) in variants.items():
+            try:
+                results["paths"][name] = measure(model, batches, device, autocast, warmup, **opts)
+            except Exception as e:  # record and go on with the other paths
+                results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                                          "trace": traceback.format_exc()[-1500:]}
+            print(name, json.dumps(results["paths"][name]), flush=True)
+        if not smoke:
+            results["dynamo"] = dynamo_counts()
+        p = results["paths"]
+        try:
+            today = p["fill1_today_path"]["tokens_per_s"]
+            results["summary"] = {
+                "fill1_packing_vs_today_tokens_per_s": p["fill1_packing_with_boundaries"]["tokens_per_s"] / today,
+                "fill1_packing_no_inner_starts_vs_today": p["fill1_packing_no_inner_starts"]["tokens_per_s"] / today,
+                "fill1_boundary_path_forced_vs_today": p["fill1_boundary_path_forced_no_inner_starts"]["tokens_per_s"] / today,
+                "prefix_per_step_vs_per_chunk": p["fill1_packing_with_boundaries"]["tokens_per_s"]
+                / p["fill1_packing_with_boundaries_prefix_per_chunk"]["tokens_per_s"],
+                "fill_gain": p["lognormal_packed"]["fill"] / p["lognormal_unpacked"]["fill"],
+                "real_tokens_per_s_gain": p["lognormal_packed"]["real_tokens_per_s"]
+                / p["lognormal_unpacked"]["real_tokens_per_s"],
+            }
+            print("summary", json.dumps(results["summary"]), flush=True)
+        except (KeyError, ZeroDivisionError, TypeError):
+            pass
+        out_path.write_text(json.dumps(results, indent=1))
+    if args.only != "paths":
+        with_inner = [s for *_, s, inner in packed if inner] or [packed[-1][3]]
+        try:
+            results["breakdown"] = breakdown(model, cfg, with_inner[0], device, autocast, smoke)
+        except Exception as e:
+            results["breakdown"] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                                    "trace": traceback.format_exc()[-1500:]}
+        out_path.write_text(json.dumps(results, indent=1))
+    print("wrote", out_path, flush=True)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ class Batch:
     doc_ids: torch.Tensor  # (B,) int64: corpus index of the lane's document at the chunk start, -1: idle
     starts: torch.Tensor | None = None  # (B, T) bool: input t is the first token of a document
     token_doc_ids: torch.Tensor | None = None  # (B, T) int64: document of input t, -1 for padding
+    inner_starts: bool = False  # some document starts inside the chunk (t > 0): decided on the host,
+    # so a consumer can skip the boundary work (starts=None, reset) for chunks without one
 
 
 class RollingChunkBatcher:
@@ -160,7 +162,8 @@ class RollingChunkBatcher:
         self.last_fill = real / (B * T)
         starts_t = torch.from_numpy(starts)
         return Batch(torch.from_numpy(tokens), starts_t[:, 0].clone(), torch.from_numpy(loss_mask),
-                     torch.from_numpy(doc_ids), starts_t, torch.from_numpy(token_doc[:, :T].copy()))
+                     torch.from_numpy(doc_ids), starts_t, torch.from_numpy(token_doc[:, :T].copy()),
+                     inner_starts=bool(starts[:, 1:].any()))
 
     def _draw(self) -> int:
         """The next document of this rank's stream, moving to the next epoch when `loop`; -1 at the end."""

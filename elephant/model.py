@@ -188,7 +188,8 @@ class ElephantLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
                 targets: Tensor | None = None, loss_mask: Tensor | None = None,
-                reduction: str = "mean", starts: Tensor | None = None) -> tuple[Tensor, RecurrentState]:
+                reduction: str = "mean", starts: Tensor | None = None,
+                prefix: list[tuple] | None = None) -> tuple[Tensor, RecurrentState]:
         """One chunk of every lane.
 
         tokens (B, T) int64; state from the previous chunk (None: a fresh state); reset (B,) bool
@@ -200,7 +201,9 @@ class ElephantLM(nn.Module):
         (`starts[:, 0]` acts as `reset`). A document that starts at token t > 0 sees exactly what it
         would see starting a chunk after a reset: rotary positions from 0, no key of the document
         before it, zero Mamba state, and with memory the learned initial memory (see `init_prefix`).
-        The returned state is each lane's last document's.
+        The returned state is each lane's last document's. `prefix`: `init_prefix()` computed once
+        for several chunks (the parameters do not change between them; its graph is shared, so it is
+        for chunks that are backpropagated together); None: computed here when `starts` needs it.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -224,8 +227,10 @@ class ElephantLM(nn.Module):
         tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
         new_pos = state.pos + T
         M = cfg.n_mem
-        seg = prefix = None
-        if starts is not None:
+        seg = None
+        if starts is None:
+            prefix = None
+        else:
             inner = starts.clone()
             inner[:, 0] = False                                           # a start at 0 is the reset
             tok_seg = inner.long().cumsum(1)                              # (B, T) 0: the carried document
@@ -237,7 +242,13 @@ class ElephantLM(nn.Module):
             if M:
                 last_seg = tok_seg[:, -1:]
                 seg = torch.cat([tok_seg.new_zeros(B, M), tok_seg, last_seg.expand(B, M)], dim=1)
-                prefix = self.init_prefix(x.dtype)
+                if prefix is None:
+                    prefix = self.init_prefix(x.dtype)
+                elif len(prefix) != len(self.blocks):
+                    raise ValueError(f"prefix must hold one entry per block ({len(self.blocks)}), "
+                                     f"got {len(prefix)}: pass model.init_prefix()")
+            else:
+                prefix = None
         if M:
             mem = state.memory.to(x.dtype)
             write = self.mem_write.to(x.dtype).unsqueeze(0).expand(B, -1, -1)

@@ -255,15 +255,21 @@ class Trainer:
             dist.all_reduce(count)
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
-            state, loss = self.states[g], 0.0
+            state, loss, prefix = self.states[g], 0.0, None
             for b in batches:
                 tokens = b.tokens.to(rt.device, non_blocking=True)
-                starts = b.starts.to(rt.device, non_blocking=True) if cfg.data.pack else None
+                # packed rows: the boundary path only for chunks where a document starts inside
+                # (the batcher's host-side flag); a start at token 0 is the reset flag
+                starts = (b.starts.to(rt.device, non_blocking=True)
+                          if cfg.data.pack and b.inner_starts else None)
                 with rt.autocast():
+                    if starts is not None and cfg.model.n_mem and prefix is None:
+                        # the initial memory's prefix once for the chunks backpropagated together
+                        prefix = self.model.init_prefix()
                     nll, state = self.model(tokens[:, :-1], state, b.reset.to(rt.device),
                                             targets=tokens[:, 1:],
                                             loss_mask=b.loss_mask.to(rt.device), reduction="sum",
-                                            starts=starts)
+                                            starts=starts, prefix=prefix)
                 loss = loss + nll
             # the optimizers average gradients over ranks: scale so the average is the global mean
             (loss * (rt.world / count.clamp(min=1).float())).backward()

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers.mamba import Mamba2, segment_conv
+from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
 
 V = 97
@@ -194,3 +194,111 @@ def test_segment_conv_without_boundaries_is_the_causal_conv():
     out, state = segment_conv(window, torch.zeros(2, 10, dtype=torch.long), w, b)
     assert (out - F.conv1d(window, w, b, groups=6)).abs().max() < 1e-12
     assert torch.equal(state, window[:, :, -3:])
+
+
+@pytest.mark.parametrize("K, L", [(4, 29), (4, 2), (2, 9), (3, 17)])
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_segment_conv_equals_its_reference_with_gradients(K, L, with_tail):
+    # the fast form (tail added per "tokens into the segment", no per-token indexing) == the indexing
+    # form, values, state and every gradient, fp64; segments of 1 and 2 tokens (shorter than the
+    # taps), one starting at token 0 of row 1, one ending the row
+    gen = torch.Generator().manual_seed(6)
+    C = 5
+    window = torch.randn(2, C, K - 1 + L, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(C, 1, K, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, generator=gen, dtype=torch.float64, requires_grad=True)
+    tail = (torch.randn(C, K - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+            if with_tail else None)
+    seg = torch.zeros(2, L, dtype=torch.long)
+    for a in (1, 2, 4, 11, L - 1):
+        if 0 < a < L:
+            seg[0, a:] += 1
+    seg[1] = (torch.arange(L) >= L // 2).long() + 1                  # row 1: segment 1 from token 0
+    inputs = [t for t in (window, w, b, tail) if t is not None]
+    outs = {}
+    for name, fn in (("fast", segment_conv), ("ref", segment_conv_reference)):
+        out, state = fn(window, seg, w, b, tail)
+        gen_o = torch.Generator().manual_seed(7)
+        loss = (out * torch.randn(out.shape, generator=gen_o, dtype=torch.float64)).sum() + \
+            (state * torch.randn(state.shape, generator=gen_o, dtype=torch.float64)).sum()
+        outs[name] = (out, state, torch.autograd.grad(loss, inputs))
+    (o1, s1, g1), (o2, s2, g2) = outs["fast"], outs["ref"]
+    assert (o1 - o2).abs().max() < 1e-12 and torch.equal(s1, s2)
+    for a, r in zip(g1, g2):
+        assert (a - r).abs().max() < 1e-12
+
+
+def test_segment_conv_has_no_per_token_indexing_of_the_tail():
+    # the GPU cost it avoids: a per-token gather from the (C, K-1) tail, whose backward scatters
+    # with atomic adds into C x (K-1) addresses; the fast form reaches the tail through whole-tensor
+    # slices only (checked on the autograd graph)
+    gen = torch.Generator().manual_seed(8)
+    window = torch.randn(2, 6, 3 + 12, generator=gen, requires_grad=True)
+    tail = torch.randn(6, 3, generator=gen, requires_grad=True)
+    w, b = torch.randn(6, 1, 4, generator=gen), torch.randn(6, generator=gen)
+    seg = torch.zeros(2, 12, dtype=torch.long)
+    seg[:, 5:] = 1
+
+    def graph_ops(fn):
+        out, state = fn(window, seg, w, b, tail)
+        seen, todo = set(), [out.grad_fn, state.grad_fn]
+        while todo:
+            f = todo.pop()
+            if f is None or f in seen:
+                continue
+            seen.add(f)
+            todo.extend(g for g, _ in f.next_functions)
+        return {type(f).__name__ for f in seen}
+    assert "IndexBackward0" in graph_ops(segment_conv_reference)
+    assert "IndexBackward0" not in graph_ops(segment_conv)
+
+
+# --- the fast ways of feeding packed chunks (what the trainer does) --------------------------------
+
+def test_prefix_computed_once_for_several_chunks_equals_per_chunk():
+    # the initial-memory prefix computed once and shared by the chunks backpropagated together:
+    # the same losses and the same gradients (mem_init included) as computing it in every chunk
+    model = make(n_mem=3, kv_window=16, bptt_chunks=3)
+    T = 12
+    gen = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, V, (3, 2, T + 1), generator=gen)
+    starts = [starts_at(2, T, 0, 5), starts_at(2, T, 3, 9), starts_at(2, T, 7)]
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        prefix = model.init_prefix() if shared else None
+        state, loss = None, 0.0
+        for c in range(3):
+            nll, state = model(tokens[c, :, :-1], state, targets=tokens[c, :, 1:], reduction="sum",
+                               starts=starts[c], prefix=prefix)
+            loss = loss + nll
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                         if p.grad is not None}))
+    (l0, g0), (l1, g1) = results
+    assert (l0 - l1).abs() < 1e-10 and g0.keys() == g1.keys() and "mem_init" in g0
+    for name, g in g0.items():
+        assert (g - g1[name]).abs().max() < 1e-10, name
+
+
+def test_a_prefix_of_the_wrong_model_is_refused():
+    model = make(n_mem=2, kv_window=8)
+    with pytest.raises(ValueError, match="init_prefix"):
+        model(torch.randint(0, V, (1, 6)), starts=starts_at(1, 6, 0, 3), prefix=[])
+
+
+@pytest.mark.parametrize("n_mem", [0, 3])
+def test_chunk_without_inner_start_takes_the_unpacked_path_exactly(n_mem):
+    # a chunk where documents start at token 0 at most (the batcher's inner_starts is False): the
+    # boundary path and the plain path (starts=None, reset = starts[:, 0]) agree, logits and state
+    model = make(n_mem=n_mem, kv_window=16)
+    gen = torch.Generator().manual_seed(10)
+    _, state = model(torch.randint(0, V, (3, 11), generator=gen))
+    tokens = torch.randint(0, V, (3, 11), generator=gen)
+    starts = torch.zeros(3, 11, dtype=torch.bool)
+    starts[1, 0] = True
+    packed, s1 = model(tokens, state, starts=starts)
+    plain, s2 = model(tokens, state, starts[:, 0])
+    assert (packed - plain).abs().max() < 1e-12
+    for name, t in s1.tensors().items():
+        assert (t.double() - s2.tensors()[name].double()).abs().max() < 1e-12, name

@@ -182,14 +182,15 @@ def test_no_gradient_crosses_a_boundary():
     assert torch.equal(y2[:, 21:], y[:, 21:]) and torch.equal(s2, s)
 
 
-@pytest.mark.parametrize("l", [9, 40])
-def test_segment_init_equals_recurrence_restarting_from_it(l):
+@pytest.mark.parametrize("l, n_starts, block", [(9, 3, 64), (40, 3, 64), (40, 3, 16), (100, 2, 16)])
+def test_segment_init_equals_recurrence_restarting_from_it(l, n_starts, block):
+    # block 16 over 100 tokens: segments run across several blocks (the carry from block to block)
     x, dt, A, B, C, D, s0 = make_inputs(l=l, g=2)
-    seg = make_seg(2, l, n_starts=3, first=True)
+    seg = make_seg(2, l, n_starts=n_starts, first=True)
     init = torch.randn(4, 8, 6, dtype=torch.float64, requires_grad=True)
     y_ref, s_ref = ssd_recurrent_ref(x, dt, A, B, C, D, s0, seg=seg, segment_init=init)
     y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg)
-    y, s = add_segment_init(y, s, dt, A, C, seg, init)
+    y, s = add_segment_init(y, s, dt, A, C, seg, init, chunk_size=block)
     assert torch.allclose(y, y_ref, rtol=0, atol=1e-12) and torch.allclose(s, s_ref, rtol=0, atol=1e-12)
     g = torch.autograd.grad((y * y_ref.detach()).sum() + s.sum(), [init, dt])
     g_ref = torch.autograd.grad((y_ref * y_ref.detach()).sum() + s_ref.sum(), [init, dt])

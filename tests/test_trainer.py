@@ -222,3 +222,44 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, corpus_dir, ca
     assert train_cli.main(["--config", "configs/tiny.toml", "--resume",
                            *overrides(tmp_path / "empty", corpus_dir)]) == 2
     assert "checkpoint not found" in capsys.readouterr().err
+
+
+def test_packed_train_step_equals_the_per_chunk_boundary_path(tmp_path, corpus_dir):
+    # the trainer's packed step (the boundary path only for chunks with an inner start, the initial
+    # memory's prefix once per step) gives the loss and gradients of feeding every chunk its
+    # `starts` with the prefix computed in each chunk; parameters held fixed over 8 steps
+    from data_packing import RollingChunkBatcher
+    run = tmp_path / "packed_eq"
+    cfg = load_config(ROOT / "configs/tiny.toml",
+                      overrides(run, corpus_dir, **{"data.pack": True, "optim.grad_clip": 0,
+                                                    "train.chunk_len": 64}))
+    tr = Trainer(cfg, progress=False)
+    model, t = tr.model, cfg.train
+    ref_batcher = RollingChunkBatcher(tr.train_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
+                                      seed=t.seed, pack=True)
+    ref_batcher.load_state_dict(tr.batchers[0].state_dict())
+    grads = []
+    tr.opt.step = lambda: grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None})
+    state, inner = model.init_state(t.lanes), []
+    try:
+        for _ in range(8):
+            out = tr.train_step()
+            batches = [next(ref_batcher) for _ in range(cfg.model.bptt_chunks)]
+            inner += [b.inner_starts for b in batches]
+            count = sum(int(b.loss_mask.sum()) for b in batches)
+            loss = 0.0
+            for b in batches:
+                nll, state = model(b.tokens[:, :-1], state, b.reset, targets=b.tokens[:, 1:],
+                                   loss_mask=b.loss_mask, reduction="sum", starts=b.starts)
+                loss = loss + nll
+            model.zero_grad()
+            (loss / count).backward()
+            state = state.detach()
+            assert abs(out["loss"] - loss.item() / count) < 1e-5 * abs(out["loss"])
+            for name, g in grads[-1].items():
+                assert (g - model.get_parameter(name).grad).abs().max() < 1e-5 * g.abs().max() + 1e-9, name
+            model.zero_grad(set_to_none=True)  # the next train_step starts from no gradient
+    finally:
+        tr.close()
+    assert 0 < sum(inner) < len(inner)  # both kinds of chunk were seen

@@ -48,11 +48,59 @@ class GatedRMSNorm(nn.Module):
 def segment_conv(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal depthwise conv that does not mix segments: window (B, C, K-1+L) = [carried inputs
-    (segment 0) | this chunk's inputs], seg (B, L), weight (C, 1, K), bias (C,). A tap that would
-    read an earlier segment reads zero, or the matching input of `tail` (C, K-1) (the inputs a
-    segment > 0 starts after). Returns the conv output (B, C, L) and the last segment's conv state
-    (B, C, K-1), both in window's dtype. An explicit sum over the K taps: elementwise, it compiles
-    into one kernel and each output holds only its own segment's inputs."""
+    (segment 0) | this chunk's inputs], seg (B, L) nondecreasing, weight (C, 1, K), bias (C,). A tap
+    that would read an earlier segment reads zero, or the matching input of `tail` (C, K-1) (the
+    inputs a segment > 0 starts after). Returns the conv output (B, C, L) and the last segment's conv
+    state (B, C, K-1), both in window's dtype.
+
+    An explicit sum over the K taps, accumulated in float32 (float64 for fp64) as a conv kernel
+    does: elementwise, it compiles into one kernel, and each output holds only its own segment's
+    inputs. What `tail` adds depends only on how far a token is into its segment (d < K-1), so it is
+    formed once per channel, r (C, K-1), and added under K-1 masks: no per-token indexing, whose
+    backward would scatter into the tail (`segment_conv_reference` is the indexing form)."""
+    B, C, W = window.shape
+    K = weight.shape[-1]
+    L = W - (K - 1)
+    acc = torch.promote_types(window.dtype, torch.float32)
+    w = weight.to(acc).view(C, K)
+    idx = torch.arange(L, device=seg.device)
+    seg_w = torch.cat([seg.new_zeros(B, K - 1), seg], dim=1)                  # (B, K-1+L)
+    is_start = seg != torch.cat([seg.new_zeros(B, 1), seg[:, :-1]], dim=1)    # (B, L)
+    since = idx - torch.where(is_start, idx, 0).cummax(1).values              # tokens into the segment
+    out = bias.to(acc)[None, :, None].expand(B, C, L)
+    for s in range(K):  # tap K-1-s reads the input s tokens back, if it is in the same segment
+        same = (seg_w[:, K - 1 - s: W - s] == seg)[:, None]                   # (B, 1, L)
+        out = out + w[:, K - 1 - s, None] * torch.where(same, window[:, :, K - 1 - s: W - s].to(acc), 0.0)
+    if tail is not None:
+        # a token d < K-1 tokens into a segment > 0 reads, through taps s > d, tail[K-1-s+d]:
+        # r[:, d] = sum_{s > d} w[:, K-1-s] tail[:, K-1-s+d]
+        t = tail.to(window.dtype).to(acc)
+        inner = seg > 0
+        for d in range(K - 1):
+            r = sum(w[:, K - 1 - s] * t[:, K - 1 - s + d] for s in range(d + 1, K))   # (C,)
+            first = (inner & (since == d))[:, None]                           # (B, 1, L)
+            out = out + torch.where(first, r[:, None], 0.0)
+    # the state after the chunk: the last K-1 inputs, as the last segment sees them; an input of an
+    # earlier segment is the tail's input j = k + since[-1] + 1 (k: the state's slot)
+    last = window[:, :, L:]                                                   # (B, C, K-1)
+    same = (seg_w[:, L:] == seg[:, -1:])[:, None]                             # (B, 1, K-1)
+    if tail is None:
+        state = torch.where(same, last, 0.0)
+    else:
+        j = torch.arange(K - 1, device=seg.device) + since[:, -1:] + 1        # (B, K-1)
+        before = torch.zeros_like(last)
+        for i in range(K - 1):
+            before = torch.where((j == i)[:, None], tail[:, i, None].to(last.dtype), before)
+        state = torch.where(same, last, before)
+    return out.to(window.dtype), state
+
+
+def segment_conv_reference(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`segment_conv` written the plain way, the reference the tests hold it equal to: each tap
+    that would read an earlier segment reads the matching input of `tail` by indexing it per token.
+    (On GPU that indexing is slow: its backward scatters every token's gradient into the C x (K-1)
+    tail with atomic adds, nearly all to one address per channel.)"""
     B, C, W = window.shape
     K = weight.shape[-1]
     L = W - (K - 1)

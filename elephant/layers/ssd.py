@@ -248,7 +248,8 @@ def add_segment_init(y, final, dt, A, C, seg, segment_init, chunk_size: int = 64
     same decayed state when the last segment is not segment 0. Linear in the state, so this equals
     the scan restarted from segment_init (held equal to ssd_recurrent_ref in the tests). The log
     decays are summed per segment in float64, in blocks of `chunk_size` with a carry from block to
-    block, so a segment's sums hold only its own terms.
+    block, so a segment's sums hold only its own terms. The carry is itself a segment sum, over the
+    blocks' totals, restarting at each block that holds a boundary: no loop over the blocks.
     """
     b, l, h, p = y.shape
     g = C.shape[2]
@@ -258,11 +259,12 @@ def add_segment_init(y, final, dt, A, C, seg, segment_init, chunk_size: int = 64
     dA = F.pad(dt.double() * A.double(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
     segc, own, incoming, passes = segment_masks(seg, nc, Q)
     cs = segment_cumsum(dA, segc)                                            # (b, nc, Q, h)
-    carry, total = dA.new_zeros(b, h), []
-    for c in range(nc):  # carry: the log decay of the segment running into chunk c
-        total.append(cs[:, c] + torch.where(incoming[:, c, :, None], carry[:, None], 0.0))
-        carry = torch.where(passes[:, c, None], carry, 0.0) + cs[:, c, -1]
-    total = torch.stack(total, 1).view(b, nc * Q, h)[:, :l]
+    # the log decay of block c's last segment up to its end: its own part in block c, plus the
+    # blocks before it back to the one where it began (runs of blocks: a new one at each boundary)
+    after = segment_cumsum(cs[:, :, -1], (~passes).long().cumsum(1))         # (b, nc, h)
+    carry = F.pad(after[:, :-1], (0, 0, 1, 0))                              # into block c
+    total = cs + torch.where(incoming[..., None], carry[:, :, None], 0.0)
+    total = total.view(b, nc * Q, h)[:, :l]
     decay = torch.exp(total.masked_fill(~(seg > 0)[..., None], -math.inf)).to(cdt)   # (b, l, h)
     Ch = C.to(cdt).repeat_interleave(h // g, dim=2)                          # (b, l, h, n)
     init = segment_init.to(cdt)

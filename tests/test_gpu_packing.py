@@ -1,0 +1,105 @@
+"""The fast ways of the packed path on CUDA (issue 11): the masked conv held equal to its indexing
+reference (eager and compiled, fp32 and bf16, values and gradients), and the trainer's flow (the
+initial-memory prefix once per step, the plain path for chunks without an inner start) with compiled
+blocks: no recompiles once warm, and the gradients of the per-chunk prefix.
+
+Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_packing.py`.
+"""
+import pytest
+import torch
+
+from elephant.config import ModelConfig
+from elephant.layers.mamba import segment_conv, segment_conv_reference
+from elephant.model import ElephantLM
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_conv_equals_indexing_reference_on_cuda(dtype, compiled):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, C, K, L = 4, 96, 4, 200
+    window = torch.randn(B, C, K - 1 + L, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(C, 1, K, device="cuda", generator=gen, requires_grad=True)
+    b = torch.randn(C, device="cuda", generator=gen, requires_grad=True)
+    tail = torch.randn(C, K - 1, device="cuda", generator=gen, requires_grad=True)
+    starts = torch.rand(B, L, device="cuda", generator=gen) < 0.05
+    starts[0, 1] = starts[1, 0] = starts[2, L - 1] = True     # 1-token segment, row from 0, at the end
+    seg = starts.long().cumsum(1)
+    fast = torch.compile(segment_conv, dynamic=False) if compiled else segment_conv
+    w_out = torch.randn(B, C, L, device="cuda", generator=gen)
+    res = []
+    for fn in (fast, segment_conv_reference):
+        # the reference in float32 (its sums round in the input dtype), the fast form as used
+        x = window if fn is fast else window.detach().float().requires_grad_()
+        out, state = fn(x, seg, w, b, tail)
+        loss = (out.float() * w_out).sum() + state.float().pow(2).sum()
+        res.append((out, state, torch.autograd.grad(loss, [x, w, b, tail])))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    (o1, s1, g1), (o2, s2, g2) = res
+    assert o1.dtype == dtype and rel(o1, o2) < tol and rel(s1, s2) < tol
+    for name, a, r in zip(("window", "weight", "bias", "tail"), g1, g2):
+        assert rel(a, r) < tol, name
+
+
+def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MAMA", d_mlp=256, d_state=32,
+                      mamba_head_dim=32, ssd_chunk=32, n_mem=4, kv_window=64, bptt_chunks=2)
+    model = ElephantLM(cfg).cuda()
+    for block in model.blocks:
+        block.compile(dynamic=False)
+    gen = torch.Generator().manual_seed(1)
+    B, T = 4, 64
+
+    def step(c, shared):
+        """One trainer step of two chunks: the first with inner starts, the second (odd steps)
+        without, which then goes without `starts` as the trainer sends it."""
+        loss, prefix, state = 0.0, None, step.state
+        for j in range(2):
+            tokens = torch.randint(0, 512, (B, T + 1), generator=gen).cuda()
+            starts = (torch.rand(B, T, generator=gen) < 0.05).cuda()
+            starts[0, 17] = True
+            if j == 1 and c % 2:
+                starts = None
+            if starts is not None and shared and prefix is None:
+                prefix = model.init_prefix()
+            reset = torch.zeros(B, dtype=torch.bool, device="cuda")
+            nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], starts=starts,
+                               prefix=prefix if shared else None)
+            loss = loss + nll
+        loss.backward()
+        step.state = state.detach()
+        return loss.detach()
+
+    step.state = None
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for c in range(5):
+                if c == 3:  # warm: both kinds of step, a fresh and a carried state have been seen
+                    torch._dynamo.config.error_on_recompile = True
+                model.zero_grad()
+                step(c, shared=True)
+            # the same step with the prefix shared and computed per chunk: same loss and gradients
+            results = []
+            for shared in (True, False):
+                gen.manual_seed(2)
+                saved = step.state
+                model.zero_grad()
+                loss = step(5, shared)
+                results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}))
+                step.state = saved
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    (l1, g1), (l2, g2) = results
+    assert rel(l1, l2) < 1e-5 and "mem_init" in g1 and g1.keys() == g2.keys()
+    for name, g in g2.items():
+        assert rel(g1[name], g) < 1e-3, name
