@@ -34,7 +34,7 @@ VARIANTS = {   # name: (overrides, memory-only backpropagation)
     "nopath": ([], False),                                                 # BPTT over 8 chunks only
     "attention": (["model.layers=AAAAAA"], True),                         # attention only, memory
     "attention-nopath": (["model.layers=AAAAAA"], False),
-    "mamama": (["model.layers=MAMAMA"], True),                            # three attention layers
+    "mmamma": (["model.layers=MMAMMA"], True),                            # one attention layer
     "replace": (["model.mem_update=replace"], True),                      # plain RMT rewrite
     "nomem": (["model.n_mem=0"], False),                                  # no memory tokens
     "nokv": (["model.kv_window=0"], True),                                # no KV window
