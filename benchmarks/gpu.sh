@@ -11,6 +11,7 @@
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
+#   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage)
 #   lmstudy benchmarks/lm_study.py: hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -55,6 +56,25 @@ for stage in $stages; do
       timeout 580 python benchmarks/recall_study.py --variants ${RECALL_VARIANTS:-hybrid,attention,replace,nomem} \
         --budget-s ${RECALL_BUDGET:-290} --out $RES/recall_study --runs /tmp/recall-runs --long 1M \
         data.cache_dir=/tmp/elephant-cache 2>&1 | tee "$LOGS/recall_study.log" | grep -v "step " | tail -60 ;;
+    recall-long)
+      # one long recall run over several calls: each resumes from the checkpoint the last one
+      # returned (carry runs/recall-long-parts, the parts of $OUT/ckpt), trains for
+      # RECALL_LONG_S seconds of train.max_steps' schedule, scores by distance and returns the
+      # newest checkpoint in parts of 15 MiB
+      RUN=runs/recall-long
+      if ls runs/recall-long-parts/part.* > /dev/null 2>&1; then
+        mkdir -p $RUN && cat runs/recall-long-parts/part.* | tar xzf - -C $RUN
+      fi
+      RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
+      timeout ${RECALL_LONG_TIMEOUT:-540} python -m elephant.recall train --config configs/recall.toml \
+        $RESUME --stop-after-s ${RECALL_LONG_S:-400} --no-progress --lanes 16 \
+        --distances 128,512,1K,4K,16K,64K,1M --json $RES/recall_long.json train.run_dir=$RUN ${RECALL_LONG_ARGS:-} \
+        2>&1 | tee "$LOGS/recall_long.log" | grep -v "answer loss" | tail -20
+      if [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ]; then
+        mkdir -p $OUT/ckpt
+        tar czf - -C $RUN checkpoints/latest checkpoints/$(cat $RUN/checkpoints/latest) |
+          split -b 15m - $OUT/ckpt/part.
+      fi ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;

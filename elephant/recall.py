@@ -290,7 +290,7 @@ class AnswerLanes:
 
 
 def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: bool = True,
-                 log=print) -> dict:
+                 log=print, stop_after_s: float = 0.0) -> dict:
     """Train `cfg` (a Config; model, optim and the data.recall_* task) on the answer loss:
     `train.lanes` rolling lanes of recall documents (AnswerLanes), every step advancing each lane
     by `step_chunks` = 4 x bptt_chunks chunks, with truncated BPTT over `bptt_chunks` and, with
@@ -299,6 +299,8 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     so the learning-rate schedule still runs to its end), then writes a checkpoint to
     `train.run_dir` that `eval` and `from_pretrained` read. With `resume`, continues from the newest
     intact checkpoint there (weights, optimizer and step; the lanes start new documents).
+    `stop_after_s` instead keeps the schedule of `train.max_steps` and stops (with a checkpoint)
+    once that many seconds have passed: a long run split over several sessions, each resumed.
     Returns a summary (steps, seconds, curve)."""
     from data_packing.recall import RecallTask
     from data_packing.tokenizer import load_tokenizer
@@ -359,13 +361,17 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
             log(f"{per_step:.3f} s per step: training {total} steps")
         if budget_s and elapsed > 1.05 * budget_s:      # never far past the budget
             total = step
+        if stop_after_s and elapsed > stop_after_s and step < total:
+            log(f"stopping at step {step} of {total} after {elapsed:.0f} s (resume to go on)")
+            break
         if step % t.log_every == 0 or step == total:
             curve.append({"step": step, "answer_loss": loss, "seconds": elapsed,
                           "documents": lanes.documents})
             log(f"step {step} answer loss {loss:.4f} ({elapsed:.0f} s, {lanes.documents} documents)")
-    save_checkpoint(t.run_dir, step, model, {"optim": opt.state_dict()},
-                    {"config": cfg.to_dict(), "tokenizer": tokenizer.fingerprint, "step": step},
-                    keep=t.keep_ckpts)
+    if step > first:   # a resumed run that was already complete has nothing new to save
+        save_checkpoint(t.run_dir, step, model, {"optim": opt.state_dict()},
+                        {"config": cfg.to_dict(), "tokenizer": tokenizer.fingerprint, "step": step},
+                        keep=t.keep_ckpts)
     return {"steps": step, "train_seconds": time.perf_counter() - t0, "curve": curve,
             "memory_path": memory_path, "step_chunks": step_chunks, "params": model.num_params()}
 
@@ -426,6 +432,7 @@ def _train(args) -> int:
         lock = claim_run_dir(cfg.train.run_dir, resume=args.resume, command=" ".join(sys.argv))
         try:
             info = train_recall(cfg, resume=args.resume, budget_s=args.budget_s,
+                                stop_after_s=args.stop_after_s,
                                 memory_path=not args.no_memory_path,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
         finally:
@@ -445,6 +452,9 @@ def main(argv=None) -> int:
             s.add_argument("--resume", action="store_true")
             s.add_argument("--budget-s", type=float, default=0.0,
                            help="train for about this many seconds (the schedule fits them)")
+            s.add_argument("--stop-after-s", type=float, default=0.0,
+                           help="keep train.max_steps' schedule but stop (and checkpoint) after "
+                                "this many seconds; --resume goes on")
             s.add_argument("--no-memory-path", action="store_true",
                            help="no memory-only backpropagation past bptt_chunks")
             s.add_argument("--lm-loss", action="store_true",

@@ -98,9 +98,12 @@ def test_train_recall_trains_saves_and_resumes(tmp_path):
     info = train_recall(cfg, log=lambda m: None)
     assert info["steps"] == 2 and info["memory_path"] and len(info["curve"]) == 2
     model, _, _ = from_pretrained(tmp_path / "run")
-    cfg.train.max_steps = 3
-    more = train_recall(cfg, resume=True, log=lambda m: None)
-    assert more["steps"] == 3
+    cfg.train.max_steps = 4
+    more = train_recall(cfg, resume=True, log=lambda m: None, stop_after_s=1e-9)
+    assert more["steps"] == 3                       # stopped after one step, checkpointed
+    done = train_recall(cfg, resume=True, log=lambda m: None)
+    assert done["steps"] == 4
+    assert train_recall(cfg, resume=True, log=lambda m: None)["steps"] == 4   # nothing left
     again, _, _ = from_pretrained(tmp_path / "run")
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      again.state_dict().values()))
