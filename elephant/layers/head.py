@@ -53,7 +53,8 @@ def reduce_nll(nll: Tensor, loss_mask: Tensor | None, reduction: str) -> Tensor:
         return nll
     if reduction == "sum":
         return nll.sum()
-    count = loss_mask.sum() if loss_mask is not None else torch.tensor(nll.numel(), device=nll.device)
+    # torch.full, not torch.tensor: a tensor made from a host number is a copy the host waits for
+    count = loss_mask.sum() if loss_mask is not None else torch.full((), nll.numel(), device=nll.device)
     return nll.sum() / count.clamp(min=1)
 
 
@@ -224,7 +225,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, loss_mask: 
         if reduction == "sum":
             return total
         count = (loss_mask.sum() if loss_mask is not None
-                 else torch.tensor(t.numel(), device=h.device))
+                 else torch.full((), t.numel(), device=h.device))
         return total / count.clamp(min=1)
     if grad:
         nll = _PerTokenNLL.apply(h2, weight, t, block_rows, dtype)
