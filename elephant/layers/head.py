@@ -88,20 +88,26 @@ def _no_autocast(device_type: str):
         else nullcontext()
 
 
-def _block_nll(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row (nll, lse, safe targets, valid) of float logits z (n, V); nll is 0 where ignored."""
+def _block_nll(z: Tensor, targets: Tensor, softmax: bool = True
+               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """Per-row NLL of float logits z (n, V), 0 where the target is ignored, and what the gradient
+    needs: (nll, log-sum-exp, the softmax made in place of z (None without `softmax`: z is then
+    spent), safe targets, valid). In place, so a block costs one (n, V) float buffer (a plain
+    logsumexp would make a second one)."""
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, 0)
-    lse = torch.logsumexp(z, dim=-1)                                     # (n,)
     picked = z.gather(1, safe[:, None]).squeeze(1)                       # (n,)
+    top = z.amax(dim=-1)                                                 # (n,)
+    e = z.sub_(top[:, None]).exp_()                                      # (n, V) in place
+    denom = e.sum(dim=-1)
+    lse = top + denom.log()
     nll = torch.where(valid, lse - picked, torch.zeros((), dtype=z.dtype, device=z.device))
-    return nll, lse, safe, valid
+    return nll, lse, e.div_(denom[:, None]) if softmax else None, safe, valid
 
 
-def _block_dlogits(z: Tensor, lse: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Tensor:
-    """d nll / d logits of a block, each row times `scale` (n,): (softmax - one-hot) * scale, made
-    in place of z (n, V). Ignored rows get zero."""
-    p = z.sub_(lse[:, None]).exp_()                                      # softmax, in place
+def _block_dlogits(p: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Tensor:
+    """d nll / d logits of a block from its softmax p (n, V), each row times `scale` (n,):
+    (softmax - one-hot) * scale, in place of p. Ignored rows get zero."""
     p.scatter_add_(1, safe[:, None], -valid[:, None].to(p.dtype))
     return p.mul_((scale * valid)[:, None])
 
@@ -118,7 +124,7 @@ def _forward_nll(h2: Tensor, w: Tensor, t: Tensor, block_rows: int, keep_lse: bo
     lse = torch.empty_like(nll) if keep_lse else None
     for rows in _blocks(h2.shape[0], block_rows):
         z = (h2[rows] @ w.t()).to(out_dtype)                             # (n, V) logits
-        nll[rows], block_lse, _, _ = _block_nll(z, t[rows])
+        nll[rows], block_lse, _, _, _ = _block_nll(z, t[rows], softmax=False)
         if keep_lse:
             lse[rows] = block_lse
     return nll, lse
@@ -138,11 +144,11 @@ class _SummedNLL(torch.autograd.Function):
         with _no_autocast(h2.device.type):
             for rows in _blocks(hc.shape[0], block_rows):
                 z = (hc[rows] @ wc.t()).to(out_dtype)                    # (n, V)
-                nll, lse, safe, valid = _block_nll(z, t[rows])
+                nll, _, softmax, safe, valid = _block_nll(z, t[rows])
                 s = scale[rows].to(out_dtype)
                 total += (nll * s).sum()
                 if need_h or need_w:
-                    dz = _block_dlogits(z, lse, safe, valid, s).to(dtype)
+                    dz = _block_dlogits(softmax, safe, valid, s).to(dtype)
                     if need_h:
                         grad_h[rows] = dz @ wc                           # (n, D)
                     if need_w:
@@ -185,7 +191,8 @@ class _PerTokenNLL(torch.autograd.Function):
             z = (hc[rows] @ wc.t()).to(out_dtype)
             valid = t[rows] != IGNORE_INDEX
             safe = torch.where(valid, t[rows], 0)
-            dz = _block_dlogits(z, lse[rows], safe, valid, g[rows].to(out_dtype)).to(dtype)
+            softmax = z.sub_(lse[rows, None]).exp_()
+            dz = _block_dlogits(softmax, safe, valid, g[rows].to(out_dtype)).to(dtype)
             if need_h:
                 grad_h[rows] = dz @ wc
             if need_w:
