@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu.sh [tests] [bench] [train] [speed] [train2]   (default: tests bench train)
 #
-#   tests   python -m pytest -m gpu tests/
+#   tests   python -m pytest -m gpu tests/ (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
 #   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
 #           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
