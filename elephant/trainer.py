@@ -202,8 +202,12 @@ class Trainer:
                 for bad, why in skipped:
                     print(f"skipped checkpoint {bad.name}: {why}; moved it to "
                           f"{set_aside(bad).name}", file=sys.stderr)
-                if skipped:
-                    set_latest(found)  # it may have named one of them
+                latest = found.parent / "latest"
+                if skipped or not latest.is_file() or latest.read_text().strip() != found.name:
+                    # it may have named one of them, or be one behind (a kill between the rename
+                    # of the newest folder and the update of `latest`): a resume that has nothing
+                    # left to train saves nothing, so `latest` must be right from here on
+                    set_latest(found)
             except CheckpointError as e:
                 error = e
             except OSError as e:
