@@ -26,7 +26,8 @@ first documents of the corpus up to --eval-tokens tokens (longest first), and wi
 one document of --eval-doc-tokens tokens (the corpus's tokens run together); tokens/s of predicted
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
 
-Writes benchmarks/results/train_speed_<gpu>.json (train_speed_cpu-smoke.json with --cpu-smoke).
+Writes benchmarks/results/train_speed_<gpu>.json (train_speed_cpu-smoke.json with --cpu-smoke;
+train_speed_reference_head_<gpu>.json with --reference-head, the A/B of the blocked loss).
 """
 from __future__ import annotations
 
@@ -231,6 +232,7 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     reset_dynamo()
     cfg = trainer_config(args, kind, workdir / kind)
     trainer = Trainer(cfg, progress=False)
+    trainer.model.blocked_head = not args.reference_head
     t, m = cfg.train, cfg.model
     compiled = cfg.train.compile == "on"
     slots = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
@@ -245,7 +247,8 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     timed = dynamo_counts()
     tokens_per_s = slots * args.steps / clock.seconds
     flops = trainer.model.flops_per_token(t.chunk_len)
-    out = {"config": cfg.to_dict(), "tokens_per_step": slots,
+    out = {"config": cfg.to_dict(), "head": "reference" if args.reference_head else "blocked",
+           "tokens_per_step": slots,
            "parameters": trainer.model.num_params(), "flops_per_token": flops,
            "compiled": compiled, "ms_per_step": clock.seconds / args.steps * 1e3,
            "tokens_per_s": tokens_per_s, "real_tokens_per_s": real / clock.seconds,
@@ -322,6 +325,9 @@ def parse(argv):
                     help="64-lane evaluation: documents up to this many tokens (default 2M; smoke 20K)")
     ap.add_argument("--eval-doc-tokens", type=int, default=None,
                     help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
+    ap.add_argument("--reference-head", action="store_true",
+                    help="the loss through the whole logits (ElephantLM.blocked_head off), to A/B "
+                         "the blocked linear + cross-entropy")
     ap.add_argument("--cache", default="/tmp/elephant-cache", help="corpus cache folder")
     ap.add_argument("--out", help="result file (default benchmarks/results/train_speed_<gpu>.json)")
     args = ap.parse_args(argv)
@@ -347,7 +353,8 @@ def main(argv=None) -> int:
         print("error: no CUDA device (use --cpu-smoke for the CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    out_path = Path(args.out) if args.out else result_path("train_speed", args.cpu_smoke)
+    prefix = "train_speed_reference_head" if args.reference_head else "train_speed"
+    out_path = Path(args.out) if args.out else result_path(prefix, args.cpu_smoke)
     results = {**environment(device), "command": " ".join(["python", "benchmarks/train_speed.py",
                                                             *(argv if argv is not None else sys.argv[1:])]),
                "warmup_steps": args.warmup, "timed_steps": args.steps, "runs": {}, "failures": []}
