@@ -167,6 +167,20 @@ def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
     return top, table
 
 
+def extras(out: dict, step, args, device, title: str) -> str:
+    """Host syncs of a step and the profile into `out`; a failure of either is recorded there
+    without losing the timing. Returns the profiler's table."""
+    try:
+        out["host_syncs_per_step"] = count_syncs(step, device)
+    except Exception as e:
+        out["host_syncs_per_step"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    try:
+        out["top_kernels"], table = profile(step, args.profile_steps, device, title)
+    except Exception as e:
+        out["top_kernels"], table = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, f"== {title}: {e}"
+    return table
+
+
 # ------------------------------------------------------------------------------- the three steps
 def run_baseline(args, tokens_per_step: int, target_params: int, device, compiled: bool) -> tuple[dict, str]:
     reset_dynamo()
@@ -202,8 +216,7 @@ def run_baseline(args, tokens_per_step: int, target_params: int, device, compile
            "mfu": mfu(flops, tokens_per_s, device), "peak_mem_gb": peak_gb(device),
            "dynamo": timed,
            "failures": compile_failures("baseline", warm, timed, compiled)}
-    out["host_syncs_per_step"] = count_syncs(step, device)
-    out["top_kernels"], table = profile(step, args.profile_steps, device, "baseline GPT")
+    table = extras(out, step, args, device, "baseline GPT")
     del stepper, batches
     return out, table
 
@@ -255,9 +268,7 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
            "fill": real / (slots * args.steps), "mfu": mfu(flops, tokens_per_s, device),
            "peak_mem_gb": peak_gb(device), "dynamo": timed,
            "failures": compile_failures(kind, warm, timed, compiled)}
-    out["host_syncs_per_step"] = count_syncs(trainer.train_step, device)
-    out["top_kernels"], table = profile(trainer.train_step, args.profile_steps, device,
-                                        f"{kind} Trainer.train_step")
+    table = extras(out, trainer.train_step, args, device, f"{kind} Trainer.train_step")
     return out, table, trainer
 
 
