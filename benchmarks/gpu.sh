@@ -2,12 +2,14 @@
 # Everything that needs a GPU, in one call: the GPU tests, the kernel/model/optimizer benchmarks
 # and short training runs. Each stage is independent (a failing one is logged, the rest go on).
 #
-#   bash benchmarks/gpu.sh [tests] [bench] [train] [train2]      (default: tests bench train)
+#   bash benchmarks/gpu.sh [tests] [bench] [train] [speed] [train2]   (default: tests bench train)
 #
-#   tests   python -m pytest -m gpu tests/
+#   tests   python -m pytest -m gpu tests/ (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
 #   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
 #           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
+#   speed   benchmarks/train_speed.py: plain GPT vs attention-only vs hybrid through Trainer.train_step
+#           at equal tokens per step, and streaming evaluation speed (~5 min; SPEED_ARGS passed on)
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
@@ -47,6 +49,10 @@ for stage in $stages; do
     train)
       timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -8
       python benchmarks/train_summary.py /tmp/run-1gpu 1 ;;
+    speed)
+      timeout ${SPEED_TIMEOUT:-540} python benchmarks/train_speed.py --cache /tmp/elephant-cache ${SPEED_ARGS:-} 2>&1 \
+        | tee "$LOGS/train_speed.log" | grep -v "profiler_st" | tail -25
+      echo "train_speed exit status ${PIPESTATUS[0]}" ;;
     train2)
       CUDA_VISIBLE_DEVICES=0 timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-1gpu 1

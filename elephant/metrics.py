@@ -106,6 +106,16 @@ class PositionBuckets:
             self.nll[k] += float(sums[k])
             self.tokens[k] += int(counts[k])
 
+    def add_sums(self, nll_sums, counts) -> None:
+        """Add per-bucket sums made elsewhere (e.g. on the GPU): one NLL sum and one token count
+        per bucket, in BUCKET_LABELS order."""
+        if len(nll_sums) != len(BUCKET_LABELS) or len(counts) != len(BUCKET_LABELS):
+            raise ValueError(f"PositionBuckets.add_sums: expected {len(BUCKET_LABELS)} sums and "
+                             f"counts, got {len(nll_sums)} and {len(counts)}")
+        for k in range(len(BUCKET_LABELS)):
+            self.nll[k] += float(nll_sums[k])
+            self.tokens[k] += int(counts[k])
+
     def merge(self, other: "PositionBuckets") -> None:
         for k in range(len(BUCKET_LABELS)):
             self.nll[k] += other.nll[k]

@@ -24,12 +24,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
 from .layers.attention import Attention
 from .layers.elephant import ElephantMLP
+from .layers.head import cross_entropy_reference, linear_cross_entropy
 from .layers.mamba import Mamba2
 from .state import KVCache, RecurrentState
 
@@ -91,6 +91,7 @@ class ElephantLM(nn.Module):
                 self.mem_gate = nn.Parameter(torch.zeros(cfg.n_mem, cfg.d_model))
                 self.mem_gate_bias = nn.Parameter(torch.zeros(cfg.n_mem))
         self.last_mem_gate: Tensor | None = None  # (B, n_mem) gates of the last chunk, for analysis
+        self.blocked_head = True  # the loss without whole logits (layers/head.py); False: reference
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters
@@ -147,9 +148,11 @@ class ElephantLM(nn.Module):
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD on CUDA, SDPA, fused elephant MLP) or the reference paths
         (PyTorch SSD, explicit-mask attention, autograd MLP): the equivalence tests and the
-        benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend)."""
+        benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend).
+        The loss takes the blocked linear + cross-entropy (layers/head.py) or the whole logits."""
         from .layers import ssd
         ssd.set_backend("auto" if fast else "ref")
+        self.blocked_head = fast
         for block in self.blocks:
             if block.kind == "A":
                 block.mixer.backend = "sdpa" if fast else "reference"
@@ -290,10 +293,10 @@ class ElephantLM(nn.Module):
             x = x[:, M:M + T]
         else:
             gate = None
-        logits = self.lm_head(self.norm_f(x))
+        h = self.norm_f(x)
         if targets is None:
-            return logits, new
-        loss = self.loss(logits, targets, loss_mask, reduction)
+            return self.lm_head(h), new
+        loss = self.head_loss(h, targets, loss_mask, reduction)
         if gate is not None and cfg.mem_write_cost and self.training and reduction != "none":
             # the price of writing: mean gate per lane, charged for each of the chunk's tokens
             # (training only: evaluation reports the cross-entropy alone)
@@ -352,18 +355,18 @@ class ElephantLM(nn.Module):
         read = read.to(dtype)
         return read + g.unsqueeze(-1) * (u - read), soft
 
+    def head_loss(self, h: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
+                  reduction: str = "mean") -> Tensor:
+        """Cross-entropy of the head over the final hidden states h (B, T, D): blocked, never
+        holding the whole float32 logits (`blocked_head`), or the reference (logits, then `loss`)."""
+        if self.blocked_head:
+            return linear_cross_entropy(h, self.lm_head.weight, targets, loss_mask, reduction)
+        return self.loss(self.lm_head(h), targets, loss_mask, reduction)
+
     @staticmethod
     def loss(logits: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
              reduction: str = "mean") -> Tensor:
         """Cross-entropy (in float32 at least) over the tokens where `loss_mask` is true."""
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        nll = nll.view_as(targets)
-        if loss_mask is not None:
-            nll = nll * loss_mask
-        if reduction == "none":
-            return nll
-        if reduction == "sum":
-            return nll.sum()
-        count = loss_mask.sum() if loss_mask is not None else torch.tensor(nll.numel(), device=nll.device)
-        return nll.sum() / count.clamp(min=1)
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+        return cross_entropy_reference(logits, targets, loss_mask, reduction)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .checkpoint import (CheckpointError, load_checkpoint, newest_intact_checkpoint, read_meta,
                          save_checkpoint, set_aside, set_latest)
 from .config import Config, ConfigError
-from .evaluate import evaluate, open_corpus
+from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
 from .model import ElephantLM
@@ -202,8 +202,12 @@ class Trainer:
                 for bad, why in skipped:
                     print(f"skipped checkpoint {bad.name}: {why}; moved it to "
                           f"{set_aside(bad).name}", file=sys.stderr)
-                if skipped:
-                    set_latest(found)  # it may have named one of them
+                latest = found.parent / "latest"
+                if skipped or not latest.is_file() or latest.read_text().strip() != found.name:
+                    # it may have named one of them, or be one behind (a kill between the rename
+                    # of the newest folder and the update of `latest`): a resume that has nothing
+                    # left to train saves nothing, so `latest` must be right from here on
+                    set_latest(found)
             except CheckpointError as e:
                 error = e
             except OSError as e:
@@ -245,45 +249,56 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
-        """Advance every lane by bptt_chunks chunks, backpropagate through them, update."""
+        """Advance every lane by bptt_chunks chunks, backpropagate through them, update.
+
+        One host synchronization per step: reading the loss, after the backward is queued, to skip
+        the update of a non-finite step. The batches go to the device by non-blocking copies and
+        the token count is taken from the host's masks. `grad_norm` is returned as a 0-d device
+        tensor: reading it waits for the GPU, so the loop reads it only when it logs."""
         rt, cfg = self.rt, self.cfg
         k = cfg.model.bptt_chunks
         groups = [[next(it) for _ in range(k)] for it in self.iters]
-        count = torch.tensor(float(sum(int(b.loss_mask.sum()) for g in groups for b in g)),
-                             dtype=torch.float64, device=rt.device)
+        n_local = sum(int(b.loss_mask.sum()) for g in groups for b in g)   # host tensors: no sync
         if rt.world > 1:
+            count = torch.tensor(float(n_local), dtype=torch.float64, device=rt.device)
             dist.all_reduce(count)
+            scale = rt.world / count.clamp(min=1).float()
+        else:
+            count = n_local
+            scale = float(np.float32(1) / np.float32(max(n_local, 1)))  # as the float32 division
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
             state, loss, prefix = self.states[g], 0.0, None
             for b in batches:
-                tokens = b.tokens.to(rt.device, non_blocking=True)
+                tokens = to_device(b.tokens, rt.device)
                 # packed rows: the boundary path only for chunks where a document starts inside
                 # (the batcher's host-side flag); a start at token 0 is the reset flag
-                starts = (b.starts.to(rt.device, non_blocking=True)
+                starts = (to_device(b.starts, rt.device)
                           if cfg.data.pack and b.inner_starts else None)
                 with rt.autocast():
                     if starts is not None and cfg.model.n_mem and prefix is None:
                         # the initial memory's prefix once for the chunks backpropagated together
                         prefix = self.model.init_prefix()
-                    nll, state = self.model(tokens[:, :-1], state, b.reset.to(rt.device),
+                    nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
                                             targets=tokens[:, 1:],
-                                            loss_mask=b.loss_mask.to(rt.device), reduction="sum",
-                                            starts=starts, prefix=prefix)
+                                            loss_mask=to_device(b.loss_mask, rt.device),
+                                            reduction="sum", starts=starts, prefix=prefix)
                 loss = loss + nll
             # the optimizers average gradients over ranks: scale so the average is the global mean
-            (loss * (rt.world / count.clamp(min=1).float())).backward()
+            (loss * scale).backward()
             self.states[g] = state.detach()
             total += loss.detach().double()
         if rt.world > 1:
             dist.all_reduce(total)
-        loss = (total / count.clamp(min=1)).item()
-        n_tokens = int(count.item())
+            loss, n_tokens = torch.stack([total / count.clamp(min=1), count]).tolist()
+            n_tokens = int(n_tokens)
+        else:
+            loss, n_tokens = (total / max(count, 1)).item(), count  # the step's one sync
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
             if cfg.optim.grad_clip:
-                out["grad_norm"] = float(self.opt.clip_grad_norm_(cfg.optim.grad_clip))
+                out["grad_norm"] = self.opt.clip_grad_norm_(cfg.optim.grad_clip)
             self.opt.step()
             self.bad_steps = 0
         else:
@@ -349,6 +364,7 @@ class Trainer:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 tok_s = (self.tokens_seen - tokens0) / max(dt, 1e-9)  # global real tokens
+                out = {k: float(v) if torch.is_tensor(v) else v for k, v in out.items()}
                 record = {"kind": "train", "step": self.step, **out, "tokens_per_s": tok_s,
                           "fill": float(np.mean([b.last_fill for b in self.batchers])),
                           "docs_completed": sum(b.docs_completed for b in self.batchers),

@@ -103,6 +103,43 @@ def test_evaluation_memory_does_not_grow_with_document_length():
     assert shapes[0] == shapes[1]
 
 
+
+def test_longest_first_order_gives_the_same_metrics_in_fewer_chunks():
+    # one long document behind six short ones: in corpus order it starts late and runs on alone;
+    # longest first it starts at once while the other lane reads the short ones
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double()
+    corpus = corpus_of([11] * 6 + [1, 401])
+    chunks = []
+    model.register_forward_pre_hook(lambda module, args: chunks.append(1))
+    results = {}
+    for order in ("corpus", "longest"):
+        chunks.clear()
+        results[order] = (evaluate(model, corpus, lanes=2, chunk_len=10, device="cpu", order=order),
+                          len(chunks))
+    (by_corpus, n_corpus), (by_length, n_length) = results["corpus"], results["longest"]
+    assert n_length == 40 < n_corpus
+    for key in ("documents", "tokens", "nll_sum", "bits_per_byte", "per_doc_mean_loss"):
+        assert math.isclose(by_length[key], by_corpus[key], rel_tol=1e-12), key
+    assert by_length["position_buckets"].keys() == by_corpus["position_buckets"].keys()
+    for label, bucket in by_corpus["position_buckets"].items():
+        assert by_length["position_buckets"][label]["tokens"] == bucket["tokens"]
+        assert math.isclose(by_length["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12)
+    with pytest.raises(ValueError, match="order"):
+        evaluate(model, corpus, lanes=2, chunk_len=10, device="cpu", order="shortest")
+
+
+def test_longest_first_deals_documents_over_ranks():
+    from elephant.evaluate import longest_first
+    corpus = corpus_of([5, 1, 30, 7, 30, 2])
+    assert longest_first(corpus).tolist() == [2, 4, 3, 0, 5]      # ties in corpus order; 1-token doc out
+    assert longest_first(corpus, rank=0, world=2).tolist() == [2, 3, 5]
+    assert longest_first(corpus, rank=1, world=2).tolist() == [4, 0]
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("evalrun")

@@ -107,3 +107,16 @@ def test_peak_flops_and_mfu():
     # 6 * N FLOPs per token, N = 100M, 500k tokens/s -> 3e14 FLOP/s of 989e12
     assert mfu(6 * 100e6, 500e3, 989e12) == pytest.approx(3e14 / 989e12)
     assert mfu(1.0, 1.0, None) is None
+
+
+def test_position_bucket_sums_made_elsewhere_add_like_tokens():
+    from elephant.metrics import BUCKET_LABELS, PositionBuckets
+    nll, positions = [0.5, 1.0, 2.0, 4.0], [1, 511, 512, 40000]
+    direct, summed = PositionBuckets(), PositionBuckets()
+    direct.add(nll, positions)
+    sums, counts = [0.0] * len(BUCKET_LABELS), [0] * len(BUCKET_LABELS)
+    sums[0], counts[0], sums[1], counts[1], sums[-1], counts[-1] = 1.5, 2, 2.0, 1, 4.0, 1
+    summed.add_sums(sums, counts)
+    assert summed.to_dict() == direct.to_dict()
+    with pytest.raises(ValueError, match="add_sums"):
+        summed.add_sums([1.0], [1])

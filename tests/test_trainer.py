@@ -92,6 +92,9 @@ def test_training_learns_and_writes_its_run_dir(tmp_path, corpus_dir):
     assert sorted(ls) == list(range(1, 26))
     assert sum(list(ls.values())[-5:]) / 5 < sum(list(ls.values())[:5]) / 5 - 1.0  # learns
     assert result["eval"]["documents"] == 3 and result["eval"]["bits_per_byte"] > 0
+    # the step hands back the gradient norm as a device tensor; the log holds plain numbers
+    norms = [r["grad_norm"] for r in read_log(run / "log.jsonl") if r["kind"] == "train"]
+    assert len(norms) == 25 and all(isinstance(n, float) and n > 0 for n in norms)
     for f in ("log.jsonl", "loss.png", "resolved_config.json", "env.json", "checkpoints/latest"):
         assert (run / f).exists(), f
     assert json.loads((run / "resolved_config.json").read_text())["train"]["max_steps"] == 25

@@ -1,0 +1,429 @@
+"""Training and evaluation speed against an outside yardstick, through the real training step.
+
+    python benchmarks/train_speed.py                 # the GPU: ~5 minutes, compile included
+    python benchmarks/train_speed.py --cpu-smoke     # tiny shapes on the CPU, under a minute
+    python benchmarks/train_speed.py --only hybrid,eval --eval-doc-tokens 200000
+
+Three training steps at equal tokens per step (32 lanes x 512 tokens x 2 BPTT chunks = 16 x 2048 on
+the GPU), each timed with CUDA events over `--steps` steps after `--warmup` steps (compilation):
+  baseline   benchmarks/baseline_gpt.py: a plain compiled GPT of the same width, depth, vocabulary
+             and parameter count (its MLP widened to match), fused AdamW, importing nothing of ours;
+  attention  `Trainer.train_step` of the wt103-70m shape with layers AAAAAAAA, no memory, no cache;
+  hybrid     `Trainer.train_step` of the wt103-70m recipe (MAMMAMMA, 8 memory tokens, KV window 512).
+Data: pycode read as bytes (this interpreter's standard library; tokenized once into --cache).
+`tokens_per_s` counts every token slot of the step (the work done, comparable with the baseline's
+B x T); `real_tokens_per_s` only the predicted tokens (the rest is the padding after a document's
+end, `fill`). MFU: the model's own FLOP count per token slot over the dense bf16 peak.
+`ratio` = hybrid / baseline tokens/s, `ratio_attention` = attention / baseline.
+
+The run FAILS (exit 1, `failures` in the JSON) when a compiled step has a graph break, or compiles
+anything during the timed steps (a recompile). After timing it counts the host synchronizations of
+one more step (CUDA sync debug mode) and profiles a few steps: the top kernels by device time go
+into the JSON, the full tables into ..._profile.txt.
+
+Evaluation (the hybrid's model, compiled blocks, bf16): `elephant.evaluate` with 64 lanes over the
+first documents of the corpus up to --eval-tokens tokens (longest first), and with one lane over
+one document of --eval-doc-tokens tokens (the corpus's tokens run together); tokens/s of predicted
+tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
+
+Writes benchmarks/results/train_speed_<gpu>.json (train_speed_cpu-smoke.json with --cpu-smoke;
+train_speed_reference_head_<gpu>.json with --reference-head, the A/B of the blocked loss).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gc
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import baseline_gpt  # noqa: E402
+from benchmarks.common import environment, result_path  # noqa: E402
+
+RECIPES = {"attention": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0"],
+           "hybrid": []}
+SMOKE_RECIPES = {"attention": ["model.layers=AAAA", "model.n_mem=0", "model.kv_window=0"],
+                 "hybrid": []}
+PARTS = ("baseline", "attention", "hybrid", "eval")
+
+
+# ------------------------------------------------------------------------------- torch.compile
+def dynamo_counts() -> dict:
+    """Graph breaks, compiled frames and graphs so far (torch._dynamo's counters)."""
+    from torch._dynamo.utils import counters
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": sorted(counters["graph_break"])[:10],
+            "frames_compiled": counters["frames"]["total"],
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def reset_dynamo() -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compile_failures(name: str, after_warmup: dict, after_timed: dict, compiled: bool) -> list[str]:
+    if not compiled:
+        return []
+    out = []
+    if after_timed["graph_breaks"]:
+        out.append(f"{name}: {after_timed['graph_breaks']} graph break(s): "
+                   f"{after_timed['graph_break_reasons']}")
+    grew = after_timed["frames_compiled"] - after_warmup["frames_compiled"]
+    if grew:
+        out.append(f"{name}: {grew} compile(s) during the timed steps (recompiles)")
+    return out
+
+
+# ------------------------------------------------------------------------------- measuring
+class Clock:
+    """Wall time of a region: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def peak_reset(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gb(device) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def count_syncs(step, device) -> dict | None:
+    """Host synchronizations of one call of `step()` (CUDA sync debug mode), with where they
+    happen (Python file:line of the op)."""
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return {"count": len(syncs), "where": dict(where.most_common(10))}
+
+
+def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
+    """Top kernels by device time over `steps` calls of `step()` and the profiler's table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)
+    # the kernels themselves on the GPU (an operator's row would count its kernels twice)
+    rows = [e for e in events if getattr(e, key) > 0
+            and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
+    total = sum(getattr(e, key) for e in rows) or 1.0
+    rows.sort(key=lambda e: -getattr(e, key))
+    top = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
+            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:20]]
+    return top, table
+
+
+def extras(out: dict, step, args, device, title: str) -> str:
+    """Host syncs of a step and the profile into `out`; a failure of either is recorded there
+    without losing the timing. Returns the profiler's table."""
+    try:
+        out["host_syncs_per_step"] = count_syncs(step, device)
+    except Exception as e:
+        out["host_syncs_per_step"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    try:
+        out["top_kernels"], table = profile(step, args.profile_steps, device, title)
+    except Exception as e:
+        out["top_kernels"], table = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, f"== {title}: {e}"
+    return table
+
+
+# ------------------------------------------------------------------------------- the three steps
+def run_baseline(args, tokens_per_step: int, target_params: int, device, compiled: bool) -> tuple[dict, str]:
+    reset_dynamo()
+    if args.cpu_smoke:
+        base = baseline_gpt.GPTConfig(vocab_size=320, d_model=64, n_layers=4, n_heads=4)
+        seq_len = 256
+    else:
+        base, seq_len = baseline_gpt.GPTConfig(), 2048
+    cfg = baseline_gpt.matched_config(target_params, base, multiple=16 if args.cpu_smoke else 128)
+    batch = max(1, tokens_per_step // seq_len)
+    torch.manual_seed(0)
+    stepper = baseline_gpt.Stepper(cfg, device, compile=compiled)
+    gen = torch.Generator().manual_seed(0)
+    batches = torch.randint(0, cfg.vocab_size, (4, batch, seq_len + 1), generator=gen).to(device)
+    i = iter(range(10**9))
+
+    def step():
+        stepper.step(batches[next(i) % len(batches)])
+
+    for _ in range(args.warmup):
+        step()
+    warm = dynamo_counts()
+    peak_reset(device)
+    with Clock(device) as clock:
+        for _ in range(args.steps):
+            step()
+    timed = dynamo_counts()
+    tokens_per_s = batch * seq_len * args.steps / clock.seconds
+    flops = stepper.model.flops_per_token(seq_len)
+    out = {"config": dataclasses.asdict(cfg), "batch": batch, "seq_len": seq_len, "tokens_per_step": batch * seq_len,
+           "parameters": stepper.model.num_params(), "flops_per_token": flops, "compiled": compiled,
+           "ms_per_step": clock.seconds / args.steps * 1e3, "tokens_per_s": tokens_per_s,
+           "mfu": mfu(flops, tokens_per_s, device), "peak_mem_gb": peak_gb(device),
+           "dynamo": timed,
+           "failures": compile_failures("baseline", warm, timed, compiled)}
+    table = extras(out, step, args, device, "baseline GPT")
+    del stepper, batches
+    return out, table
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, device) -> float | None:
+    from elephant.metrics import peak_flops
+    if torch.device(device).type != "cuda":
+        return None
+    peak = peak_flops(torch.cuda.get_device_name(device))
+    return flops_per_token * tokens_per_s / peak if peak else None
+
+
+def trainer_config(args, kind: str, run_dir: Path):
+    from elephant.config import load_config
+    recipe = ROOT / ("configs/tiny.toml" if args.cpu_smoke else "configs/wt103-70m.toml")
+    extra = (SMOKE_RECIPES if args.cpu_smoke else RECIPES)[kind]
+    overrides = ["data.source=pycode", "data.tokenizer=bytes", f"data.cache_dir={args.cache}",
+                 "data.valid_split=", f"train.run_dir={run_dir}", "train.max_steps=1000000",
+                 "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
+                 f"train.compile={'off' if args.cpu_smoke else 'on'}", *extra]
+    return load_config(recipe, overrides)
+
+
+def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, object]:
+    from elephant.trainer import Trainer
+    reset_dynamo()
+    cfg = trainer_config(args, kind, workdir / kind)
+    trainer = Trainer(cfg, progress=False)
+    trainer.model.blocked_head = not args.reference_head
+    t, m = cfg.train, cfg.model
+    compiled = cfg.train.compile == "on"
+    slots = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
+    for _ in range(args.warmup):
+        trainer.train_step()
+    warm = dynamo_counts()
+    peak_reset(device)
+    real = 0
+    with Clock(device) as clock:
+        for _ in range(args.steps):
+            real += trainer.train_step()["tokens"]
+    timed = dynamo_counts()
+    tokens_per_s = slots * args.steps / clock.seconds
+    flops = trainer.model.flops_per_token(t.chunk_len)
+    out = {"config": cfg.to_dict(), "head": "reference" if args.reference_head else "blocked",
+           "tokens_per_step": slots,
+           "parameters": trainer.model.num_params(), "flops_per_token": flops,
+           "compiled": compiled, "ms_per_step": clock.seconds / args.steps * 1e3,
+           "tokens_per_s": tokens_per_s, "real_tokens_per_s": real / clock.seconds,
+           "fill": real / (slots * args.steps), "mfu": mfu(flops, tokens_per_s, device),
+           "peak_mem_gb": peak_gb(device), "dynamo": timed,
+           "failures": compile_failures(kind, warm, timed, compiled)}
+    table = extras(out, trainer.train_step, args, device, f"{kind} Trainer.train_step")
+    return out, table, trainer
+
+
+# ------------------------------------------------------------------------------- evaluation
+def leading_documents(corpus, max_tokens: int):
+    """The corpus's first documents holding at most `max_tokens` tokens (at least one)."""
+    from elephant.evaluate import subset
+    n = int(np.searchsorted(np.asarray(corpus.offsets), max_tokens, side="right")) - 1
+    return subset(corpus, max(1, n))
+
+
+def one_document(corpus, n_tokens: int):
+    """One document of the corpus's first `n_tokens` tokens run together."""
+    from data_packing import TokenizedCorpus
+    tokens = np.asarray(corpus.tokens[:n_tokens]).astype(np.int64)
+    if tokens.size < n_tokens:
+        raise ValueError(f"the corpus has {tokens.size} tokens, fewer than --eval-doc-tokens "
+                         f"{n_tokens}")
+    return TokenizedCorpus.from_documents([tokens])
+
+
+def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast) -> dict:
+    from elephant.evaluate import evaluate
+    peak_reset(device)
+    resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
+    with Clock(device) as clock:
+        result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
+                          autocast=autocast)
+    return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
+            "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
+            "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
+
+
+def run_eval(args, trainer, device) -> dict:
+    from benchmarks.common import bf16_autocast
+    import torch._dynamo
+    # evaluation compiles the blocks again for its lane counts and no-grad mode: room for them
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    model, corpus = trainer.model, trainer.train_corpus
+    T = trainer.cfg.train.chunk_len
+    autocast = bf16_autocast(device)
+    lanes = 4 if args.cpu_smoke else 64
+    warm_docs = leading_documents(corpus, 2 * lanes * T)
+    time_eval(model, warm_docs, lanes, T, device, autocast)                  # compile, not timed
+    many = time_eval(model, leading_documents(corpus, args.eval_tokens), lanes, T, device, autocast)
+    time_eval(model, one_document(corpus, 2 * T), 1, T, device, autocast)    # compile, not timed
+    short = time_eval(model, one_document(corpus, 16 * T), 1, T, device, autocast)
+    one = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast)
+    return {"order": "longest first", "many_docs": many, "one_doc": one, "one_short_doc": short,
+            "eval_tokens_per_s": many["tokens_per_s"], "eval_1lane_tokens_per_s": one["tokens_per_s"],
+            "eval_peak_mem_gb": many["peak_mem_gb"], "eval_1lane_peak_mem_gb": one["peak_mem_gb"]}
+
+
+# ------------------------------------------------------------------------------- main
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (configs/tiny.toml)")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; smoke 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 20; smoke 2)")
+    ap.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 3; smoke 1)")
+    ap.add_argument("--eval-tokens", type=int, default=None,
+                    help="64-lane evaluation: documents up to this many tokens (default 2M; smoke 20K)")
+    ap.add_argument("--eval-doc-tokens", type=int, default=None,
+                    help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
+    ap.add_argument("--reference-head", action="store_true",
+                    help="the loss through the whole logits (ElephantLM.blocked_head off), to A/B "
+                         "the blocked linear + cross-entropy")
+    ap.add_argument("--cache", default="/tmp/elephant-cache", help="corpus cache folder")
+    ap.add_argument("--out", help="result file (default benchmarks/results/train_speed_<gpu>.json)")
+    args = ap.parse_args(argv)
+    smoke = args.cpu_smoke
+    for name, full, tiny in (("warmup", 10, 1), ("steps", 20, 2), ("profile_steps", 3, 1),
+                             ("eval_tokens", 2_000_000, 20_000), ("eval_doc_tokens", 1_000_000, 4096)):
+        if getattr(args, name) is None:
+            setattr(args, name, tiny if smoke else full)
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    args.parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    bad = [p for p in args.parts if p not in PARTS]
+    if bad:
+        ap.error(f"--only: unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}")
+    if "eval" in args.parts and "hybrid" not in args.parts:
+        ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("error: no CUDA device (use --cpu-smoke for the CPU)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    prefix = "train_speed_reference_head" if args.reference_head else "train_speed"
+    out_path = Path(args.out) if args.out else result_path(prefix, args.cpu_smoke)
+    results = {**environment(device), "command": " ".join(["python", "benchmarks/train_speed.py",
+                                                            *(argv if argv is not None else sys.argv[1:])]),
+               "warmup_steps": args.warmup, "timed_steps": args.steps, "runs": {}, "failures": []}
+    tables = []
+
+    def save():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results, indent=1, default=str))
+        out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
+
+    with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
+        probe = trainer_config(args, "hybrid", Path(tmp) / "probe")
+        t, m = probe.train, probe.model
+        tokens_per_step = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
+        from elephant.model import ElephantLM
+        hybrid_params = ElephantLM(probe.model).num_params()
+        for part in [p for p in PARTS if p in args.parts]:
+            t0 = time.perf_counter()
+            try:
+                if part == "baseline":
+                    res, table = run_baseline(args, tokens_per_step, hybrid_params, device,
+                                              compiled=not args.cpu_smoke)
+                elif part in ("attention", "hybrid"):
+                    res, table, trainer = run_trainer(args, part, device, Path(tmp))
+                    if part == "hybrid" and "eval" in args.parts:
+                        results["eval"] = run_eval(args, trainer, device)
+                        results.update({k: v for k, v in results["eval"].items() if k.startswith("eval_")})
+                    trainer.close()
+                    del trainer
+                else:
+                    continue  # eval ran with the hybrid
+                tables.append(table)
+                results["runs"][part] = res
+                results["failures"] += res.pop("failures")
+            except Exception as e:  # record and go on with the other parts
+                results["runs"][part] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                                         "trace": traceback.format_exc()[-2000:]}
+                results["failures"].append(f"{part}: {type(e).__name__}: {str(e)[:200]}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            r = results["runs"].get(part, {})
+            print(f"{part}: {r.get('tokens_per_s', float('nan')):,.0f} tokens/s, "
+                  f"MFU {r.get('mfu') or 0:.1%}, peak {r.get('peak_mem_gb') or 0:.1f} GB "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            save()
+    runs = results["runs"]
+    base = runs.get("baseline", {}).get("tokens_per_s")
+    for key, part in (("ratio", "hybrid"), ("ratio_attention", "attention")):
+        if base and runs.get(part, {}).get("tokens_per_s"):
+            results[key] = runs[part]["tokens_per_s"] / base
+    save()
+    summary = {k: results.get(k) for k in ("ratio", "ratio_attention", "eval_tokens_per_s",
+                                           "eval_1lane_tokens_per_s", "failures")}
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out_path}", file=sys.stderr)
+    return 1 if results["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The output head's cross-entropy without its logits: linear + log-softmax + NLL, in row blocks.
+
+    linear_cross_entropy(h (..., D), weight (V, D), targets (...), loss_mask, reduction)
+        == F.cross_entropy(float32(h @ weight.T), targets) masked and reduced as ElephantLM.loss
+
+Why: one chunk of the 70M recipe is 32 x 512 tokens over a 50,304-token vocabulary, so its logits
+are 3.3 GB in float32, and cross-entropy keeps a float32 log-softmax of the same size for its
+backward (evaluation with 64 lanes twice that). Here the rows pass in blocks of `block_rows`:
+a block's logits are made, reduced to the per-token NLL (and, when training, to the block's part
+of the gradients) and dropped, so at most `block_rows x V` logits exist at any time.
+
+Two autograd paths:
+  * a summed loss (`reduction` sum or mean, what training uses). The gradient that reaches a
+    weighted sum of per-token NLLs is one scalar, so the forward pass computes the gradients of the
+    head input and weight block by block (d logits = softmax - one-hot, scaled by the token's mask
+    weight) and the backward only scales them by that scalar: the logits are made once, as in the
+    reference, but never kept.
+  * per-token NLL (`reduction="none"`, evaluation): without gradient it is the forward loop alone;
+    with gradient the forward keeps each row's log-sum-exp and the backward remakes each block's
+    logits.
+
+Precision follows the reference: the matrix products run in the autocast dtype when autocast is on
+(bf16 on the GPU), else in the inputs' dtype; softmax, log-sum-exp and NLL in float32 at least; the
+weight gradient is summed over blocks in float32. `ignore_index` (-100) targets count zero, as in
+F.cross_entropy. `linear_cross_entropy_reference` is the plain path (the whole logits, then
+ElephantLM.loss) that the tests hold this one equal to.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IGNORE_INDEX = -100
+BLOCK_BYTES = 1 << 28   # float32 logits of one row block: 256 MiB (1,334 rows at V = 50,304)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def default_block_rows(vocab_size: int) -> int:
+    """Rows per block: BLOCK_BYTES of float32 logits, a multiple of 64 rows when that is > 64."""
+    rows = max(1, BLOCK_BYTES // (4 * vocab_size))
+    return rows // 64 * 64 if rows > 64 else rows
+
+
+# ------------------------------------------------------------------------------- reference
+def reduce_nll(nll: Tensor, loss_mask: Tensor | None, reduction: str) -> Tensor:
+    """Per-token NLL (...,) masked and reduced: mean divides by the mask's count (or all tokens)."""
+    if loss_mask is not None:
+        nll = nll * loss_mask
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return nll.sum()
+    # torch.full, not torch.tensor: a tensor made from a host number is a copy the host waits for
+    count = loss_mask.sum() if loss_mask is not None else torch.full((), nll.numel(), device=nll.device)
+    return nll.sum() / count.clamp(min=1)
+
+
+def cross_entropy_reference(logits: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
+                            reduction: str = "mean") -> Tensor:
+    """Cross-entropy (in float32 at least) of whole logits (..., V) over the tokens of `loss_mask`."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+    return reduce_nll(nll.view_as(targets), loss_mask, reduction)
+
+
+def linear_cross_entropy_reference(h: Tensor, weight: Tensor, targets: Tensor,
+                                   loss_mask: Tensor | None = None, reduction: str = "mean") -> Tensor:
+    """The plain path: the whole logits h @ weight.T, then `cross_entropy_reference`."""
+    return cross_entropy_reference(F.linear(h, weight), targets, loss_mask, reduction)
+
+
+# ------------------------------------------------------------------------------- blocked path
+def _matmul_dtype(h: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype the reference's F.linear computes in: autocast's for float16/bfloat16/float32
+    inputs when autocast is on for their device, else the promoted input dtype."""
+    dtype = torch.promote_types(h.dtype, weight.dtype)
+    device = h.device.type
+    if dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype
+
+
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else nullcontext()
+
+
+def _block_nll(z: Tensor, targets: Tensor, softmax: bool = True
+               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    """Per-row NLL of float logits z (n, V), 0 where the target is ignored, and what the gradient
+    needs: (nll, log-sum-exp, the softmax made in place of z (None without `softmax`: z is then
+    spent), safe targets, valid). In place, so a block costs one (n, V) float buffer (a plain
+    logsumexp would make a second one)."""
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    picked = z.gather(1, safe[:, None]).squeeze(1)                       # (n,)
+    top = z.amax(dim=-1)                                                 # (n,)
+    e = z.sub_(top[:, None]).exp_()                                      # (n, V) in place
+    denom = e.sum(dim=-1)
+    lse = top + denom.log()
+    nll = torch.where(valid, lse - picked, torch.zeros((), dtype=z.dtype, device=z.device))
+    return nll, lse, e.div_(denom[:, None]) if softmax else None, safe, valid
+
+
+def _block_dlogits(p: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Tensor:
+    """d nll / d logits of a block from its softmax p (n, V), each row times `scale` (n,):
+    (softmax - one-hot) * scale, in place of p. Ignored rows get zero."""
+    p.scatter_add_(1, safe[:, None], -valid[:, None].to(p.dtype))
+    return p.mul_((scale * valid)[:, None])
+
+
+def _blocks(n: int, block_rows: int):
+    for start in range(0, n, block_rows):
+        yield slice(start, min(start + block_rows, n))
+
+
+def _forward_nll(h2: Tensor, w: Tensor, t: Tensor, block_rows: int, keep_lse: bool = False):
+    """Per-row NLL (N,) of h2 (N, D) already in the matmul dtype (and each row's log-sum-exp)."""
+    out_dtype = torch.promote_types(h2.dtype, torch.float32)
+    nll = torch.empty(h2.shape[0], dtype=out_dtype, device=h2.device)
+    lse = torch.empty_like(nll) if keep_lse else None
+    for rows in _blocks(h2.shape[0], block_rows):
+        z = (h2[rows] @ w.t()).to(out_dtype)                             # (n, V) logits
+        nll[rows], block_lse, _, _, _ = _block_nll(z, t[rows], softmax=False)
+        if keep_lse:
+            lse[rows] = block_lse
+    return nll, lse
+
+
+class _SummedNLL(torch.autograd.Function):
+    """sum_i scale_i * nll_i over rows, with the gradients made in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, h2, weight, t, scale, block_rows, dtype):
+        hc, wc = h2.to(dtype), weight.to(dtype)
+        out_dtype = torch.promote_types(dtype, torch.float32)
+        total = torch.zeros((), dtype=out_dtype, device=h2.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hc) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device) if need_w else None
+        with _no_autocast(h2.device.type):
+            for rows in _blocks(hc.shape[0], block_rows):
+                z = (hc[rows] @ wc.t()).to(out_dtype)                    # (n, V)
+                nll, _, softmax, safe, valid = _block_nll(z, t[rows])
+                s = scale[rows].to(out_dtype)
+                total += (nll * s).sum()
+                if need_h or need_w:
+                    dz = _block_dlogits(softmax, safe, valid, s).to(dtype)
+                    if need_h:
+                        grad_h[rows] = dz @ wc                           # (n, D)
+                    if need_w:
+                        grad_w += dz.t() @ hc[rows]                      # (V, D)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h2.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = None if grad_h is None else (grad_h.to(g.dtype) * g).to(h_dtype)
+        dw = None if grad_w is None else (grad_w * g.to(grad_w.dtype)).to(w_dtype)
+        return dh, dw, None, None, None, None
+
+
+class _PerTokenNLL(torch.autograd.Function):
+    """Per-row NLL (N,); the backward remakes each block's logits from the saved log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, h2, weight, t, block_rows, dtype):
+        hc, wc = h2.to(dtype), weight.to(dtype)
+        with _no_autocast(h2.device.type):
+            nll, lse = _forward_nll(hc, wc, t, block_rows, keep_lse=True)
+        ctx.save_for_backward(h2, weight, t, lse)
+        ctx.block_rows, ctx.dtype = block_rows, dtype
+        return nll
+
+    @staticmethod
+    def backward(ctx, g):
+        h2, weight, t, lse = ctx.saved_tensors
+        dtype, block_rows = ctx.dtype, ctx.block_rows
+        hc, wc = h2.to(dtype), weight.to(dtype)
+        out_dtype = lse.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hc) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device) if need_w else None
+        for rows in _blocks(hc.shape[0], block_rows):
+            z = (hc[rows] @ wc.t()).to(out_dtype)
+            valid = t[rows] != IGNORE_INDEX
+            safe = torch.where(valid, t[rows], 0)
+            softmax = z.sub_(lse[rows, None]).exp_()
+            dz = _block_dlogits(softmax, safe, valid, g[rows].to(out_dtype)).to(dtype)
+            if need_h:
+                grad_h[rows] = dz @ wc
+            if need_w:
+                grad_w += dz.t() @ hc[rows]
+        return (None if grad_h is None else grad_h.to(h2.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
+
+
+def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
+                         reduction: str = "mean", block_rows: int | None = None) -> Tensor:
+    """Cross-entropy of the logits h @ weight.T over the tokens of `loss_mask`, never holding more
+    than `block_rows` rows of logits (default: `default_block_rows(V)`). Same arguments and result as
+    `linear_cross_entropy_reference`: h (..., D), weight (V, D), targets (...) int64, loss_mask (...)
+    bool or float weights; reduction mean (over the mask's count) / sum / none (per token, masked)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
+    if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"head weight {tuple(weight.shape)} does not fit inputs {tuple(h.shape)} "
+                         f"(expected (V, {h.shape[-1]}))")
+    if targets.shape != h.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must be the inputs' leading shape "
+                         f"{tuple(h.shape[:-1])}")
+    if loss_mask is not None and loss_mask.shape != targets.shape:
+        raise ValueError(f"loss_mask {tuple(loss_mask.shape)} must have the targets' shape "
+                         f"{tuple(targets.shape)}")
+    if block_rows is None:
+        block_rows = default_block_rows(weight.shape[0])
+    elif block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    dtype = _matmul_dtype(h, weight)
+    h2, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    if reduction != "none" and grad:
+        scale = (loss_mask.reshape(-1) if loss_mask is not None
+                 else torch.ones((), device=h.device).expand(t.shape[0]))
+        total = _SummedNLL.apply(h2, weight, t, scale, block_rows, dtype)
+        if reduction == "sum":
+            return total
+        count = (loss_mask.sum() if loss_mask is not None
+                 else torch.full((), t.numel(), device=h.device))
+        return total / count.clamp(min=1)
+    if grad:
+        nll = _PerTokenNLL.apply(h2, weight, t, block_rows, dtype)
+    else:
+        with _no_autocast(h.device.type):
+            nll = _forward_nll(h2.to(dtype), weight.to(dtype), t, block_rows)[0]
+    return reduce_nll(nll.view(targets.shape), loss_mask, reduction)

@@ -1,0 +1,102 @@
+"""The speed benchmark's parts on the CPU: the plain GPT yardstick (causal, sized as asked, FLOPs
+counted like ours, imports nothing of elephant) and benchmarks/train_speed.py end to end at tiny
+shapes (its result file and the checks that make it fail)."""
+import ast
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import baseline_gpt, train_speed
+from benchmarks.baseline_gpt import GPT, GPTConfig, matched_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_gpt(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, d_mlp=64), **kw}))
+
+
+def test_baseline_gpt_imports_nothing_of_elephant():
+    tree = ast.parse((ROOT / "benchmarks/baseline_gpt.py").read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert names and not [n for n in names if n.startswith(("elephant", "data_packing", "benchmarks"))]
+
+
+def test_baseline_gpt_is_causal_and_starts_near_uniform():
+    model = tiny_gpt()
+    tokens = torch.randint(0, 61, (2, 17))
+    targets = torch.randint(0, 61, (2, 16))
+    loss = model(tokens[:, :-1], targets)
+    assert abs(loss.item() - math.log(61)) < 0.3
+    # a change at position 10 leaves every earlier position's prediction as it was
+    hidden = []
+    for t in (tokens, torch.cat([tokens[:, :10], (tokens[:, 10:] + 1) % 61], 1)):
+        x = model.embed(t[:, :-1])
+        cos, sin = baseline_gpt.rotary_tables(16, 8, 10000.0, "cpu")
+        for block in model.blocks:
+            x = block(x, cos, sin)
+        hidden.append(x)
+    assert torch.equal(hidden[0][:, :10], hidden[1][:, :10])
+    assert not torch.equal(hidden[0][:, 10:], hidden[1][:, 10:])
+
+
+def test_matched_config_matches_the_parameter_count():
+    for target in (62_356_216, 59_319_808):
+        cfg = matched_config(target)
+        assert cfg.d_mlp % 128 == 0
+        assert abs(GPT(cfg).num_params() - target) <= 8 * 2 * 512 * 64   # within half a width step
+    with pytest.raises(ValueError, match="heads"):
+        GPTConfig(d_model=100, n_heads=8).validate()
+
+
+def test_baseline_flops_count_every_matrix_once_and_attention():
+    model = tiny_gpt()
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert matmul == 61 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 64)          # the tied head once
+    assert model.flops_per_token(16) == 6 * matmul + 2 * 6 * 2 * 32 * 17 / 2
+
+
+def test_baseline_cli_smoke(capsys):
+    assert baseline_gpt.main(["--cpu-smoke"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens_per_s"] > 0 and result["mfu"] is None and math.isfinite(result["last_loss"])
+
+
+def test_train_speed_smoke_writes_its_result(tmp_path):
+    out = tmp_path / "speed.json"
+    code = train_speed.main(["--cpu-smoke", "--only", "baseline,attention", "--warmup", "0",
+                             "--steps", "1", "--profile-steps", "1", "--cache",
+                             str(tmp_path / "cache"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["failures"] == []
+    for key in ("device", "torch", "date", "command", "ratio_attention"):
+        assert key in result, key
+    for part in ("baseline", "attention"):
+        run = result["runs"][part]
+        assert run["tokens_per_s"] > 0 and run["tokens_per_step"] == 4 * 64 * 2
+        assert run["top_kernels"] and run["dynamo"]["graph_breaks"] == 0
+    assert result["runs"]["attention"]["config"]["model"]["layers"] == "AAAA"
+    assert 0 < result["runs"]["attention"]["fill"] <= 1
+    assert (tmp_path / "speed_profile.txt").read_text().startswith("== baseline GPT")
+
+
+def test_train_speed_fails_on_graph_breaks_and_recompiles():
+    warm = {"graph_breaks": 0, "graph_break_reasons": [], "frames_compiled": 4, "graphs": 4}
+    assert train_speed.compile_failures("x", warm, warm, compiled=True) == []
+    broke = dict(warm, graph_breaks=2, graph_break_reasons=["data-dependent branch"])
+    assert "graph break" in train_speed.compile_failures("x", warm, broke, compiled=True)[0]
+    again = dict(warm, frames_compiled=5)
+    assert "recompiles" in train_speed.compile_failures("x", warm, again, compiled=True)[0]
+    assert train_speed.compile_failures("x", warm, again, compiled=False) == []
+
+
+def test_train_speed_rejects_bad_arguments(capsys):
+    for argv in (["--only", "nothing"], ["--only", "eval"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            train_speed.parse(argv)
+        assert "error" in capsys.readouterr().err
