@@ -66,7 +66,6 @@ def test_answer_lanes_roll_documents_and_mask_exactly_the_answer_digits():
     # Every lane reads documents back to back, each starting a chunk with the lane's reset flag;
     # the mask covers exactly the targets that are answer digits, and each chunk's last input
     # token is the next chunk's first.
-    import numpy as np
     from data_packing.recall import RecallTask
     from elephant.recall import AnswerLanes
     tok = ByteTokenizer()
