@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from elephant.layers import ssd
 from elephant.layers.ssd import add_segment_init, ssd_chunked, ssd_recurrent_ref, ssd_scan
@@ -420,3 +421,32 @@ def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
     for name, a, r in zip(names, g_tri, g_ref):
         assert a.shape == r.shape and a.dtype == r.dtype, name
         assert rel_err(a, r) < 1e-5, name
+
+
+def test_triton_segment_cumsum_is_its_own_segments_sum():
+    # the kernels' float32 restarting cumsum == the float64 masked sum (ssd.segment_cumsum) to float32
+    # rounding, its gradient == that of the reference, and a document's sums are bitwise independent
+    # of the decays before it (changing them leaves every later segment's sums unchanged)
+    _needs_triton()
+    from elephant.layers.ssd import segment_cumsum, segment_masks
+    from elephant.layers.ssd_triton import _SegmentCumsum
+    b, l, h, Q = 2, 37, 3, 16
+    gen = torch.Generator().manual_seed(8)
+    dA = -(torch.rand(b, l, h, generator=gen) * 2).requires_grad_()
+    seg = seg_from_starts(l, [[1, 2, 16, 20, 36], [0, 31]])
+    nc = 3
+    segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32)
+    cs = _SegmentCumsum.apply(dA, segp, Q)                                     # (b, h, nc, Q)
+    dA64 = dA.detach().double().requires_grad_()
+    ref = segment_cumsum(F.pad(dA64, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h),
+                         segment_masks(seg, nc, Q)[0]).permute(0, 3, 1, 2)
+    assert rel_err(cs, ref) < 1e-6
+    w = torch.randn(cs.shape, generator=gen)
+    (g,) = torch.autograd.grad((cs * w).sum(), dA)
+    (g_ref,) = torch.autograd.grad((ref * w.double()).sum(), dA64)
+    assert rel_err(g, g_ref) < 1e-6
+    other = dA.detach().clone()
+    other[0, :20] *= 3.0                                                       # row 0: before token 20
+    cs2 = _SegmentCumsum.apply(other, segp, Q)
+    assert torch.equal(cs2[0, :, 1, 4:], cs.detach()[0, :, 1, 4:])             # tokens 20.. of chunk 1
+    assert torch.equal(cs2[0, :, 2], cs.detach()[0, :, 2]) and torch.equal(cs2[1], cs.detach()[1])

@@ -20,7 +20,12 @@ for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) w
 accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
-boundary (ssd.segment_cumsum, in PyTorch), and the kernels mask by segment: the in-chunk decay
+boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a masked sum
+over the chunk's same-segment earlier tokens, like ssd.segment_cumsum but in float32: each sum still
+holds only its own segment's terms (the others enter as exact zeros), so one document's decays do
+not depend on the document before it; against the float64 sums it differs by float32 rounding of a
+sum of at most Q same-sign terms, the precision of the plain cumsum of the path without boundaries.
+The kernels then mask by segment: the in-chunk decay
 between two segments is exactly 0, only the chunk's last segment writes S_c, only the tokens of the
 segment entering the chunk read H_c, and H_c passes through a chunk only when it holds no boundary.
 Masked exponents are -inf before exp (never exp(...) * 0), so no inf * 0 appears. HAS_SEG=False
@@ -46,7 +51,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from elephant.layers.ssd import check_shapes, segment_cumsum, segment_masks
+from elephant.layers.ssd import check_shapes
 
 try:
     import triton
@@ -89,6 +94,32 @@ if HAVE_TRITON:
         seg_end = tl.load(base + Q - 1)
         seg_prev = tl.load(base - 1, mask=c > 0, other=0)
         return seg, seg_end, seg_prev
+
+    @triton.jit
+    def _segment_cumsum_kernel(
+        v_ptr, seg_ptr, out_ptr, L, H, NC,
+        Q: tl.constexpr, BACKWARD: tl.constexpr,
+    ):
+        """forward:  out[b, h, c, i] = sum_{j <= i, seg_j = seg_i} v[b, c*Q + j, h]   (v = dt A, (b, l, h))
+        backward: out[b, c*Q + j, h] = sum_{i >= j, seg_i = seg_j} v[b, h, c, i]   (v = dLoss/dcs)
+        over one chunk; seg padded to NC * Q. A where-sum over the (Q, Q) same-segment triangle."""
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        i = tl.arange(0, Q)
+        t = c * Q + i
+        seg = tl.load(seg_ptr + b * NC * Q + t)
+        same = seg[:, None] == seg[None, :]
+        if BACKWARD:
+            g = tl.load(v_ptr + ((b * H + h) * NC + c) * Q + i)
+            keep = same & (i[:, None] >= i[None, :])                  # (i, j): i reads j
+            out = tl.sum(tl.where(keep, g[:, None], 0.0), axis=0)      # (Q,) over i, per j
+            tl.store(out_ptr + (b * L + t) * H + h, out, mask=t < L)
+        else:
+            v = tl.load(v_ptr + (b * L + t) * H + h, mask=t < L, other=0.0)
+            keep = same & (i[:, None] >= i[None, :])
+            out = tl.sum(tl.where(keep, v[None, :], 0.0), axis=1)      # (Q,) over j, per i
+            tl.store(out_ptr + ((b * H + h) * NC + c) * Q + i, out)
 
     @triton.jit
     def _chunk_state_kernel(
@@ -484,6 +515,33 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
     return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
 
 
+class _SegmentCumsum(torch.autograd.Function):
+    """(dA (b, l, h) float32, padded seg (b, chunks * Q) int32) -> cs (b, h, chunks, Q): the
+    in-chunk cumulative log-decay restarting at each boundary (the padded tail adds nothing)."""
+
+    @staticmethod
+    def forward(ctx, dA, segp, Q):
+        b, l, h = dA.shape
+        nc = segp.shape[1] // Q
+        cs = torch.empty(b, h, nc, Q, device=dA.device, dtype=torch.float32)
+        with _on_device(dA):
+            _segment_cumsum_kernel[(nc, b, h)](dA, segp, cs, l, h, nc, Q=Q, BACKWARD=False, num_warps=4)
+        ctx.save_for_backward(segp)
+        ctx.shape = (b, l, h, Q)
+        return cs
+
+    @staticmethod
+    def backward(ctx, dcs):
+        (segp,) = ctx.saved_tensors
+        b, l, h, Q = ctx.shape
+        nc = segp.shape[1] // Q
+        ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
+        with _on_device(dcs):
+            _segment_cumsum_kernel[(nc, b, h)](dcs.contiguous(), segp, ddA, l, h, nc, Q=Q, BACKWARD=True,
+                                               num_warps=4)
+        return ddA, None, None
+
+
 def _on_device(x: torch.Tensor):
     """Triton launches on the current CUDA device: make it x's (several GPUs per process)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -529,16 +587,13 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
     Q = chunk_size
     nc = max(1, math.ceil(l / Q))
     # in-chunk cumulative log-decay (b, h, chunks, Q); the padded tail has dt = 0: no decay, no write
-    dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
     if seg is None:
-        cs = dA.cumsum(2)
+        dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+        cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
         segp = None
-    else:  # restarting at each boundary; the padded segment ids go to the kernels
-        segc = segment_masks(seg, nc, Q)[0]
-        with torch.autocast(x.device.type, enabled=False):
-            cs = segment_cumsum(dA, segc)
-        segp = segc.reshape(b, nc * Q).to(torch.int32).contiguous()
-    cs = cs.permute(0, 3, 1, 2).contiguous()
+    else:  # restarting at each boundary; the segment ids, padded with the last one, go to the kernels
+        segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
+        cs = _SegmentCumsum.apply((dt.float() * A.float()).contiguous(), segp, Q)
     init = initial_state.float().contiguous() if initial_state is not None else None
     sinit = segment_init.float().contiguous() if segment_init is not None else None
     return _SSDTriton.apply(x, dt, cs, segp, B, C, D, init, sinit, Q)
