@@ -1,8 +1,8 @@
 """Triton kernels for the chunked SSD scan (forward and backward), held equal to `ssd.ssd_chunked`.
 
 The algorithm is ssd_chunked's, per (batch, head) and chunk c of Q tokens with the in-chunk cumulative
-log-decay cs_i = sum_{k <= i} dt_k A (computed in PyTorch: it is tiny, and its autograd carries the
-gradient of cs back into dt and A):
+log-decay cs_i = sum_{k <= i} dt_k A (formed before the scan kernels, in PyTorch or, with boundaries,
+by its own small kernel; it is tiny, and autograd carries the gradient of cs back into dt and A):
 
     forward
       chunk_state  S_c   = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T            (P, N) per chunk
