@@ -17,15 +17,19 @@ computes the initial-memory prefix once per step.
               fill gained, less its own overhead.
   breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
               (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
-              kernel / the masked sum / its indexing reference), the scan (without / with `seg`) and
-              the initial state of later segments (add_segment_init), attention (today's masked
-              SDPA over [cache | chunk] / masked by document with the prefix), whole Mamba and
-              attention layers with and without boundaries, and the initial-memory prefix.
+              kernel / the masked sum / its indexing reference), the scan (without / with `seg` /
+              with `seg` and the initial state of later segments taken by the scan itself), the
+              initial state added outside the scan (add_segment_init, the older path), attention
+              (today's masked SDPA over [cache | chunk] / masked by document with the prefix), whole
+              Mamba layers without boundaries / with them and the initial state in the scan / with
+              the older add_segment_init path, attention layers with and without boundaries, and
+              the initial-memory prefix.
 
     python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown]
 writes benchmarks/results/packing_<device>.json after every section.
 """
 import argparse
+import copy
 import json
 import sys
 import time
@@ -188,6 +192,9 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
     def scan(seg_):
         return lambda x, dt, B_, C_, init: ssd.ssd_scan(x, dt, A, B_, C_, Dp, init, cfg.ssd_chunk, seg_)
 
+    mamba_separate = copy.deepcopy(mamba)  # the older path: zero restarts + add_segment_init
+    mamba_separate.fused_segment_init = False
+
     pieces = {
         "conv_kernel_no_boundaries": (lambda x: F.conv1d(x, w.to(x.dtype), bias.to(x.dtype), groups=C),
                                       (window,)),
@@ -197,6 +204,8 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
                                               (window, tail)),
         "scan_no_seg": (scan(None), (x_scan, dt_scan, Bm, Cm, s0)),
         "scan_with_seg": (scan(seg), (x_scan, dt_scan, Bm, Cm, s0)),
+        "scan_with_seg_and_init": (lambda x, dt, B_, C_, init, si: ssd.ssd_scan(
+            x, dt, A, B_, C_, Dp, init, cfg.ssd_chunk, seg, si), (x_scan, dt_scan, Bm, Cm, s0, init_ssm)),
         "segment_init_alone": (lambda y, dt, C_, init: ssd.add_segment_init(
             y, s0.detach(), dt, A, C_, seg, init, cfg.ssd_chunk), (y_scan, dt_scan, Cm, init_ssm)),
         "attention_cache_masked_sdpa": (lambda q_, k_, v_: attend(q_, k_, v_, ck, cv, valid), (q, k, v)),
@@ -205,6 +214,9 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
         "mamba_layer_no_seg": (lambda x, c, s_: mamba(x, c, s_), (x_layer, conv0, ssm0)),
         "mamba_layer_seg_and_init": (lambda x, c, s_, t, i: mamba(x, c, s_, seg=seg, init=(t, i)),
                                      (x_layer, conv0, ssm0, tail, init_ssm)),
+        "mamba_layer_seg_and_init_separate": (
+            lambda x, c, s_, t, i: mamba_separate(x, c, s_, seg=seg, init=(t, i)),
+            (x_layer, conv0, ssm0, tail, init_ssm)),
         "attention_layer_cache": (lambda x: attn(x, pos, ck, cv, valid), (x_layer,)),
         "attention_layer_by_document": (lambda x, a, b: attn(x, pos, ck, cv, valid, seg=seg, prefix_k=a,
                                                              prefix_v=b), (x_layer, pk, pv)),

@@ -11,7 +11,7 @@ import torch
 from elephant.config import ModelConfig
 from elephant.layers import ssd, ssd_triton
 from elephant.layers.mamba import Mamba2
-from elephant.layers.ssd import ssd_chunked, ssd_scan
+from elephant.layers.ssd import add_segment_init, ssd_chunked, ssd_scan
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -192,10 +192,44 @@ def test_triton_boundaries_keep_documents_apart_on_cuda():
     assert torch.equal(y[:, 201:], y2[:, 201:]) and torch.equal(s, s2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,l,h,g,p,n,chunk,init,D,mean_len", SEG_CASES[:2])
+def test_triton_segment_init_equals_reference_on_cuda(dtype, b, l, h, g, p, n, chunk, init, D, mean_len):
+    """The kernels starting each later segment from segment_init == the zero-restarting float64
+    reference plus add_segment_init (the unfused reference): y, final state, every gradient."""
+    inputs = make_inputs(b, l, h, g, p, n, dtype, init=init, D=D)
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    inputs.append((torch.randn(h, p, n, device=DEVICE, generator=gen) * 0.5).requires_grad_())
+    seg = make_seg(b, l, mean_len, chunk)
+    ref_inputs = [t.detach().double().requires_grad_() if t is not None else None for t in inputs]
+    gen = torch.Generator(device=DEVICE).manual_seed(123)
+    wy = torch.randn(b, l, h, p, device=DEVICE, generator=gen, dtype=torch.float64)
+    wf = torch.randn(b, h, p, n, device=DEVICE, generator=gen, dtype=torch.float64)
+
+    def fused(x, dt, A, B, C, D, s0, si):
+        return ssd_triton.ssd_triton(x, dt, A, B, C, D, s0, chunk, seg, si)
+
+    def reference(x, dt, A, B, C, D, s0, si):
+        y, final = ssd_chunked(x, dt, A, B, C, D, s0, chunk, seg)
+        return add_segment_init(y, final, dt, A, C, seg, si, chunk)
+    y, final, grads = run(fused, inputs, wy, wf)
+    y_ref, final_ref, grads_ref = run(reference, ref_inputs, wy, wf)
+    assert y.dtype == dtype and final.dtype == torch.float32
+    tol = REL_TOL[dtype]
+    errors = {"y": rel_err(y, y_ref), "final_state": rel_err(final, final_ref)}
+    live = [(k, t) for k, t in zip(NAMES + ["segment_init"], inputs) if t is not None]
+    for (name, t), got, want in zip(live, grads, grads_ref):
+        assert got.shape == t.shape and got.dtype == t.dtype, name
+        errors["d" + name] = rel_err(got, want)
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errors})"
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_mamba2_with_boundaries_triton_equals_reference_on_cuda(compiled):
     """The mixer with packed documents (segments, initial-memory conv tail and SSM state) under bf16
-    autocast: Triton path == reference path, values and gradients, eager and compiled."""
+    autocast: Triton path (the scan taking the SSM state itself) == reference path (the scan
+    restarting from zero plus add_segment_init), values and gradients, eager and compiled."""
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=512, expand=2, mamba_head_dim=64, d_state=64, ssd_chunk=64)
     m = Mamba2(cfg).to(DEVICE)
@@ -212,12 +246,14 @@ def test_mamba2_with_boundaries_triton_equals_reference_on_cuda(compiled):
         ssd.set_backend(backend)
         try:
             fn = torch.compile(m) if compiled and backend == "triton" else m
+            m.fused_segment_init = backend == "triton"
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y, conv, ssm = fn(x, conv0, ssm0, seg=seg, init=(tail, s_init))
             loss = (y.float() ** 2).mean() + ssm.square().mean() + conv.float().square().mean()
             return y, ssm, torch.autograd.grad(loss, list(m.parameters()) + [conv0, ssm0, tail, s_init])
         finally:
             ssd.set_backend(before)
+            del m.fused_segment_init
     y_r, s_r, g_r = grads("ref")
     y_t, s_t, g_t = grads("triton")
     tol = REL_TOL[torch.bfloat16]

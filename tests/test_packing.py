@@ -187,6 +187,39 @@ def test_conv_and_scan_restart_at_each_boundary(with_init):
     assert (conv - conv_k).abs().max() < 1e-12 and (ssm - ssm_k).abs().max() < 1e-12
 
 
+def test_fused_segment_init_equals_the_separate_path():
+    # the mixer with the scan taking ssm_init itself == the scan restarting from zero plus
+    # add_segment_init (fused_segment_init = False): output, states and every gradient, fp64
+    m = mixer()
+    L = 29
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, L, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    conv0, ssm0 = (torch.randn(t.shape, generator=gen, dtype=torch.float64).requires_grad_()
+                   for t in m.init_state(2))
+    tail = torch.randn(m.conv_dim, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    s_init = torch.randn(m.heads, m.head_dim, m.d_state, generator=gen, dtype=torch.float64,
+                         requires_grad=True)
+    seg = torch.zeros(2, L, dtype=torch.long)
+    for a in (1, 2, 8, 16, 17, 28):                      # chunk 8: starts at chunk edges, in a row
+        seg[0, a:] += 1
+    seg[1, 0:] += 1                                      # row 1: a new document from token 0
+    seg[1, 20:] += 1
+    leaves = [x, conv0, ssm0, tail, s_init] + list(m.parameters())
+    results = []
+    for fused in (True, False):
+        m.fused_segment_init = fused
+        y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=(tail, s_init))
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+        loss = (y * w).sum() + ssm.pow(2).sum() + conv.pow(2).sum()
+        results.append((y, conv, ssm, torch.autograd.grad(loss, leaves)))
+    del m.fused_segment_init
+    (y1, c1, s1, g1), (y2, c2, s2, g2) = results
+    assert (y1 - y2).abs().max() < 1e-12 and torch.equal(c1, c2) and (s1 - s2).abs().max() < 1e-12
+    for a, r in zip(g1, g2):
+        assert (a - r).abs().max() < 1e-10
+    assert g1[4].abs().max() > 0
+
+
 def test_segment_conv_without_boundaries_is_the_causal_conv():
     gen = torch.Generator().manual_seed(5)
     window = torch.randn(2, 6, 3 + 10, generator=gen, dtype=torch.float64)

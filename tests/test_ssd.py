@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from elephant.layers import ssd
 from elephant.layers.ssd import add_segment_init, ssd_chunked, ssd_recurrent_ref, ssd_scan
@@ -198,6 +199,91 @@ def test_segment_init_equals_recurrence_restarting_from_it(l, n_starts, block):
         assert torch.allclose(a, b, rtol=0, atol=1e-10)
 
 
+# --- segments starting from a given state (segment_init), fused into the scan ------------------
+
+def seg_from_starts(l, rows):
+    """(len(rows), l) segment ids from each row's list of segment starts."""
+    starts = torch.zeros(len(rows), l, dtype=torch.long)
+    for r, cols in enumerate(rows):
+        for c in cols:
+            if c < l:
+                starts[r, c] = 1
+    return starts.cumsum(1)
+
+
+# chunk 16: boundaries at the chunk edges 16 and 32, at tokens 0 and 1, in consecutive tokens, on the
+# last token; a segment spanning several chunks (row 1: 19 -> 57); a row without any boundary
+SEG_LAYOUTS = [
+    (60, [[1, 2, 3, 16, 32, 33, 59], [0, 15, 19, 57], []]),
+    (37, [[0, 1, 2, 31, 32, 36], [5, 6, 17], [16]]),
+    (9, [[1, 8], [0], []]),                        # shorter than a chunk
+]
+
+
+def _with_init(fn, seg, **kw):
+    return lambda *a: fn(*a[:7], seg=seg, segment_init=a[7], **kw)
+
+
+@pytest.mark.parametrize("l, rows", SEG_LAYOUTS)
+@pytest.mark.parametrize("g, init, D", [(1, True, True), (2, False, False)])
+def test_fused_segment_init_equals_recurrence(l, rows, g, init, D):
+    # the chunked scan taking segment_init itself == the token-by-token recurrence restarting from
+    # it: values, final state and the gradients of every input, segment_init included (fp64)
+    inputs = make_inputs(b=3, l=l, g=g, init=init, D=D)
+    s_init = torch.randn(4, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    inputs = inputs + [s_init.requires_grad_()]
+    seg = seg_from_starts(l, rows)
+    y_ref, s_ref, g_ref = grads(_with_init(ssd_recurrent_ref, seg), inputs)
+    y, s, g_fused = grads(_with_init(ssd_chunked, seg, chunk_size=16), inputs)
+    assert (y - y_ref).abs().max() < 1e-12 and (s - s_ref).abs().max() < 1e-12
+    names = [k for k, t in zip("x dt A B C D initial_state segment_init".split(), inputs) if t is not None]
+    for name, a, r in zip(names, g_fused, g_ref):
+        assert (a - r).abs().max() < 1e-10, name
+    assert g_fused[-1].abs().max() > 0  # segment_init does get a gradient
+
+
+@pytest.mark.parametrize("l, n_starts", [(45, 3), (100, 6)])
+def test_fused_segment_init_equals_add_segment_init(l, n_starts):
+    # the fused form == the zero-restarting scan plus add_segment_init (the reference kept beside it),
+    # on random boundaries: values, final state, gradients of every input (fp64)
+    inputs = make_inputs(b=2, l=l, g=2)
+    s_init = torch.randn(4, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    inputs = inputs + [s_init.requires_grad_()]
+    seg = make_seg(2, l, n_starts=n_starts, first=True)
+
+    def added(x, dt, A, B, C, D, s0, si):
+        y, final = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg)
+        return add_segment_init(y, final, dt, A, C, seg, si, chunk_size=16)
+    y_ref, s_ref, g_ref = grads(added, inputs)
+    y, s, g_fused = grads(_with_init(ssd_chunked, seg, chunk_size=16), inputs)
+    assert (y - y_ref).abs().max() < 1e-12 and (s - s_ref).abs().max() < 1e-12
+    for a, r in zip(g_fused, g_ref):
+        assert (a - r).abs().max() < 1e-10
+
+
+def test_fused_segment_init_keeps_documents_apart():
+    # with segment_init, changing everything before a boundary still leaves the rest bitwise equal
+    x, dt, A, B, C, D, s0 = (t.detach() for t in make_inputs(b=1, l=40))
+    s_init = torch.randn(4, 8, 6, dtype=torch.float64)
+    seg = seg_from_starts(40, [[21]])
+    y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk_size=16, seg=seg, segment_init=s_init)
+    other = [t.clone() for t in (x, dt, B, C)]
+    for t in other:
+        t[:, :21] = t[:, :21].flip(1) * 0.5
+    y2, s2 = ssd_chunked(other[0], other[1], A, other[2], other[3], D, s0 * 3, chunk_size=16, seg=seg,
+                         segment_init=s_init)
+    assert torch.equal(y2[:, 21:], y[:, 21:]) and torch.equal(s2, s)
+
+
+def test_segment_init_needs_seg_and_its_shape():
+    x, dt, A, B, C, D, s0 = make_inputs(l=8)
+    with pytest.raises(ValueError, match="needs seg"):
+        ssd_chunked(x, dt, A, B, C, D, s0, segment_init=torch.zeros(4, 8, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="segment_init must be"):
+        ssd_chunked(x, dt, A, B, C, D, s0, seg=torch.zeros(2, 8, dtype=torch.long),
+                    segment_init=torch.zeros(2, 4, 8, 6, dtype=torch.float64))
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -312,3 +398,55 @@ def test_triton_with_boundaries_equals_chunked(b, l, h, g, p, n, init, D):
     names = [k for k, t in zip("x dt A B C D initial_state".split(), inputs) if t is not None]
     for name, a, r in zip(names, g_tri, g_ref):
         assert rel_err(a, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("l, rows, h, g, p, n, init, D", [
+    (37, [[0, 1, 2, 16, 32, 36], [5, 6, 17], []], 2, 1, 16, 16, True, True),
+    (70, [[1, 15, 16, 17, 69], [0, 20, 55]], 4, 2, 16, 32, False, True),   # a segment over 3 chunks
+    (5, [[1, 4], [0]], 2, 1, 20, 16, True, False),                        # shorter than a chunk
+])
+def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
+    # the kernels starting each later segment from segment_init == the chunked reference taking it
+    # (itself held to the recurrence and to add_segment_init above): values, state, every gradient
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    seg = seg_from_starts(l, rows)
+    inputs = make_inputs(len(rows), l, h, g, p, n, dtype=torch.float32, init=init, D=D)
+    s_init = torch.randn(h, p, n, generator=torch.Generator().manual_seed(7)) * 0.5
+    inputs = inputs + [s_init.requires_grad_()]
+    y, s, g_tri = grads(_with_init(ssd_triton, seg, chunk_size=16), inputs)
+    y_ref, s_ref, g_ref = grads(_with_init(ssd_chunked, seg, chunk_size=16), inputs)
+    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    names = [k for k, t in zip("x dt A B C D initial_state segment_init".split(), inputs) if t is not None]
+    for name, a, r in zip(names, g_tri, g_ref):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert rel_err(a, r) < 1e-5, name
+
+
+def test_triton_segment_cumsum_is_its_own_segments_sum():
+    # the kernels' float32 restarting cumsum == the float64 masked sum (ssd.segment_cumsum) to float32
+    # rounding, its gradient == that of the reference, and a document's sums are bitwise independent
+    # of the decays before it (changing them leaves every later segment's sums unchanged)
+    _needs_triton()
+    from elephant.layers.ssd import segment_cumsum, segment_masks
+    from elephant.layers.ssd_triton import _SegmentCumsum
+    b, l, h, Q = 2, 37, 3, 16
+    gen = torch.Generator().manual_seed(8)
+    dA = -(torch.rand(b, l, h, generator=gen) * 2).requires_grad_()
+    seg = seg_from_starts(l, [[1, 2, 16, 20, 36], [0, 31]])
+    nc = 3
+    segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32)
+    cs = _SegmentCumsum.apply(dA, segp, Q)                                     # (b, h, nc, Q)
+    dA64 = dA.detach().double().requires_grad_()
+    ref = segment_cumsum(F.pad(dA64, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h),
+                         segment_masks(seg, nc, Q)[0]).permute(0, 3, 1, 2)
+    assert rel_err(cs, ref) < 1e-6
+    w = torch.randn(cs.shape, generator=gen)
+    (g,) = torch.autograd.grad((cs * w).sum(), dA)
+    (g_ref,) = torch.autograd.grad((ref * w.double()).sum(), dA64)
+    assert rel_err(g, g_ref) < 1e-6
+    other = dA.detach().clone()
+    other[0, :20] *= 3.0                                                       # row 0: before token 20
+    cs2 = _SegmentCumsum.apply(other, segp, Q)
+    assert torch.equal(cs2[0, :, 1, 4:], cs.detach()[0, :, 1, 4:])             # tokens 20.. of chunk 1
+    assert torch.equal(cs2[0, :, 2], cs.detach()[0, :, 2]) and torch.equal(cs2[1], cs.detach()[1])

@@ -16,7 +16,10 @@ Packed documents: with `seg` (B, L) segment ids (0 = the carried document), the 
 inputs of two segments (an explicit shifted sum over the d_conv taps with a same-segment mask) and
 the scan restarts at each boundary (ssd_scan's `seg`). A segment > 0 starts from zero conv inputs and
 a zero SSM state, or from `init = (conv_tail (conv_dim, d_conv - 1), ssm_init (H, P, N))` when given
-(the model's initial-memory prefix). The returned state is the last segment's.
+(the model's initial-memory prefix). The returned state is the last segment's. The scan takes
+ssm_init itself (ssd_scan's `segment_init`); `fused_segment_init = False` on a mixer takes the older
+path instead, a zero-restarting scan plus `add_segment_init` (the same result; kept for the
+benchmark's breakdown).
 """
 from __future__ import annotations
 
@@ -132,6 +135,8 @@ def segment_conv_reference(window: torch.Tensor, seg: torch.Tensor, weight: torc
 
 
 class Mamba2(nn.Module):
+    fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
+
     def __init__(self, cfg: ModelConfig, dt_min: float = 1e-3, dt_max: float = 1e-1,
                  dt_floor: float = 1e-4, A_range: tuple[float, float] = (1.0, 16.0)):
         super().__init__()
@@ -200,13 +205,16 @@ class Mamba2(nn.Module):
         fdt = torch.promote_types(dt.dtype, torch.float32)  # float32, or float64 for fp64 models
         dt = F.softplus(dt.to(fdt) + self.dt_bias.to(fdt))                        # (B, L, H)
         A = -torch.exp(self.A_log.to(fdt))
+        ssm_init = None if seg is None or init is None else init[1]  # segments > 0 start from it
+        fused = ssm_init is not None and self.fused_segment_init
         y, new_ssm_state = ssd_scan(
             xs.reshape(b, l, self.heads, self.head_dim), dt, A,
             Bm.reshape(b, l, 1, self.d_state), Cm.reshape(b, l, 1, self.d_state),
-            self.D, ssm_state, chunk_size=self.chunk_size, seg=seg)               # y (B, L, H, P)
-        if seg is not None and init is not None:  # segments > 0 start from the given SSM state
+            self.D, ssm_state, chunk_size=self.chunk_size, seg=seg,
+            segment_init=ssm_init if fused else None)                              # y (B, L, H, P)
+        if ssm_init is not None and not fused:
             y, new_ssm_state = add_segment_init(y, new_ssm_state, dt, A, Cm.reshape(b, l, 1, self.d_state),
-                                                seg, init[1], self.chunk_size)
+                                                seg, ssm_init, self.chunk_size)
         y = self.norm(y.reshape(b, l, self.d_inner), z)
         return self.out_proj(y), new_conv_state, new_ssm_state
 

@@ -5,7 +5,8 @@ Per head, with a state s of shape (P, N) and a scalar decay per token:
     s_t = exp(dt_t * A) * s_{t-1} + dt_t * x_t B_t^T        y_t = s_t C_t + D * x_t
 
 Three implementations share one signature
-`f(x, dt, A, B, C, D=None, initial_state=None[, chunk_size], seg=None) -> (y, final_state)`:
+`f(x, dt, A, B, C, D=None, initial_state=None[, chunk_size], seg=None, segment_init=None)
+-> (y, final_state)`:
 
 - `ssd_recurrent_ref`: token by token; slow, obviously right: the ground truth of the tests.
 - `ssd_chunked`: the chunked SSD algorithm in PyTorch (Dao & Gu 2024, https://arxiv.org/abs/2405.21060,
@@ -22,8 +23,11 @@ Document boundaries (packed sequences, like mamba-ssm's `seq_idx`): `seg` (b, l)
 along l, gives each token a segment id; where it changes the state restarts from zero: the decay
 across a boundary is exactly 0 and no state passes from one segment's chunks to the next. The initial
 state belongs to segment 0 (a row whose first token has seg > 0 ignores it), the final state is the
-last segment's. `seg=None` is one segment (no boundary). `add_segment_init` adds, in PyTorch, a
-nonzero state that every segment after the first starts from (the model's initial memory prefix).
+last segment's. `seg=None` is one segment (no boundary). `segment_init` (h, p, n), given with `seg`,
+is the state every segment after the first starts from instead of zero (the model's initial-memory
+prefix); the scans take it in their chunk-to-chunk pass and their state -> output term (see
+`_ssd_chunked`). `add_segment_init` adds the same to a zero-restarting scan's result, outside the
+scan: the straightforward form, kept as the reference the fused one is held equal to.
 
 Shapes: x (b, l, h, p); dt (b, l, h), already positive (after softplus); A (h,), negative;
 B, C (b, l, g, n) where the g groups divide the h heads (head i reads group i // (h // g));
@@ -58,16 +62,18 @@ def _check_backend(name: str) -> str:
     return name
 
 
-def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
+def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
+             segment_init=None):
     """The SSD scan through the path chosen by the backend switch (see module docstring)."""
     backend = get_backend()
+    args = (x, dt, A, B, C, D, initial_state, chunk_size, seg, segment_init)
     if backend == "ref":
-        return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
+        return ssd_chunked(*args)
     if backend == "triton":
-        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size, seg)
+        return ssd_triton.ssd_triton(*args)
     if x.is_cuda and ssd_triton.supports(x, B, chunk_size):
-        return ssd_triton.ssd_triton(x, dt, A, B, C, D, initial_state, chunk_size, seg)
-    return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
+        return ssd_triton.ssd_triton(*args)
+    return ssd_chunked(*args)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -75,7 +81,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def check_shapes(x, dt, A, B, C, D, initial_state, seg=None) -> None:
+def check_shapes(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None) -> None:
     if x.dim() != 4:
         raise ValueError(f"ssd: x must be (batch, length, heads, head_dim), got shape {tuple(x.shape)}")
     b, l, h, p = x.shape
@@ -95,6 +101,12 @@ def check_shapes(x, dt, A, B, C, D, initial_state, seg=None) -> None:
     if seg is not None and (seg.shape != (b, l) or seg.is_floating_point()):
         raise ValueError(f"ssd: seg must be ({b}, {l}) integer segment ids or None, got "
                          f"{tuple(seg.shape)} {seg.dtype}")
+    if segment_init is not None:
+        if seg is None:
+            raise ValueError("ssd: segment_init is the state of segments after the first: it needs seg")
+        if segment_init.shape != (h, p, n):
+            raise ValueError(f"ssd: segment_init must be {(h, p, n)} (one state for every segment "
+                             f"after the first), got {tuple(segment_init.shape)}")
 
 
 def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None, seg=None, segment_init=None):
@@ -102,7 +114,7 @@ def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None, seg=None, segm
 
     With `seg`, the state restarts where the segment id changes: from zero, or from
     `segment_init` (h, p, n) when given (the ground truth of `add_segment_init`)."""
-    check_shapes(x, dt, A, B, C, D, initial_state, seg)
+    check_shapes(x, dt, A, B, C, D, initial_state, seg, segment_init)
     with torch.autocast(x.device.type, enabled=False):
         return _ssd_recurrent(x, dt, A, B, C, D, initial_state, seg, segment_init)
 
@@ -133,11 +145,12 @@ def _ssd_recurrent(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None
     return y, s
 
 
-def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
+def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
+                segment_init=None):
     """Chunked SSD in PyTorch; any length (the tail is padded with dt = 0: no decay, no write)."""
-    check_shapes(x, dt, A, B, C, D, initial_state, seg)
+    check_shapes(x, dt, A, B, C, D, initial_state, seg, segment_init)
     with torch.autocast(x.device.type, enabled=False):  # float32 products even under autocast
-        return _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg)
+        return _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg, segment_init)
 
 
 def segment_masks(seg, nc: int, Q: int):
@@ -172,7 +185,14 @@ def segment_cumsum(v, seg):
     return torch.matmul(mask.to(torch.float64), v.to(torch.float64)).to(v.dtype)
 
 
-def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg=None):
+def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg=None, segment_init=None):
+    """With segment_init S0, a segment starting at token a of chunk c has the state
+    exp(cs_t) S0 + (its own writes) at its token t, cs_t the log decay summed from a to t (the
+    restarting cumsum). So S0 enters in two places: the tokens of a segment that starts inside
+    their chunk read exp(cs_t) S0 C_t (step 4, beside the incoming state's term, which only the
+    segment entering the chunk reads), and a chunk whose last segment starts inside it passes on
+    exp(cs_end) S0 beside its own writes (step 2; such a chunk passes nothing else on). A segment
+    that spans several chunks carries S0 on in the passed state like any other state."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g                                   # heads per group
@@ -209,6 +229,10 @@ def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg=None):
         to_end = to_end.masked_fill(~own[:, :, None, None, :], -math.inf)
     to_end = torch.exp(to_end)
     states = torch.einsum("bcjgn,bcgrj,bcjgrp->bcgrpn", Bc, to_end, xdt)  # (b, c, g, r, p, n)
+    if segment_init is not None:  # a chunk whose last segment starts inside it: S0 decayed to the end
+        s0 = segment_init.to(cdt).reshape(g, r, p, n)
+        s0_end = torch.exp(cs[..., -1].masked_fill(passes[:, :, None, None], -math.inf))  # (b, c, g, r)
+        states = states + s0_end[..., None, None] * s0
 
     # 3. pass states from chunk to chunk: states_in[c] = state before chunk c (incl. initial state)
     init = (xf.new_zeros(b, g, r, p, n) if initial_state is None
@@ -233,6 +257,9 @@ def _ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size, seg=None):
         into = into.masked_fill(~incoming[:, :, None, None, :], -math.inf)
     into = torch.exp(into)
     y = y + torch.einsum("bcign,bcgrpn,bcgri->bcigrp", Cc, states_in, into)
+    if segment_init is not None:  # the other tokens: their segment starts in the chunk, from S0
+        fresh = torch.exp(cs.masked_fill(incoming[:, :, None, None, :], -math.inf))
+        y = y + torch.einsum("bcign,grpn,bcgri->bcigrp", Cc, s0, fresh)
 
     y = y.reshape(b, nc * Q, h, p)[:, :l]
     if D is not None:

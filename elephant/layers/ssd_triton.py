@@ -1,8 +1,8 @@
 """Triton kernels for the chunked SSD scan (forward and backward), held equal to `ssd.ssd_chunked`.
 
 The algorithm is ssd_chunked's, per (batch, head) and chunk c of Q tokens with the in-chunk cumulative
-log-decay cs_i = sum_{k <= i} dt_k A (computed in PyTorch: it is tiny, and its autograd carries the
-gradient of cs back into dt and A):
+log-decay cs_i = sum_{k <= i} dt_k A (formed before the scan kernels, in PyTorch or, with boundaries,
+by its own small kernel; it is tiny, and autograd carries the gradient of cs back into dt and A):
 
     forward
       chunk_state  S_c   = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T            (P, N) per chunk
@@ -20,11 +20,26 @@ for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) w
 accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
-boundary (ssd.segment_cumsum, in PyTorch), and the kernels mask by segment: the in-chunk decay
+boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a masked sum
+over the chunk's same-segment earlier tokens, like ssd.segment_cumsum but in float32: each sum still
+holds only its own segment's terms (the others enter as exact zeros), so one document's decays do
+not depend on the document before it; against the float64 sums it differs by float32 rounding of a
+sum of at most Q same-sign terms, the precision of the plain cumsum of the path without boundaries.
+The kernels then mask by segment: the in-chunk decay
 between two segments is exactly 0, only the chunk's last segment writes S_c, only the tokens of the
 segment entering the chunk read H_c, and H_c passes through a chunk only when it holds no boundary.
 Masked exponents are -inf before exp (never exp(...) * 0), so no inf * 0 appears. HAS_SEG=False
 compiles the kernels without any of it.
+
+Segment initial state (`segment_init` S0 (h, p, n), see ssd._ssd_chunked): a segment that starts
+inside chunk c starts from S0 instead of zero. Its tokens add exp(cs_i) S0 C_i (chunk_scan, the
+tokens not in the segment entering the chunk), and a chunk with a boundary passes on
+exp(cs_end) S0 + S_c instead of S_c (state_pass: the state a chunk decays is H_c when it passes,
+S0 when it does not). Backward: dC and dcs of the first term in chunk_scan; dS0 is summed over the
+chunks with a boundary in state_pass (exp(cs_end) G_{c+1} through the pass, plus
+sum_i exp(cs_i) dy_i C_i^T over the new segments' tokens, formed by chunk_state beside dHy_c), and
+dcs_end there becomes exp(cs_end) <G_{c+1}, H_c or S0>. Chunks without a boundary skip all of it
+(a branch on the chunk's segment ids). HAS_SINIT=False compiles the kernels without it.
 
 Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
 """
@@ -36,7 +51,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from elephant.layers.ssd import check_shapes, segment_cumsum, segment_masks
+from elephant.layers.ssd import check_shapes
 
 try:
     import triton
@@ -81,18 +96,46 @@ if HAVE_TRITON:
         return seg, seg_end, seg_prev
 
     @triton.jit
+    def _segment_cumsum_kernel(
+        v_ptr, seg_ptr, out_ptr, L, H, NC,
+        Q: tl.constexpr, BACKWARD: tl.constexpr,
+    ):
+        """forward:  out[b, h, c, i] = sum_{j <= i, seg_j = seg_i} v[b, c*Q + j, h]   (v = dt A, (b, l, h))
+        backward: out[b, c*Q + j, h] = sum_{i >= j, seg_i = seg_j} v[b, h, c, i]   (v = dLoss/dcs)
+        over one chunk; seg padded to NC * Q. A where-sum over the (Q, Q) same-segment triangle."""
+        c = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        i = tl.arange(0, Q)
+        t = c * Q + i
+        seg = tl.load(seg_ptr + b * NC * Q + t)
+        same = seg[:, None] == seg[None, :]
+        if BACKWARD:
+            g = tl.load(v_ptr + ((b * H + h) * NC + c) * Q + i)
+            keep = same & (i[:, None] >= i[None, :])                  # (i, j): i reads j
+            out = tl.sum(tl.where(keep, g[:, None], 0.0), axis=0)      # (Q,) over i, per j
+            tl.store(out_ptr + (b * L + t) * H + h, out, mask=t < L)
+        else:
+            v = tl.load(v_ptr + (b * L + t) * H + h, mask=t < L, other=0.0)
+            keep = same & (i[:, None] >= i[None, :])
+            out = tl.sum(tl.where(keep, v[None, :], 0.0), axis=1)      # (Q,) over j, per i
+            tl.store(out_ptr + ((b * H + h) * NC + c) * Q + i, out)
+
+    @triton.jit
     def _chunk_state_kernel(
-        u_ptr, dt_ptr, v_ptr, cs_ptr, seg_ptr, out_ptr,
+        u_ptr, dt_ptr, v_ptr, cs_ptr, seg_ptr, out_ptr, out_new_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_ub, s_ul, s_uh, s_up,
         s_db, s_dl, s_dh,
         s_vb, s_vl, s_vg, s_vn,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        BACKWARD: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
+        BACKWARD: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
         """out[b, c, h] = sum_j w_j u_j v_j^T over the chunk's tokens j, (P, N) in float32.
         forward:  u = dt * x, v = B, w = exp(cs_end - cs_j)   (the chunk's own state)
-        backward: u = dy,     v = C, w = exp(cs_j)            (the gradient w.r.t. the incoming state)"""
+        backward: u = dy,     v = C, w = exp(cs_j)            (the gradient w.r.t. the incoming state)
+        backward with HAS_SINIT, in a chunk with a boundary: also out_new[b, c, h], the same sum over
+        the tokens of the segments that start in the chunk (their part of the gradient w.r.t. S0)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -124,8 +167,14 @@ if HAVE_TRITON:
             else:
                 w = tl.exp(cs_end - cs) * dt
         acc = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                                    # (P, N)
-        out = out_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
-        tl.store(out, acc, mask=(p[:, None] < P) & (n[None, :] < N))
+        pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
+        pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        tl.store(out_ptr + pn_off, acc, mask=pn_mask)
+        if BACKWARD and HAS_SINIT:
+            if seg_end != seg_prev:  # a segment starts in this chunk (else nothing is written)
+                w_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                acc_new = _dot(tl.trans(u * w_new[:, None]), v, DT, PREC)                   # (P, N)
+                tl.store(out_new_ptr + pn_off, acc_new, mask=pn_mask)
 
     @triton.jit
     def _passes(seg_ptr, b, c, NC, Q: tl.constexpr):
@@ -135,9 +184,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _state_pass_fwd_kernel(
-        states_ptr, init_ptr, final_ptr, cs_ptr, seg_ptr,
+        states_ptr, init_ptr, sinit_ptr, final_ptr, cs_ptr, seg_ptr,
         H, NC, PN,
         Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_SINIT: tl.constexpr,
     ):
         """In place over states (b, c, h, p*n): chunk c's own state S_c in, the state entering it out."""
         blk = tl.program_id(0)
@@ -149,33 +199,45 @@ if HAVE_TRITON:
             s = tl.load(init_ptr + (b * H + h) * PN + e, mask=emask, other=0.0).to(tl.float32)
         else:
             s = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_SINIT:
+            s0 = tl.load(sinit_ptr + h * PN + e, mask=emask, other=0.0)
         c = 0
         while c < NC:  # a while loop: the interpreter cannot take range() over a runtime argument
             ptr = states_ptr + ((b * NC + c) * H + h) * PN + e
             own = tl.load(ptr, mask=emask, other=0.0)
             tl.store(ptr, s, mask=emask)
             decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
-            if HAS_SEG:  # a chunk with a boundary passes nothing on
-                decay = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0)
-            s = decay * s + own
+            if HAS_SEG:
+                if HAS_SINIT:  # a chunk with a boundary passes on its last segment's start, S0, decayed
+                    s = decay * tl.where(_passes(seg_ptr, b, c, NC, Q), s, s0) + own
+                else:  # a chunk with a boundary passes nothing on
+                    s = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0) * s + own
+            else:
+                s = decay * s + own
             c += 1
         tl.store(final_ptr + (b * H + h) * PN + e, s, mask=emask)
 
     @triton.jit
     def _state_pass_bwd_kernel(
         dstates_ptr, states_ptr, dfinal_ptr, dinit_ptr, dcs_end_ptr, cs_ptr, seg_ptr,
+        sinit_ptr, dnew_ptr, dsinit_ptr,
         H, NC, PN, NBLK,
         Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_SINIT: tl.constexpr,
     ):
         """In place over dstates (b, c, h, p*n): dLoss/dH_c through chunk c's outputs in, the gradient
         w.r.t. chunk c's own state S_c (= G_{c+1}) out. Also the partial sums of dLoss/dcs_end per
-        block, (b, h, c, NBLK), and dinit = G_0."""
+        block, (b, h, c, NBLK), and dinit = G_0. HAS_SINIT: dLoss/dS0 of this lane, (b, h, p*n), from
+        the chunks with a boundary: exp(cs_end) G_{c+1} plus their new segments' part dnew (b, c, h, p*n)."""
         blk = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
         e = blk * BLOCK + tl.arange(0, BLOCK)
         emask = e < PN
         grad = tl.load(dfinal_ptr + (b * H + h) * PN + e, mask=emask, other=0.0)
+        if HAS_SINIT:
+            s0 = tl.load(sinit_ptr + h * PN + e, mask=emask, other=0.0)
+            ds0 = tl.zeros([BLOCK], dtype=tl.float32)
         c = NC - 1
         while c >= 0:
             ptr = dstates_ptr + ((b * NC + c) * H + h) * PN + e
@@ -184,25 +246,40 @@ if HAVE_TRITON:
             s_in = tl.load(states_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask, other=0.0)
             decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
             if HAS_SEG:
-                decay = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0)
-            tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * s_in) * decay)
+                passes = _passes(seg_ptr, b, c, NC, Q)
+                if HAS_SINIT:  # the state the chunk decays: H_c, or S0 when a segment starts in it
+                    base = tl.where(passes, s_in, s0)
+                    tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * base) * decay)
+                    # a chunk that passes has no new segment: dnew is read only where it was written
+                    new = tl.load(dnew_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask & (passes == 0),
+                                  other=0.0)
+                    ds0 += tl.where(passes, 0.0, decay) * grad + new
+                else:
+                    tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk,
+                             tl.sum(grad * s_in) * tl.where(passes, decay, 0.0))
+                decay = tl.where(passes, decay, 0.0)
+            else:
+                tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * s_in) * decay)
             grad = from_y + decay * grad
             c -= 1
         if HAS_INIT:
             tl.store(dinit_ptr + (b * H + h) * PN + e, grad, mask=emask)
+        if HAS_SINIT:
+            tl.store(dsinit_ptr + (b * H + h) * PN + e, ds0, mask=emask)
 
     @triton.jit
     def _chunk_scan_fwd_kernel(
-        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, d_ptr, y_ptr,
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, sinit_ptr, d_ptr, y_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_xb, s_xl, s_xh, s_xp,
         s_db, s_dl, s_dh,
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
-        """y for one chunk: the in-chunk quadratic form, the incoming state's part, and D x."""
+        """y for one chunk: the in-chunk quadratic form, the incoming state's part (and S0's for the
+        segments starting in the chunk), and D x."""
         c = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -237,13 +314,19 @@ if HAVE_TRITON:
         M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
         y = _dot(M, x * dt[:, None], DT, PREC)
         y += _dot(Cm, tl.trans(s_in), DT, PREC) * e_cs[:, None]
+        if HAS_SINIT:
+            if seg_end != seg_prev:  # segments start in this chunk: their tokens read S0
+                s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :],
+                             mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)            # (P, N)
+                e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                y += _dot(Cm, tl.trans(s0), DT, PREC) * e_new[:, None]
         if HAS_D:
             y += tl.load(d_ptr + h).to(tl.float32) * x
         tl.store(y_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], y, mask=qp_mask)
 
     @triton.jit
     def _chunk_scan_bwd_kernel(
-        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, d_ptr, dy_ptr, dstates_ptr,
+        x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, sinit_ptr, d_ptr, dy_ptr, dstates_ptr,
         dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP,
         s_xb, s_xl, s_xh, s_xp,
@@ -252,9 +335,10 @@ if HAVE_TRITON:
         s_cb, s_cl, s_cg, s_cn,
         s_yb, s_yl, s_yh, s_yp,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr,
+        HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
+        (dS0 is formed by chunk_state and state_pass; here S0's term adds to dC and dcs.)
         dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
@@ -306,6 +390,12 @@ if HAVE_TRITON:
         s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
         dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
         dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
+        if HAS_SINIT:
+            if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
+                s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask, other=0.0)
+                e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
+                dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
 
         # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
@@ -345,7 +435,7 @@ def _blocks(p: int, n: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n))
 
 
-def _fwd(x, dt, cs, seg, B, C, D, init, Q):
+def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
@@ -354,25 +444,28 @@ def _fwd(x, dt, cs, seg, B, C, D, init, Q):
     states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
     has_seg = seg is not None
     seg = seg if has_seg else cs  # a placeholder pointer when there are no boundaries
+    has_sinit = sinit is not None
     _chunk_state_kernel[(nc, b, h)](
-        x, dt, B, cs, seg, states, l, h, nc, p, n, h // g,
+        x, dt, B, cs, seg, states, states, l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, HAS_SEG=has_seg, num_warps=4)
+        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=False, num_warps=4)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     block = min(1024, triton.next_power_of_2(p * n))
     _state_pass_fwd_kernel[(triton.cdiv(p * n, block), b, h)](
-        states, init if init is not None else final, final, cs, seg, h, nc, p * n,
-        Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg, num_warps=4)
+        states, init if init is not None else final, sinit if has_sinit else final, final, cs, seg,
+        h, nc, p * n, Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg,
+        HAS_SINIT=has_sinit, num_warps=4)
     y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     _chunk_scan_fwd_kernel[(nc, b, h)](
-        x, dt, B, C, cs, seg, states, D if D is not None else x, y, l, h, nc, p, n, h // g,
+        x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, y,
+        l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg,
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         num_warps=8 if max(Q, BP, BN) > 64 else 4)
     return y, final, states
 
 
-def _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal, Q):
+def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
@@ -383,18 +476,24 @@ def _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal, Q):
     dstates = torch.empty(b, nc, h, p, n, **f32)
     has_seg = seg is not None
     seg = seg if has_seg else cs
+    has_sinit = sinit is not None
+    # the new segments' part of dS0, per chunk; written and read only for chunks with a boundary
+    dnew = torch.empty(b, nc, h, p, n, **f32) if has_sinit else dstates
     _chunk_state_kernel[(nc, b, h)](
-        dy, dt, C, cs, seg, dstates, l, h, nc, p, n, h // g,
+        dy, dt, C, cs, seg, dstates, dnew, l, h, nc, p, n, h // g,
         *dy.stride(), *dt.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, HAS_SEG=has_seg, num_warps=4)
+        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        num_warps=4)
     block = min(1024, triton.next_power_of_2(p * n))
     nblk = triton.cdiv(p * n, block)
     dcs_end = torch.empty(b, h, nc, nblk, **f32)
     dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
+    dsinit = torch.empty(b, h, p, n, **f32) if has_sinit else None  # per lane, summed below
     _state_pass_bwd_kernel[(nblk, b, h)](
         dstates, states, dfinal.float().contiguous(), dinit if dinit is not None else dcs_end,
-        dcs_end, cs, seg, h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None,
-        HAS_SEG=has_seg, num_warps=4)
+        dcs_end, cs, seg, sinit if has_sinit else dcs_end, dnew, dsinit if has_sinit else dcs_end,
+        h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None,
+        HAS_SEG=has_seg, HAS_SINIT=has_sinit, num_warps=4)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
     dB = torch.empty(b, l, h, n, **f32)
@@ -402,16 +501,45 @@ def _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal, Q):
     dcs = torch.empty(b, h, nc, Q, **f32)
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
     _chunk_scan_bwd_kernel[(nc, b, h)](
-        x, dt, B, C, cs, seg, states, D if D is not None else x, dy, dstates,
-        dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
+        x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, dy,
+        dstates, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, num_warps=8)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        num_warps=8)
     dcs[..., -1] += dcs_end.sum(-1)
     dB = dB.view(b, l, g, h // g, n).sum(3)
     dC = dC.view(b, l, g, h // g, n).sum(3)
     dD = dD.sum((0, 1)) if dD is not None else None
-    return dx, ddt, dcs, dB, dC, dD, dinit
+    dsinit = dsinit.sum(0) if dsinit is not None else None
+    return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
+
+
+class _SegmentCumsum(torch.autograd.Function):
+    """(dA (b, l, h) float32, padded seg (b, chunks * Q) int32) -> cs (b, h, chunks, Q): the
+    in-chunk cumulative log-decay restarting at each boundary (the padded tail adds nothing)."""
+
+    @staticmethod
+    def forward(ctx, dA, segp, Q):
+        b, l, h = dA.shape
+        nc = segp.shape[1] // Q
+        cs = torch.empty(b, h, nc, Q, device=dA.device, dtype=torch.float32)
+        with _on_device(dA):
+            _segment_cumsum_kernel[(nc, b, h)](dA, segp, cs, l, h, nc, Q=Q, BACKWARD=False, num_warps=4)
+        ctx.save_for_backward(segp)
+        ctx.shape = (b, l, h, Q)
+        return cs
+
+    @staticmethod
+    def backward(ctx, dcs):
+        (segp,) = ctx.saved_tensors
+        b, l, h, Q = ctx.shape
+        nc = segp.shape[1] // Q
+        ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
+        with _on_device(dcs):
+            _segment_cumsum_kernel[(nc, b, h)](dcs.contiguous(), segp, ddA, l, h, nc, Q=Q, BACKWARD=True,
+                                               num_warps=4)
+        return ddA, None, None
 
 
 def _on_device(x: torch.Tensor):
@@ -420,34 +548,36 @@ def _on_device(x: torch.Tensor):
 
 
 class _SSDTriton(torch.autograd.Function):
-    """(x, dt, cs, seg, B, C, D, init) -> (y, final state); saves the states entering each chunk.
-    seg: None, or the padded segment ids (b, chunks * Q) int32."""
+    """(x, dt, cs, seg, B, C, D, init, sinit) -> (y, final state); saves the states entering each
+    chunk. seg: None, or the padded segment ids (b, chunks * Q) int32; sinit: None, or the segment
+    initial state (h, p, n) in float32 (needs seg)."""
 
     @staticmethod
-    def forward(ctx, x, dt, cs, seg, B, C, D, init, Q):
+    def forward(ctx, x, dt, cs, seg, B, C, D, init, sinit, Q):
         with _on_device(x):
-            y, final, states = _fwd(x, dt, cs, seg, B, C, D, init, Q)
-        ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, states)
+            y, final, states = _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q)
+        ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, sinit, states)
         ctx.Q = Q
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, cs, seg, B, C, D, init, states = ctx.saved_tensors
+        x, dt, cs, seg, B, C, D, init, sinit, states = ctx.saved_tensors
         with _on_device(x):
-            dx, ddt, dcs, dB, dC, dD, dinit = _bwd(x, dt, cs, seg, B, C, D, init, states, dy, dfinal,
-                                                   ctx.Q)
+            dx, ddt, dcs, dB, dC, dD, dinit, dsinit = _bwd(x, dt, cs, seg, B, C, D, init, sinit, states,
+                                                           dy, dfinal, ctx.Q)
         return (dx, ddt.to(dt.dtype), dcs, None, dB.to(B.dtype), dC.to(C.dtype),
-                dD.to(D.dtype) if dD is not None else None, dinit, None)
+                dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
 
 
 @torch.compiler.disable
-def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None):
+def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
+               segment_init=None):
     """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
     dtype, final state in float32), for float32 / bfloat16 / float16 inputs."""
     if not HAVE_TRITON:
         raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
-    check_shapes(x, dt, A, B, C, D, initial_state, seg)
+    check_shapes(x, dt, A, B, C, D, initial_state, seg, segment_init)
     if not supports(x, B, chunk_size):
         raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size 16, 32, 64 or 128, "
                          f"head_dim and d_state <= 128, and tensors under 2**31 elements (split the "
@@ -457,15 +587,13 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
     Q = chunk_size
     nc = max(1, math.ceil(l / Q))
     # in-chunk cumulative log-decay (b, h, chunks, Q); the padded tail has dt = 0: no decay, no write
-    dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
     if seg is None:
-        cs = dA.cumsum(2)
+        dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+        cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
         segp = None
-    else:  # restarting at each boundary; the padded segment ids go to the kernels
-        segc = segment_masks(seg, nc, Q)[0]
-        with torch.autocast(x.device.type, enabled=False):
-            cs = segment_cumsum(dA, segc)
-        segp = segc.reshape(b, nc * Q).to(torch.int32).contiguous()
-    cs = cs.permute(0, 3, 1, 2).contiguous()
+    else:  # restarting at each boundary; the segment ids, padded with the last one, go to the kernels
+        segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
+        cs = _SegmentCumsum.apply((dt.float() * A.float()).contiguous(), segp, Q)
     init = initial_state.float().contiguous() if initial_state is not None else None
-    return _SSDTriton.apply(x, dt, cs, segp, B, C, D, init, Q)
+    sinit = segment_init.float().contiguous() if segment_init is not None else None
+    return _SSDTriton.apply(x, dt, cs, segp, B, C, D, init, sinit, Q)
