@@ -335,11 +335,18 @@ def test_triton_equals_chunked(b, l, h, g, p, n, init, D):
     y, s, g_tri = grads(ssd_triton, inputs, chunk_size=16)
     y_ref, s_ref, g_ref = grads(ssd_chunked, inputs, chunk_size=16)
     assert y.dtype == torch.float32 and s.dtype == torch.float32
-    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
-    names = [k for k, t in zip("x dt A B C D initial_state".split(), inputs) if t is not None]
-    for name, a, r in zip(names, g_tri, g_ref):
+    assert_close_outputs(inputs, (y, s, g_tri), (y_ref, s_ref, g_ref))
+
+
+def assert_close_outputs(inputs, got, want, tol=1e-5):
+    """Output, final state and the gradient of every given input agree to `tol` (relative)."""
+    (y, s, g), (y_ref, s_ref, g_ref) = got, want
+    assert rel_err(y, y_ref) < tol and rel_err(s, s_ref) < tol
+    names = [k for k, t in zip("x dt A B C D initial_state segment_init".split(), inputs)
+             if t is not None]
+    for name, a, r in zip(names, g, g_ref):
         assert a.shape == r.shape and a.dtype == r.dtype, name
-        assert rel_err(a, r) < 1e-5, name
+        assert rel_err(a, r) < tol, name
 
 
 def test_triton_strided_inputs_and_unused_final_state():
@@ -416,11 +423,7 @@ def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
     inputs = inputs + [s_init.requires_grad_()]
     y, s, g_tri = grads(_with_init(ssd_triton, seg, chunk_size=16), inputs)
     y_ref, s_ref, g_ref = grads(_with_init(ssd_chunked, seg, chunk_size=16), inputs)
-    assert rel_err(y, y_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
-    names = [k for k, t in zip("x dt A B C D initial_state segment_init".split(), inputs) if t is not None]
-    for name, a, r in zip(names, g_tri, g_ref):
-        assert a.shape == r.shape and a.dtype == r.dtype, name
-        assert rel_err(a, r) < 1e-5, name
+    assert_close_outputs(inputs, (y, s, g_tri), (y_ref, s_ref, g_ref))
 
 
 def test_triton_segment_cumsum_is_its_own_segments_sum():
