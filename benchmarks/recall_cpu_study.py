@@ -53,6 +53,8 @@ VARIANTS = {
     "window": {"window": 2},
     "path": {"window": 2, "memory_path": True},
     "path-open": {"window": 2, "memory_path": True, "mem_gate_init": 0.0},
+    "window4": {"window": 4},
+    "path4": {"window": 4, "memory_path": True},
 }
 
 
@@ -75,7 +77,7 @@ def run(name: str, args) -> dict:
     curve = train_on_answers(model, opt, args.steps, args.lanes, args.chunk, gaps, args.digits,
                              args.seed, log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True),
                              start_max_gap=args.curriculum_from, before_step=schedule,
-                             window=window, memory_path=memory_path)
+                             window=window, memory_path=memory_path, log_gaps=args.log_gaps)
     tok, T = ByteTokenizer(), args.chunk
     distances = [parse_count(d) for d in args.distances.split(",")]
     out = {"variant": name, "config": cfg.to_dict(), "params": model.num_params(), "curve": curve,
@@ -96,6 +98,8 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--train-gaps", default="40,160", help="min,max distance of the training queries")
+    p.add_argument("--log-gaps", action="store_true",
+                   help="training distances log-uniform in --train-gaps (default: uniform)")
     p.add_argument("--curriculum-from", type=int, default=0,
                    help="grow the largest training distance from this one (0: no curriculum)")
     p.add_argument("--distances", default="128,512,2K,8K,32K")

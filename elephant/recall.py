@@ -155,14 +155,18 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
 
 
 def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int,
-                 gaps: tuple[int, int], digits: int = 6):
-    """`lanes` one-fact documents queried once at a distance in [gaps[0], gaps[1]], padded to whole
-    chunks: (tokens (lanes, C * chunk_len + 1), answer mask (lanes, C * chunk_len) over the
-    targets, C)."""
+                 gaps: tuple[int, int], digits: int = 6, log_gaps: bool = False):
+    """`lanes` one-fact documents queried once at a distance in [gaps[0], gaps[1]] (uniform, or
+    log-uniform with `log_gaps`), padded to whole chunks: (tokens (lanes, C * chunk_len + 1),
+    answer mask (lanes, C * chunk_len) over the targets, C)."""
     from data_packing.recall import build_document
 
-    docs = [build_document(rng, tokenizer, 1, [(0, int(rng.integers(gaps[0], gaps[1] + 1)))],
-                           lead=int(rng.integers(0, chunk_len)), digits=digits) for _ in range(lanes)]
+    def gap() -> int:
+        if log_gaps:
+            return int(round(math.exp(rng.uniform(math.log(gaps[0]), math.log(gaps[1])))))
+        return int(rng.integers(gaps[0], gaps[1] + 1))
+    docs = [build_document(rng, tokenizer, 1, [(0, gap())], lead=int(rng.integers(0, chunk_len)),
+                           digits=digits) for _ in range(lanes)]
     n_chunks = -(-(max(len(d.tokens) for d in docs) - 1) // chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), np.int64)
     mask = np.zeros((lanes, n_chunks * chunk_len), bool)
@@ -211,10 +215,12 @@ def answer_step(model, chunks: list, state, window: int = 0, memory_path: bool =
 
 def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],
                      digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0,
-                     before_step=None, memory_path: bool = False, window: int = 0) -> list[dict]:
+                     before_step=None, memory_path: bool = False, window: int = 0,
+                     log_gaps: bool = False) -> list[dict]:
     """A short training loop with the loss on the answer digits only: the signal a CPU can afford
     (the CPU test and benchmarks/recall_cpu_study.py). Each step is one batch of one-fact
-    documents, each a fresh lane state; `window` and `memory_path` as in `answer_step`. With
+    documents (distances uniform, or log-uniform with `log_gaps`), each a fresh lane state;
+    `window` and `memory_path` as in `answer_step`. With
     `start_max_gap`, a curriculum: the largest distance grows geometrically from it to gaps[1]
     over the first half of the steps. Returns the answer loss every 50 steps.
     `before_step(step)`, if given, runs before each step (schedules)."""
@@ -230,7 +236,8 @@ def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: t
         if start_max_gap:
             grown = min(1.0, step / max(1, steps // 2))
             hi = int(round(start_max_gap * (gaps[1] / start_max_gap) ** grown))
-        tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (gaps[0], hi), digits)
+        tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (gaps[0], hi), digits,
+                                              log_gaps)
         tokens, mask = tokens.to(device), mask.to(device)
         reset = torch.ones(lanes, dtype=torch.bool, device=device)
         chunks = [(tokens[:, c * chunk_len:(c + 1) * chunk_len + 1],
