@@ -27,12 +27,17 @@ def corpus_of(lengths, vocab=61, seed=0) -> TokenizedCorpus:
     return c
 
 
-@pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (4, 64)])
-def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
+def mama_model() -> ElephantLM:
+    """A tiny float64 MAMA model, memory off, its window (128) covering every test document."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
                       mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=128)
-    model = ElephantLM(cfg).double()
+    return ElephantLM(cfg).double()
+
+
+@pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (4, 64)])
+def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
+    model = mama_model()
     lengths = [50, 2, 113, 17, 64, 90]
     corpus = corpus_of(lengths)
     got = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
@@ -58,10 +63,7 @@ def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
 @pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (2, 64)])
 def test_packed_evaluation_equals_unpacked_evaluation(lanes, chunk_len):
     # memory off, a window covering the documents: where a document sits in the rows does not matter
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=128)
-    model = ElephantLM(cfg).double()
+    model = mama_model()
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     unpacked = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
     packed = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", pack=True)

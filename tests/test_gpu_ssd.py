@@ -122,16 +122,21 @@ def _mixer_grads(m, x, conv0, ssm0, backend, compiled=False):
     return y, ssm, grads
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_mamba2_triton_equals_reference_on_cuda(compiled):
-    """The whole mixer under bf16 autocast, eager and under torch.compile, with carried state."""
+def mixer_inputs():
+    """A 70M-shape Mamba-2 mixer, its input (4, 300, 512) and a random carried state (with grad)."""
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=512, expand=2, mamba_head_dim=64, d_state=64, ssd_chunk=64)
     m = Mamba2(cfg).to(DEVICE)
     x = torch.randn(4, 300, 512, device=DEVICE)
     conv0, ssm0 = m.init_state(4, device=DEVICE, dtype=torch.bfloat16)
-    conv0 = torch.randn_like(conv0).requires_grad_()
-    ssm0 = torch.randn_like(ssm0).requires_grad_()
+    return (cfg, m, x, torch.randn_like(conv0).requires_grad_(),
+            torch.randn_like(ssm0).requires_grad_())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mamba2_triton_equals_reference_on_cuda(compiled):
+    """The whole mixer under bf16 autocast, eager and under torch.compile, with carried state."""
+    cfg, m, x, conv0, ssm0 = mixer_inputs()
     y_r, s_r, g_r = _mixer_grads(m, x, conv0, ssm0, "ref")
     y_t, s_t, g_t = _mixer_grads(m, x, conv0, ssm0, "triton", compiled=compiled)
     tol = REL_TOL[torch.bfloat16]
@@ -230,13 +235,7 @@ def test_mamba2_with_boundaries_triton_equals_reference_on_cuda(compiled):
     """The mixer with packed documents (segments, initial-memory conv tail and SSM state) under bf16
     autocast: Triton path (the scan taking the SSM state itself) == reference path (the scan
     restarting from zero plus add_segment_init), values and gradients, eager and compiled."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=512, expand=2, mamba_head_dim=64, d_state=64, ssd_chunk=64)
-    m = Mamba2(cfg).to(DEVICE)
-    x = torch.randn(4, 300, 512, device=DEVICE)
-    conv0, ssm0 = m.init_state(4, device=DEVICE, dtype=torch.bfloat16)
-    conv0 = torch.randn_like(conv0).requires_grad_()
-    ssm0 = torch.randn_like(ssm0).requires_grad_()
+    cfg, m, x, conv0, ssm0 = mixer_inputs()
     tail = torch.randn(m.conv_dim, cfg.d_conv - 1, device=DEVICE, requires_grad=True)
     s_init = torch.randn(m.heads, m.head_dim, m.d_state, device=DEVICE, requires_grad=True)
     seg = make_seg(4, 300, 50, 64)
