@@ -117,14 +117,20 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         from tqdm import tqdm
         bar = tqdm(total=int(steps), desc="evaluating", unit=" chunks", dynamic_ncols=True)
     idx = torch.arange(chunk_len, device=device)
+    prefix = None
+    if pack and model.cfg.n_mem:   # the weights do not change while evaluating: one prefix for all
+        with autocast() if autocast else nullcontext():
+            prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
     for batch in batcher:
         tokens = to_device(batch.tokens, device)
         mask = to_device(batch.loss_mask, device)
         starts = to_device(batch.starts, device)
         ids = to_device(batch.token_doc_ids, device)                   # (B, T) document of each input
         with autocast() if autocast else nullcontext():
+            # the boundary path only for chunks where a document starts inside (a host-side flag)
+            inner = starts if pack and batch.inner_starts else None
             nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:], loss_mask=mask,
-                               reduction="none", starts=starts if pack else None)
+                               reduction="none", starts=inner, prefix=prefix)
         nll = nll.double()                                             # (B, T) zero where masked
         weight = mask.double()
         ids = torch.where(ids < 0, n_docs, ids).flatten()

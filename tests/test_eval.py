@@ -90,6 +90,30 @@ def test_packed_evaluation_with_memory_scores_every_document_once():
     assert math.isclose(packed["nll_sum"], unpacked["nll_sum"], rel_tol=0.05)
 
 
+def test_packed_evaluation_equals_the_boundary_path_on_every_chunk():
+    # evaluate() computes the initial-memory prefix once and takes the plain path for chunks with
+    # no document starting inside; the same stream with `starts` (and a fresh prefix) on every
+    # chunk must give the same sums
+    from data_packing import RollingChunkBatcher
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double().eval()
+    corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
+    packed = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", pack=True, order="corpus")
+    batcher = RollingChunkBatcher(corpus, lanes=2, chunk_len=16, seed=0, loop=False, shuffle=False,
+                                  pack=True)
+    state, total, plain = model.init_state(2), 0.0, 0
+    with torch.no_grad():
+        for b in batcher:
+            plain += not b.inner_starts
+            nll, state = model(b.tokens[:, :-1], state, b.starts[:, 0], targets=b.tokens[:, 1:],
+                               loss_mask=b.loss_mask, reduction="none", starts=b.starts)
+            total += float(nll.sum())
+    assert plain > 0                                   # some chunks did take the plain path
+    assert math.isclose(packed["nll_sum"], total, rel_tol=1e-12)
+
+
 def test_evaluation_memory_does_not_grow_with_document_length():
     # the state a lane carries has a fixed size: a 40x longer document leaves the same state shapes
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MA", d_mlp=48, d_state=16,
