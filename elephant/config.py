@@ -186,6 +186,8 @@ class TrainConfig:
     lanes: int = 8                   # batch rows per micro-batch; each row walks its own document
     chunk_len: int = 256             # tokens per chunk (T)
     grad_accum: int = 1              # micro-batches (groups of lanes) per optimizer step
+    memory_windows: int = 1          # BPTT windows (of model.bptt_chunks) per optimizer step; > 1
+                                     # with memory: memory-only backpropagation across them
     max_steps: int = 1000
     seed: int = 1337
     device: str = "auto"             # auto | cpu | cuda | cuda:N
@@ -200,8 +202,8 @@ class TrainConfig:
     tensorboard: bool = True         # when tensorboard is installed
 
     def validate(self) -> None:
-        _positive(self, "lanes", "chunk_len", "grad_accum", "max_steps", "log_every", "keep_ckpts",
-                  "max_bad_steps")
+        _positive(self, "lanes", "chunk_len", "grad_accum", "memory_windows", "max_steps",
+                  "log_every", "keep_ckpts", "max_bad_steps")
         _non_negative(self, "eval_every", "eval_docs", "ckpt_every")
         _choice(self, "dtype", ("auto", "bf16", "fp32"))
         _choice(self, "compile", ("auto", "on", "off"))

@@ -1,9 +1,13 @@
-"""The training loop: every step advances every lane by `bptt_chunks` chunks of its document.
+"""The training loop: every step advances every lane by `bptt_chunks` chunks of its document
+(times `train.memory_windows`).
 
 The recurrent state (KV windows, Mamba conv/SSM state, RMT memory) of a lane persists from step
 to step while the lane stays in its document, and is reset by the batcher's flags when a new
-document takes the lane. Gradients flow through the `bptt_chunks` chunks of a step; the model
-detaches the state at the next step's first chunk.
+document takes the lane. Gradients flow through the `bptt_chunks` chunks of a window, and the
+state is detached after it. With memory and `memory_windows` > 1, a step is several windows, each
+backpropagated on its own, and the chain of memory updates is kept across them
+(`RecurrentState.track_memory_path`): a loss reaches the memory gates of every earlier chunk of
+the step, not only of its window.
 
 Data parallelism without a DDP wrapper: the global batch is `world_size x grad_accum` shards of
 `lanes` lanes, each shard with its own batcher (rank r's micro-batch g is shard r * grad_accum + g)
@@ -249,15 +253,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
-        """Advance every lane by bptt_chunks chunks, backpropagate through them, update.
+        """Advance every lane by bptt_chunks x memory_windows chunks, backpropagate through each
+        window of bptt_chunks (and, with memory and several windows, through the memory updates
+        across them: memory-only backpropagation), update.
 
         One host synchronization per step: reading the loss, after the backward is queued, to skip
         the update of a non-finite step. The batches go to the device by non-blocking copies and
         the token count is taken from the host's masks. `grad_norm` is returned as a 0-d device
         tensor: reading it waits for the GPU, so the loop reads it only when it logs."""
         rt, cfg = self.rt, self.cfg
-        k = cfg.model.bptt_chunks
-        groups = [[next(it) for _ in range(k)] for it in self.iters]
+        k, windows = cfg.model.bptt_chunks, cfg.train.memory_windows
+        memory_path = windows > 1 and cfg.model.n_mem > 0
+        groups = [[next(it) for _ in range(k * windows)] for it in self.iters]
         n_local = sum(int(b.loss_mask.sum()) for g in groups for b in g)   # host tensors: no sync
         if rt.world > 1:
             count = torch.tensor(float(n_local), dtype=torch.float64, device=rt.device)
@@ -268,26 +275,16 @@ class Trainer:
             scale = float(np.float32(1) / np.float32(max(n_local, 1)))  # as the float32 division
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
-            state, loss, prefix = self.states[g], 0.0, None
-            for b in batches:
-                tokens = to_device(b.tokens, rt.device)
-                # packed rows: the boundary path only for chunks where a document starts inside
-                # (the batcher's host-side flag); a start at token 0 is the reset flag
-                starts = (to_device(b.starts, rt.device)
-                          if cfg.data.pack and b.inner_starts else None)
-                with rt.autocast():
-                    if starts is not None and cfg.model.n_mem and prefix is None:
-                        # the initial memory's prefix once for the chunks backpropagated together
-                        prefix = self.model.init_prefix()
-                    nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
-                                            targets=tokens[:, 1:],
-                                            loss_mask=to_device(b.loss_mask, rt.device),
-                                            reduction="sum", starts=starts, prefix=prefix)
-                loss = loss + nll
-            # the optimizers average gradients over ranks: scale so the average is the global mean
-            (loss * scale).backward()
+            state = self.states[g]
+            if memory_path:
+                state.track_memory_path()
+            for w in range(windows):
+                state, loss = self._window(batches[w * k:(w + 1) * k], state, scale)
+                total += loss
+            if memory_path:   # the later windows' gradient, back through the memory updates
+                state.backward_memory_path()
+                state.memory_path = None
             self.states[g] = state.detach()
-            total += loss.detach().double()
         if rt.world > 1:
             dist.all_reduce(total)
             loss, n_tokens = torch.stack([total / count.clamp(min=1), count]).tolist()
@@ -311,6 +308,29 @@ class Trainer:
         self.step += 1
         self.tokens_seen += n_tokens
         return out
+
+    def _window(self, batches: list, state, scale) -> tuple:
+        """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
+        return (the state detached after them, the summed loss as a float64 tensor)."""
+        rt, cfg = self.rt, self.cfg
+        loss, prefix = 0.0, None
+        for b in batches:
+            tokens = to_device(b.tokens, rt.device)
+            # packed rows: the boundary path only for chunks where a document starts inside
+            # (the batcher's host-side flag); a start at token 0 is the reset flag
+            starts = to_device(b.starts, rt.device) if cfg.data.pack and b.inner_starts else None
+            with rt.autocast():
+                if starts is not None and cfg.model.n_mem and prefix is None:
+                    # the initial memory's prefix once for the chunks backpropagated together
+                    prefix = self.model.init_prefix()
+                nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
+                                        targets=tokens[:, 1:],
+                                        loss_mask=to_device(b.loss_mask, rt.device),
+                                        reduction="sum", starts=starts, prefix=prefix)
+            loss = loss + nll
+        # the optimizers average gradients over ranks: scale so the average is the global mean
+        (loss * scale).backward()
+        return state.detach(), loss.detach().double()
 
     # ------------------------------------------------------------------ evaluation
     def validate(self) -> dict | None:

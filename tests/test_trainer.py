@@ -266,3 +266,42 @@ def test_packed_train_step_equals_the_per_chunk_boundary_path(tmp_path, corpus_d
     finally:
         tr.close()
     assert 0 < sum(inner) < len(inner)  # both kinds of chunk were seen
+
+
+def test_memory_windows_step_equals_answer_step_with_the_memory_path(tmp_path, corpus_dir):
+    # train.memory_windows = 3: a step is 3 BPTT windows, each backpropagated alone, with the
+    # memory path across them. Its gradients equal elephant.recall.answer_step's on the same
+    # chunks (windows of bptt_chunks, memory path on), and differ from the same windows without
+    # the path; parameters held fixed over 3 steps.
+    from data_packing import RollingChunkBatcher
+    from elephant.recall import answer_step
+    run = tmp_path / "windows"
+    cfg = load_config(ROOT / "configs/tiny.toml",
+                      overrides(run, corpus_dir, **{"optim.grad_clip": 0, "train.memory_windows": 3}))
+    tr = Trainer(cfg, progress=False)
+    model, t, k = tr.model, cfg.train, cfg.model.bptt_chunks
+    ref_batcher = RollingChunkBatcher(tr.train_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
+                                      seed=t.seed)
+    ref_batcher.load_state_dict(tr.batchers[0].state_dict())
+    grads = []
+    tr.opt.step = lambda: grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None})
+    state = model.init_state(t.lanes)
+    try:
+        for _ in range(3):
+            out = tr.train_step()
+            chunks = [(b.tokens, b.loss_mask, b.reset) for b in
+                      (next(ref_batcher) for _ in range(3 * k))]
+            model.zero_grad(set_to_none=True)
+            loss, _ = answer_step(model, chunks, state, window=k, memory_path=False)
+            no_path = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            loss, state = answer_step(model, chunks, state, window=k, memory_path=True)
+            assert abs(out["loss"] - loss) < 1e-5 * abs(out["loss"])
+            for name, g in grads[-1].items():
+                ref = model.get_parameter(name).grad
+                assert (g - ref).abs().max() < 1e-5 * g.abs().max() + 1e-9, name
+            assert not torch.allclose(no_path["mem_gate"], grads[-1]["mem_gate"])
+            model.zero_grad(set_to_none=True)
+    finally:
+        tr.close()
