@@ -7,6 +7,7 @@ source: the standard library plus site-packages, bytes), then scored over whole 
 
 hybrid       configs/recall.toml's design at the LM-study size: MAMMAMMA, d_model 512, 8 memory
              tokens (gated), KV window 512, chunks of 512, BPTT 2 chunks, 32 lanes.
+hybrid-path  the hybrid, each step 4 BPTT windows with memory-only backpropagation across them.
 transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lanes x 2 micro-batches
              = the same tokens per step; its MLP is widened until its parameter count matches.
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
@@ -34,6 +35,10 @@ SHAPE = ["model.vocab_size=320", "model.d_model=512", "model.n_heads=8", "model.
 VARIANTS = {
     "hybrid": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
+    # the hybrid with memory-only backpropagation over 4 windows per step (train.memory_windows)
+    "hybrid-path": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                    "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
+                    "train.memory_windows=4"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
