@@ -90,6 +90,14 @@ def test_bf16_autocast_training_step_is_finite_and_close_to_fp32():
 # these blocks is exercised by the compiled mixer / MLP / attention / head tests and by
 # benchmarks/train_speed.py, which fails on a recompile of the inductor-compiled training step.
 def test_compiled_blocks_do_not_recompile_across_chunks():
+    assert_compiled_blocks_never_recompile(
+        5, lambda c: {"reset": torch.tensor([c == 2, False, False, c == 3], device="cuda")})
+
+
+def assert_compiled_blocks_never_recompile(n_chunks, chunk_kwargs):
+    """Blocks compiled (aot_eager) over `n_chunks` chunks with carried state, chunk c given the
+    forward arguments `chunk_kwargs(c)`: once warmed up (a fresh state and a carried one seen, after
+    two chunks) a recompile is an error."""
     import torch._dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -99,12 +107,11 @@ def test_compiled_blocks_do_not_recompile_across_chunks():
     state = None
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            for c in range(5):
-                if c == 2:  # warmed up: a fresh state and a carried one have been seen
+            for c in range(n_chunks):
+                if c == 2:
                     torch._dynamo.config.error_on_recompile = True
                 tokens = torch.randint(0, 512, (4, 64), device="cuda")
-                reset = torch.tensor([c == 2, False, False, c == 3], device="cuda")
-                loss, state = model(tokens, state, reset, targets=tokens)
+                loss, state = model(tokens, state, targets=tokens, **chunk_kwargs(c))
                 loss.backward()
                 state = state.detach()
     finally:
@@ -154,25 +161,8 @@ def test_packed_previous_document_never_leaks_on_cuda():
 
 
 def test_packed_compiled_blocks_do_not_recompile_across_chunks():
-    import torch._dynamo
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = ElephantLM(cfg(n_mem=4, kv_window=64)).cuda()
-    for block in model.blocks:
-        block.compile(dynamic=False, backend="aot_eager")   # see the unpacked test above
     starts = random_starts(6, 4, 64, 20)
-    state = None
-    try:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            for c in range(6):
-                if c == 2:  # warmed up: a fresh state and a carried one have been seen
-                    torch._dynamo.config.error_on_recompile = True
-                tokens = torch.randint(0, 512, (4, 64), device="cuda")
-                loss, state = model(tokens, state, targets=tokens, starts=starts[c])
-                loss.backward()
-                state = state.detach()
-    finally:
-        torch._dynamo.config.error_on_recompile = False
+    assert_compiled_blocks_never_recompile(6, lambda c: {"starts": starts[c]})
 
 
 # --- the blocked head (layers/head.py) -------------------------------------------------------------
