@@ -192,25 +192,24 @@ def answer_step(model, chunks: list, state, window: int = 0, memory_path: bool =
     if window and model.cfg.bptt_chunks < window:
         raise ValueError(f"window {window} is longer than the model's bptt_chunks "
                          f"{model.cfg.bptt_chunks}")
+    from elephant.state import backprop_windows
+
     count = sum(m.sum() for _, m, _ in chunks).clamp(min=1).float()
-    if memory_path:
-        state.memory_path, state.links = None, []
-        state = state.detach().track_memory_path()
-    total, part = 0.0, 0.0
-    for c, (x, mask, reset) in enumerate(chunks):
-        if window and c and c % window == 0:
-            (part / count).backward()
-            total, part = total + float(part.detach()), 0.0
-            state = state.detach()
-        with autocast() if autocast else nullcontext():
-            nll, state = model(x[:, :-1], state, reset, targets=x[:, 1:], loss_mask=mask,
-                               reduction="sum")
-        part = part + nll
-    (part / count).backward()
-    if memory_path:
-        state.backward_memory_path()
-    state.memory_path = None
-    return (total + float(part.detach())) / float(count), state.detach()
+    k = window or len(chunks)
+
+    def run(part_chunks, state):
+        part = 0.0
+        for x, mask, reset in part_chunks:
+            with autocast() if autocast else nullcontext():
+                nll, state = model(x[:, :-1], state, reset, targets=x[:, 1:], loss_mask=mask,
+                                   reduction="sum")
+            part = part + nll
+        (part / count).backward()
+        return state, float(part.detach())
+
+    state, losses = backprop_windows(state, [chunks[i:i + k] for i in range(0, len(chunks), k)],
+                                     run, memory_path)
+    return sum(losses) / float(count), state
 
 
 def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],

@@ -201,3 +201,26 @@ class RecurrentState:
             self.memory = tensors["memory"].to(self.memory.device, self.memory.dtype)
         if "chunks" in tensors:
             self.chunks = int(tensors["chunks"])
+
+
+def backprop_windows(state: RecurrentState, windows: list, run_window, memory_path: bool = False):
+    """Truncated BPTT over consecutive windows: `run_window(window, state) -> (state, loss)` runs
+    the forward and backward pass of one window; the state is detached between windows. With
+    `memory_path` (and memory), the chain of memory updates is kept across the detaches and
+    backpropagated once every window's backward is done (memory-only backpropagation, see
+    `RecurrentState.track_memory_path`). Returns (the state after the last window, detached; the
+    windows' losses)."""
+    if memory_path:
+        state.memory_path, state.links = None, []
+        state = state.detach().track_memory_path()
+    losses = []
+    for i, window in enumerate(windows):
+        if i:
+            state = state.detach()
+        state, loss = run_window(window, state)
+        losses.append(loss)
+    if memory_path:   # the later windows' gradient, back through the memory updates
+        state.backward_memory_path()
+    state.memory_path = None
+    return state.detach(), losses
+

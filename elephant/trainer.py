@@ -38,6 +38,7 @@ from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
 from .model import ElephantLM
+from .state import backprop_windows
 from .optim import build_optimizers
 from .preemption import StopRequest, signal_name
 from .rundir import RunDirError, RunLock, claim_run_dir
@@ -275,16 +276,10 @@ class Trainer:
             scale = float(np.float32(1) / np.float32(max(n_local, 1)))  # as the float32 division
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
-            state = self.states[g]
-            if memory_path:
-                state.track_memory_path()
-            for w in range(windows):
-                state, loss = self._window(batches[w * k:(w + 1) * k], state, scale)
-                total += loss
-            if memory_path:   # the later windows' gradient, back through the memory updates
-                state.backward_memory_path()
-                state.memory_path = None
-            self.states[g] = state.detach()
+            self.states[g], losses = backprop_windows(
+                self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
+                lambda window, state: self._window(window, state, scale), memory_path)
+            total += sum(losses)
         if rt.world > 1:
             dist.all_reduce(total)
             loss, n_tokens = torch.stack([total / count.clamp(min=1), count]).tolist()
@@ -311,7 +306,7 @@ class Trainer:
 
     def _window(self, batches: list, state, scale) -> tuple:
         """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
-        return (the state detached after them, the summed loss as a float64 tensor)."""
+        return (the state after them, the summed loss as a float64 tensor)."""
         rt, cfg = self.rt, self.cfg
         loss, prefix = 0.0, None
         for b in batches:
@@ -330,7 +325,7 @@ class Trainer:
             loss = loss + nll
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
-        return state.detach(), loss.detach().double()
+        return state, loss.detach().double()
 
     # ------------------------------------------------------------------ evaluation
     def validate(self) -> dict | None:
