@@ -23,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,15 +54,16 @@ def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, 
     from elephant.config import load_config
     from elephant.hub import from_pretrained
     from elephant.recall import evaluate_recall, format_table, parse_count, train_recall
+    from elephant.trainer import setup_runtime
 
     overrides_v, memory_path = VARIANTS[name]
     cfg = load_config(ROOT / "configs/recall.toml",
                       [f"train.run_dir={runs / name}", *overrides_v, *overrides])
     info = train_recall(cfg, budget_s=budget_s, memory_path=memory_path,
                         log=lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True))
-    device = torch.device("cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu")
+    rt = setup_runtime(cfg)
+    device, autocast = rt.device, rt.autocast
     model, tokenizer, _ = from_pretrained(runs / name, device=device)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
     result = {"name": name, "overrides": overrides_v + overrides, "memory_path": memory_path,
               "config": cfg.to_dict(), "params": model.num_params(), "steps": info["steps"],
               "train_seconds": info["train_seconds"], "curve": info["curve"], "recall": {}}

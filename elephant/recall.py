@@ -314,9 +314,11 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
 
+    from elephant.trainer import setup_runtime
+
     t, d = cfg.train, cfg.data
-    device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if t.device == "auto" else t.device)
+    rt = setup_runtime(cfg)          # train.device and train.dtype, as the general trainer reads them
+    device = rt.device
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(d.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -337,8 +339,6 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
         for block in model.blocks:
             block.compile(dynamic=False)
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
-                else None)
     task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
     lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)
     window = cfg.model.bptt_chunks
@@ -353,7 +353,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
             chunks.append((x.to(device, non_blocking=True), m.to(device, non_blocking=True),
                            r.to(device, non_blocking=True)))
         opt.set_step(step, total)
-        loss, state = answer_step(model, chunks, state, window, memory_path, autocast)
+        loss, state = answer_step(model, chunks, state, window, memory_path, rt.autocast)
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
