@@ -432,14 +432,14 @@ def test_triton_segment_cumsum_is_its_own_segments_sum():
     # of the decays before it (changing them leaves every later segment's sums unchanged)
     _needs_triton()
     from elephant.layers.ssd import segment_cumsum, segment_masks
-    from elephant.layers.ssd_triton import _SegmentCumsum
+    from elephant.layers.ssd_triton import _segment_cumsum_op
     b, l, h, Q = 2, 37, 3, 16
     gen = torch.Generator().manual_seed(8)
     dA = -(torch.rand(b, l, h, generator=gen) * 2).requires_grad_()
     seg = seg_from_starts(l, [[1, 2, 16, 20, 36], [0, 31]])
     nc = 3
     segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32)
-    cs = _SegmentCumsum.apply(dA, segp, Q)                                     # (b, h, nc, Q)
+    cs = _segment_cumsum_op(dA, segp, Q)                                     # (b, h, nc, Q)
     dA64 = dA.detach().double().requires_grad_()
     ref = segment_cumsum(F.pad(dA64, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h),
                          segment_masks(seg, nc, Q)[0]).permute(0, 3, 1, 2)
@@ -450,6 +450,37 @@ def test_triton_segment_cumsum_is_its_own_segments_sum():
     assert rel_err(g, g_ref) < 1e-6
     other = dA.detach().clone()
     other[0, :20] *= 3.0                                                       # row 0: before token 20
-    cs2 = _SegmentCumsum.apply(other, segp, Q)
+    cs2 = _segment_cumsum_op(other, segp, Q)
     assert torch.equal(cs2[0, :, 1, 4:], cs.detach()[0, :, 1, 4:])             # tokens 20.. of chunk 1
     assert torch.equal(cs2[0, :, 2], cs.detach()[0, :, 2]) and torch.equal(cs2[1], cs.detach()[1])
+
+
+@pytest.mark.parametrize("with_seg", [False, True])
+def test_triton_scan_compiles_into_one_graph(with_seg):
+    # the kernels are custom ops: torch.compile(fullgraph=True) traces a function around the scan
+    # without a graph break (the shape-only fake implementations), and the compiled function's
+    # values and gradients are the eager ones bitwise (the same kernels run)
+    _needs_triton()
+    import torch._dynamo
+    from elephant.layers.ssd_triton import ssd_triton
+    l, rows = 37, [[0, 5, 20], [17]]
+    inputs = make_inputs(2, l, 2, 1, 16, 16, dtype=torch.float32)
+    kw = dict(chunk_size=16)
+    if with_seg:
+        inputs = inputs + [(torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(5)) * 0.5)
+                           .requires_grad_()]
+        fn = _with_init(ssd_triton, seg_from_starts(l, rows), **kw)
+    else:
+        def fn(*args):
+            return ssd_triton(*args, **kw)
+
+    def around(*args):  # work on both sides of the scan, in the same graph
+        y, final = fn(args[0] * 1.5, *args[1:])
+        return torch.tanh(y) * 2, final + 1
+    torch._dynamo.reset()
+    compiled = torch.compile(around, fullgraph=True, backend="aot_eager")
+    y, s, g = grads(compiled, inputs)
+    y_ref, s_ref, g_ref = grads(around, inputs)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+    for a, r in zip(g, g_ref):
+        assert torch.equal(a, r)

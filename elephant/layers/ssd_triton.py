@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -515,31 +516,63 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
     return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
 
 
-class _SegmentCumsum(torch.autograd.Function):
+# ------------------------------------------------------------------------------- custom ops
+# The kernels are wrapped as torch.library custom ops (forward and backward each one op, with
+# shape-only fake implementations), so torch.compile keeps a Mamba layer in one graph around the
+# scan instead of breaking it there. Optional outputs of the backward come back as empty tensors
+# (a custom op returns tensors only) and become None in the autograd formula.
+
+def _none_if_empty(t: torch.Tensor):
+    return None if t.numel() == 0 else t
+
+
+@torch.library.custom_op("elephant::segment_cumsum", mutates_args=())
+def _segment_cumsum_op(dA: torch.Tensor, segp: torch.Tensor, Q: int) -> torch.Tensor:
     """(dA (b, l, h) float32, padded seg (b, chunks * Q) int32) -> cs (b, h, chunks, Q): the
     in-chunk cumulative log-decay restarting at each boundary (the padded tail adds nothing)."""
+    b, l, h = dA.shape
+    nc = segp.shape[1] // Q
+    cs = torch.empty(b, h, nc, Q, device=dA.device, dtype=torch.float32)
+    with _on_device(dA):
+        _segment_cumsum_kernel[(nc, b, h)](dA.contiguous(), segp.contiguous(), cs, l, h, nc, Q=Q,
+                                           BACKWARD=False, num_warps=4)
+    return cs
 
-    @staticmethod
-    def forward(ctx, dA, segp, Q):
-        b, l, h = dA.shape
-        nc = segp.shape[1] // Q
-        cs = torch.empty(b, h, nc, Q, device=dA.device, dtype=torch.float32)
-        with _on_device(dA):
-            _segment_cumsum_kernel[(nc, b, h)](dA, segp, cs, l, h, nc, Q=Q, BACKWARD=False, num_warps=4)
-        ctx.save_for_backward(segp)
-        ctx.shape = (b, l, h, Q)
-        return cs
 
-    @staticmethod
-    def backward(ctx, dcs):
-        (segp,) = ctx.saved_tensors
-        b, l, h, Q = ctx.shape
-        nc = segp.shape[1] // Q
-        ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
-        with _on_device(dcs):
-            _segment_cumsum_kernel[(nc, b, h)](dcs.contiguous(), segp, ddA, l, h, nc, Q=Q, BACKWARD=True,
-                                               num_warps=4)
-        return ddA, None, None
+@_segment_cumsum_op.register_fake
+def _(dA, segp, Q):
+    b, l, h = dA.shape
+    return dA.new_empty(b, h, segp.shape[1] // Q, Q, dtype=torch.float32)
+
+
+@torch.library.custom_op("elephant::segment_cumsum_backward", mutates_args=())
+def _segment_cumsum_bwd_op(dcs: torch.Tensor, segp: torch.Tensor, l: int, Q: int) -> torch.Tensor:
+    b, h, nc, _ = dcs.shape
+    ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
+    with _on_device(dcs):
+        _segment_cumsum_kernel[(nc, b, h)](dcs.contiguous(), segp.contiguous(), ddA, l, h, nc, Q=Q,
+                                           BACKWARD=True, num_warps=4)
+    return ddA
+
+
+@_segment_cumsum_bwd_op.register_fake
+def _(dcs, segp, l, Q):
+    return dcs.new_empty(dcs.shape[0], l, dcs.shape[1], dtype=torch.float32)
+
+
+def _segment_cumsum_setup(ctx, inputs, output):
+    dA, segp, Q = inputs
+    ctx.save_for_backward(segp)
+    ctx.l, ctx.Q = dA.shape[1], Q
+
+
+def _segment_cumsum_grad(ctx, dcs):
+    (segp,) = ctx.saved_tensors
+    return _segment_cumsum_bwd_op(dcs, segp, ctx.l, ctx.Q), None, None
+
+
+torch.library.register_autograd("elephant::segment_cumsum", _segment_cumsum_grad,
+                                setup_context=_segment_cumsum_setup)
 
 
 def _on_device(x: torch.Tensor):
@@ -547,30 +580,80 @@ def _on_device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-class _SSDTriton(torch.autograd.Function):
-    """(x, dt, cs, seg, B, C, D, init, sinit) -> (y, final state); saves the states entering each
-    chunk. seg: None, or the padded segment ids (b, chunks * Q) int32; sinit: None, or the segment
-    initial state (h, p, n) in float32 (needs seg)."""
-
-    @staticmethod
-    def forward(ctx, x, dt, cs, seg, B, C, D, init, sinit, Q):
-        with _on_device(x):
-            y, final, states = _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q)
-        ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, sinit, states)
-        ctx.Q = Q
-        return y, final
-
-    @staticmethod
-    def backward(ctx, dy, dfinal):
-        x, dt, cs, seg, B, C, D, init, sinit, states = ctx.saved_tensors
-        with _on_device(x):
-            dx, ddt, dcs, dB, dC, dD, dinit, dsinit = _bwd(x, dt, cs, seg, B, C, D, init, sinit, states,
-                                                           dy, dfinal, ctx.Q)
-        return (dx, ddt.to(dt.dtype), dcs, None, dB.to(B.dtype), dC.to(C.dtype),
-                dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
+def _contiguous(t):
+    return t.contiguous() if t is not None else None
 
 
-@torch.compiler.disable
+@torch.library.custom_op("elephant::ssd", mutates_args=())
+def _ssd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
+            B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
+            sinit: Optional[torch.Tensor], Q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, dt, cs, seg, B, C, D, init, sinit) -> (y, final state, the states entering each chunk
+    (saved for the backward)). seg: None, or the padded segment ids (b, chunks * Q) int32; sinit:
+    None, or the segment initial state (h, p, n) in float32 (needs seg)."""
+    with _on_device(x):
+        return _fwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
+                    _contiguous(sinit), Q)
+
+
+@_ssd_op.register_fake
+def _(x, dt, cs, seg, B, C, D, init, sinit, Q):
+    b, l, h, p = x.shape
+    n, nc = B.shape[3], cs.shape[2]
+    return (x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=torch.float32),
+            x.new_empty(b, nc, h, p, n, dtype=torch.float32))
+
+
+@torch.library.custom_op("elephant::ssd_backward", mutates_args=())
+def _ssd_bwd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
+                B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
+                sinit: Optional[torch.Tensor], states: torch.Tensor, dy: torch.Tensor,
+                dfinal: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]:
+    """The gradients (dx, ddt, dcs, dB, dC, dD, dinit, dsinit); the last three are empty when
+    D, init or sinit is None."""
+    with _on_device(x):
+        grads = _bwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
+                     _contiguous(sinit), states.contiguous(), dy, dfinal, Q)
+    return tuple(g if g is not None else x.new_empty(0, dtype=torch.float32) for g in grads)
+
+
+@_ssd_bwd_op.register_fake
+def _(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
+    b, l, h, p = x.shape
+    g, n, nc = B.shape[2], B.shape[3], cs.shape[2]
+
+    def f32(*shape):
+        return x.new_empty(*shape, dtype=torch.float32)
+    return (x.new_empty(b, l, h, p), f32(b, l, h), f32(b, h, nc, Q), f32(b, l, g, n), f32(b, l, g, n),
+            f32(h) if D is not None else f32(0), f32(b, h, p, n) if init is not None else f32(0),
+            f32(h, p, n) if sinit is not None else f32(0))
+
+
+def _ssd_setup(ctx, inputs, output):
+    x, dt, cs, seg, B, C, D, init, sinit, Q = inputs
+    ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, sinit, output[2])
+    ctx.Q = Q
+
+
+def _ssd_grad(ctx, dy, dfinal, dstates):
+    x, dt, cs, seg, B, C, D, init, sinit, states = ctx.saved_tensors
+    b, l, h, p = x.shape
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if dfinal is None:
+        dfinal = x.new_zeros(b, h, p, B.shape[3], dtype=torch.float32)
+    dx, ddt, dcs, dB, dC, dD, dinit, dsinit = _ssd_bwd_op(
+        x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q)
+    dD, dinit, dsinit = (_none_if_empty(t) for t in (dD, dinit, dsinit))
+    return (dx, ddt.to(dt.dtype), dcs, None, dB.to(B.dtype), dC.to(C.dtype),
+            dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
+
+
+torch.library.register_autograd("elephant::ssd", _ssd_grad, setup_context=_ssd_setup)
+
+
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
                segment_init=None):
     """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
@@ -593,7 +676,8 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
         segp = None
     else:  # restarting at each boundary; the segment ids, padded with the last one, go to the kernels
         segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
-        cs = _SegmentCumsum.apply((dt.float() * A.float()).contiguous(), segp, Q)
+        cs = _segment_cumsum_op((dt.float() * A.float()).contiguous(), segp, Q)
     init = initial_state.float().contiguous() if initial_state is not None else None
     sinit = segment_init.float().contiguous() if segment_init is not None else None
-    return _SSDTriton.apply(x, dt, cs, segp, B, C, D, init, sinit, Q)
+    y, final, _ = _ssd_op(x, dt, cs, segp, B, C, D, init, sinit, Q)
+    return y, final
