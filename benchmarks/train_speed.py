@@ -27,7 +27,9 @@ one document of --eval-doc-tokens tokens (the corpus's tokens run together); tok
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
 
 Writes benchmarks/results/train_speed_<gpu>.json (train_speed_cpu-smoke.json with --cpu-smoke;
-train_speed_reference_head_<gpu>.json with --reference-head, the A/B of the blocked loss).
+train_speed_reference_head_<gpu>.json with --reference-head, the A/B of the blocked loss;
+train_speed_in_place_head_<gpu>.json with --in-place-head, the blocked loss without its fused
+block kernels, head.FUSED off).
 """
 from __future__ import annotations
 
@@ -246,6 +248,8 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     cfg = trainer_config(args, kind, workdir / kind)
     trainer = Trainer(cfg, progress=False)
     trainer.model.blocked_head = not args.reference_head
+    from elephant.layers import head
+    head.FUSED = not args.in_place_head
     t, m = cfg.train, cfg.model
     compiled = cfg.train.compile == "on"
     slots = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
@@ -260,7 +264,8 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     timed = dynamo_counts()
     tokens_per_s = slots * args.steps / clock.seconds
     flops = trainer.model.flops_per_token(t.chunk_len)
-    out = {"config": cfg.to_dict(), "head": "reference" if args.reference_head else "blocked",
+    out = {"config": cfg.to_dict(), "head": ("reference" if args.reference_head else
+                                             "blocked, in place" if args.in_place_head else "blocked"),
            "tokens_per_step": slots,
            "parameters": trainer.model.num_params(), "flops_per_token": flops,
            "compiled": compiled, "ms_per_step": clock.seconds / args.steps * 1e3,
@@ -336,6 +341,8 @@ def parse(argv):
                     help="64-lane evaluation: documents up to this many tokens (default 2M; smoke 20K)")
     ap.add_argument("--eval-doc-tokens", type=int, default=None,
                     help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
+    ap.add_argument("--in-place-head", action="store_true",
+                    help="the blocked loss without its fused block kernels (head.FUSED off), to A/B them")
     ap.add_argument("--reference-head", action="store_true",
                     help="the loss through the whole logits (ElephantLM.blocked_head off), to A/B "
                          "the blocked linear + cross-entropy")
@@ -364,7 +371,8 @@ def main(argv=None) -> int:
         print("error: no CUDA device (use --cpu-smoke for the CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    prefix = "train_speed_reference_head" if args.reference_head else "train_speed"
+    prefix = ("train_speed_reference_head" if args.reference_head else
+              "train_speed_in_place_head" if args.in_place_head else "train_speed")
     out_path = Path(args.out) if args.out else result_path(prefix, args.cpu_smoke)
     results = {**environment(device), "command": " ".join(["python", "benchmarks/train_speed.py",
                                                             *(argv if argv is not None else sys.argv[1:])]),

@@ -194,6 +194,32 @@ def test_blocked_head_equals_reference_on_cuda(reduction, dtype, compiled):
         assert rel(got, want) < tol, f"{name}: {rel(got, want):.2e}"
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_fused_head_blocks_equal_the_in_place_steps_on_cuda(reduction):
+    """The compiled block kernels (head.FUSED, logits kept in bf16) against the in-place float32
+    steps, at a vocabulary of the 70M shape and blocks that do not divide the rows: loss and both
+    gradients under bf16 autocast; the per-token path's backward (which remakes the logits) too."""
+    from elephant.layers import head
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(2, 700, 256, device="cuda", generator=gen).requires_grad_()
+    w = (torch.randn(50304, 256, device="cuda", generator=gen) * 0.05).requires_grad_()
+    t = torch.randint(0, 50304, (2, 700), device="cuda", generator=gen)
+    t[0, :5] = head.IGNORE_INDEX
+    mask = torch.rand(2, 700, device="cuda", generator=gen) < 0.9
+    results = []
+    for fused in (True, False):
+        head.FUSED = fused
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = head.linear_cross_entropy(h, w, t, mask, reduction, block_rows=512)
+            results.append([loss] + list(torch.autograd.grad(loss.sum(), (h, w))))
+        finally:
+            head.FUSED = True
+    for name, got, want in zip(("loss", "dh", "dw"), *results):
+        assert got.dtype == want.dtype, name
+        assert rel(got, want) < 1e-2, f"{name}: {rel(got, want):.2e}"
+
+
 def test_blocked_head_makes_no_host_sync_on_cuda():
     """The training loss (sum, with gradients) and the evaluation loss (none, without) run without
     a host synchronization (CUDA sync debug mode raises on one)."""

@@ -153,3 +153,27 @@ def test_fast_path_switch_covers_the_head():
     assert model.blocked_head
     with pytest.raises(ValueError, match="reduction"):
         model(torch.randint(0, 97, (1, 4)), targets=torch.randint(0, 97, (1, 4)), reduction="avg")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_fused_block_math_equals_the_in_place_steps(dtype):
+    # the block functions the GPU compiles (_nll_lse, _dlogits: logits kept in their dtype) compute
+    # what the in-place float32 steps compute: NLL, log-sum-exp, (softmax - one-hot) * scale, zero
+    # for ignored targets; run eagerly here (torch.compile fuses them on CUDA, tests/test_gpu_model)
+    from elephant.layers.head import _block_dlogits, _block_nll, _dlogits, _nll_and_dlogits
+    gen = torch.Generator().manual_seed(4)
+    z = (torch.randn(29, 41, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    t = torch.randint(0, 41, (29,), generator=gen)
+    t[[0, 7]] = IGNORE_INDEX
+    scale = torch.rand(29, generator=gen, dtype=torch.float64)
+    acc = torch.promote_types(dtype, torch.float32)
+    nll, lse, dz = _nll_and_dlogits(z, t, scale.to(acc))
+    nll_ref, lse_ref, p, safe, valid = _block_nll(z.to(acc).clone(), t)
+    dz_ref = _block_dlogits(p, safe, valid, scale.to(acc)).to(dtype)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nll, nll_ref, **tol)
+    torch.testing.assert_close(lse, lse_ref, **tol)
+    assert dz.dtype == dtype and nll[[0, 7]].eq(0).all() and dz[[0, 7]].eq(0).all()
+    torch.testing.assert_close(dz.to(acc), dz_ref.to(acc), **(tol if dtype != torch.bfloat16
+                                                                  else dict(rtol=1e-2, atol=1e-4)))
+    torch.testing.assert_close(_dlogits(z, lse, t, scale.to(acc)), dz)
