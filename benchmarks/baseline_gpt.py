@@ -45,12 +45,13 @@ class GPTConfig:
     n_heads: int = 8
     d_mlp: int = 2048
     rope_base: float = 10000.0
+    max_seq_len: int = 4096       # the rotary tables' length (computed once, outside the graph)
 
     def validate(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads of an "
                              f"even size")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_mlp"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_mlp", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -99,6 +100,12 @@ class GPT(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.embed.weight
+        # the angles once, in float32, not recomputed by every forward (inside the compiled graph
+        # the cos / sin of every position were formed again for every q and k, fused into the
+        # rotation: ~10% of the step)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_base, None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() == 2:
@@ -108,9 +115,11 @@ class GPT(nn.Module):
 
     def forward(self, tokens: Tensor, targets: Tensor) -> Tensor:
         """Mean cross-entropy of tokens (B, T) predicting targets (B, T)."""
-        cfg = self.cfg
-        cos, sin = rotary_tables(tokens.shape[1], cfg.d_model // cfg.n_heads, cfg.rope_base,
-                                 tokens.device)
+        T = tokens.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than GPTConfig.max_seq_len "
+                             f"{self.cfg.max_seq_len}")
+        cos, sin = self.cos[:T], self.sin[:T]
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cos, sin)
