@@ -413,6 +413,11 @@ def _eval(args) -> int:
                              args.seed, autocast, progress=not args.no_progress and sys.stderr.isatty(),
                              ablation=args.ablate)
     result["checkpoint"] = str(args.checkpoint)
+    # one key per distance (recall_4K, recall_1M: digit accuracy), and where and how it was measured
+    result.update({f"recall_{label}": row["accuracy"] for label, row in result["by_distance"].items()})
+    result.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  torch=torch.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  command=" ".join(["python -m elephant.recall", *args.argv]))
     print(format_table(result, f"recall of {args.checkpoint}"))
     if args.json:
         from elephant.fsutil import atomic_write_json
@@ -480,6 +485,7 @@ def main(argv=None) -> int:
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     from data_packing import DataError
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError

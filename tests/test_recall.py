@@ -48,6 +48,8 @@ def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     assert set(result["by_distance"]) == {"64", "1K"}
     assert result["by_distance"]["1K"]["mean_actual_distance"] == 1024
     assert 0 <= result["mem_gate_closed_frac"] <= 1
+    assert result["recall_1K"] == result["by_distance"]["1K"]["accuracy"] and "recall_64" in result
+    assert result["device"] == "cpu" and result["command"].startswith("python -m elephant.recall train")
     # the same checkpoint again, with the KV window dropped after every chunk
     code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
                  "--ablate", "kv", "--no-progress"])
