@@ -238,7 +238,7 @@ def trainer_config(args, kind: str, run_dir: Path):
     overrides = ["data.source=pycode", "data.tokenizer=bytes", f"data.cache_dir={args.cache}",
                  "data.valid_split=", f"train.run_dir={run_dir}", "train.max_steps=1000000",
                  "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
-                 f"train.compile={'off' if args.cpu_smoke else 'on'}", *extra]
+                 f"train.compile={'off' if args.cpu_smoke else 'on'}", *extra, *args.set]
     return load_config(recipe, overrides)
 
 
@@ -341,6 +341,9 @@ def parse(argv):
                     help="64-lane evaluation: documents up to this many tokens (default 2M; smoke 20K)")
     ap.add_argument("--eval-doc-tokens", type=int, default=None,
                     help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for the attention and hybrid steps (repeatable), "
+                         "e.g. data.pack=true")
     ap.add_argument("--in-place-head", action="store_true",
                     help="the blocked loss without its fused block kernels (head.FUSED off), to A/B them")
     ap.add_argument("--reference-head", action="store_true",
