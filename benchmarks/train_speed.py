@@ -295,13 +295,13 @@ def one_document(corpus, n_tokens: int):
     return TokenizedCorpus.from_documents([tokens])
 
 
-def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast) -> dict:
+def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False) -> dict:
     from elephant.evaluate import evaluate
     peak_reset(device)
     resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
     with Clock(device) as clock:
         result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
-                          autocast=autocast)
+                          autocast=autocast, cuda_graph=cuda_graph)
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
@@ -324,9 +324,20 @@ def run_eval(args, trainer, device) -> dict:
     time_eval(model, one_document(corpus, 2 * T), 1, T, device, autocast)    # compile, not timed
     short = time_eval(model, one_document(corpus, 16 * T), 1, T, device, autocast)
     one = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast)
-    return {"order": "longest first", "many_docs": many, "one_doc": one, "one_short_doc": short,
-            "eval_tokens_per_s": many["tokens_per_s"], "eval_1lane_tokens_per_s": one["tokens_per_s"],
-            "eval_peak_mem_gb": many["peak_mem_gb"], "eval_1lane_peak_mem_gb": one["peak_mem_gb"]}
+    out = {"order": "longest first", "many_docs": many, "one_doc": one, "one_short_doc": short,
+           "eval_tokens_per_s": many["tokens_per_s"], "eval_1lane_tokens_per_s": one["tokens_per_s"],
+           "eval_peak_mem_gb": many["peak_mem_gb"], "eval_1lane_peak_mem_gb": one["peak_mem_gb"]}
+    if args.eval_cuda_graph:  # the same two passes with the chunk step replayed as a CUDA graph
+        graph = dict(cuda_graph=True)
+        many_g = time_eval(model, leading_documents(corpus, args.eval_tokens), lanes, T, device,
+                           autocast, **graph)
+        one_g = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast,
+                          **graph)
+        out.update(many_docs_graph=many_g, one_doc_graph=one_g,
+                   eval_graph_tokens_per_s=many_g["tokens_per_s"],
+                   eval_1lane_graph_tokens_per_s=one_g["tokens_per_s"],
+                   eval_graph_loss_diff=abs(many_g["loss"] - many["loss"]))
+    return out
 
 
 # ------------------------------------------------------------------------------- main
@@ -341,6 +352,8 @@ def parse(argv):
                     help="64-lane evaluation: documents up to this many tokens (default 2M; smoke 20K)")
     ap.add_argument("--eval-doc-tokens", type=int, default=None,
                     help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
+    ap.add_argument("--eval-cuda-graph", action="store_true",
+                    help="also time both evaluation passes with the chunk step as a CUDA graph")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")

@@ -8,6 +8,13 @@ the rows (the batcher's packing, exact per-token boundaries): the same documents
 once into the same per-document sums, in fewer chunks on corpora of short documents. Bits per byte and word perplexity divide the same
 summed NLL by the UTF-8 bytes and whitespace-separated words of the documents' raw text.
 
+CUDA graph (`cuda_graph=True`, unpacked evaluation): after the first chunk, the chunk step runs on
+static buffers (the batch's tokens, mask and resets, and the whole recurrent state, written back
+in place after every chunk) and is captured once and replayed as one CUDA graph, so a chunk costs
+one launch instead of the Python and the hundreds of launches of the forward: what bounds one lane
+over a long document. On the CPU the same static-buffer step runs without capture (what the CPU
+tests hold equal to the plain path). Off by default until measured on a GPU.
+
 Speed: documents take the lanes longest first (dealt round-robin over ranks), so the longest ones
 start at once and the pass does not end with one lane still reading a long document alone; the
 per-document and per-position sums stay on the device until the end, and the batches are copied
@@ -85,14 +92,78 @@ def _batcher(corpus, lanes, chunk_len, rank, world, pack, order):
                loop=False, shuffle=False, pack=pack)
 
 
+class StaticChunkStep:
+    """The unpacked evaluation chunk step on static buffers: the batch's tokens (B, T + 1), loss
+    mask and resets are copied into fixed tensors, the model reads the state from fixed tensors and
+    its new state is copied back into them, so the same step can be captured as a CUDA graph
+    (`graph=True`, CUDA only) and replayed chunk after chunk. `state`: the state after a first
+    chunk run the plain way, so that the buffers have the dtypes the step keeps."""
+
+    def __init__(self, model, state, tokens: torch.Tensor, mask: torch.Tensor, autocast=None,
+                 graph: bool = False):
+        self.model, self.autocast = model, autocast
+        self.state = state._map(torch.clone)          # the static state: read and written in place
+        self.tokens = torch.zeros_like(tokens)
+        self.mask = torch.zeros_like(mask)
+        self.reset = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        self.graph = None
+        if graph:
+            self._capture()
+
+    def _step(self) -> torch.Tensor:
+        with self.autocast() if self.autocast else nullcontext():
+            nll, new = self.model(self.tokens[:, :-1], self.state, self.reset, targets=self.tokens[:, 1:],
+                                  loss_mask=self.mask, reduction="none")
+        mine, theirs = self.state.tensors(), new.tensors()
+        if mine.keys() != theirs.keys():
+            raise RuntimeError(f"StaticChunkStep: the step changed the state's parts "
+                               f"({sorted(set(mine) ^ set(theirs))[:3]})")
+        for name, t in mine.items():
+            if theirs[name].shape != t.shape or theirs[name].dtype != t.dtype:
+                raise RuntimeError(f"StaticChunkStep: state {name} changed from {t.dtype} "
+                                   f"{tuple(t.shape)} to {theirs[name].dtype} {tuple(theirs[name].shape)}")
+            if theirs[name] is not t:
+                t.copy_(theirs[name])
+        return nll
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (compiles what is still to compile), capture one step, and put
+        the state back as it was: the warm-up and the capture ran on the buffers' contents."""
+        keep = [t.clone() for t in self.state.tensors().values()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.nll = self._step()
+        for t, old in zip(self.state.tensors().values(), keep):
+            t.copy_(old)
+        self.graph = graph
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
+        """One chunk: host or device batch tensors in, the per-token NLL (B, T) out (with a graph,
+        a static buffer: read it before the next call)."""
+        for dst, src in ((self.tokens, tokens), (self.mask, mask), (self.reset, reset)):
+            dst.copy_(src.pin_memory() if dst.is_cuda and not src.is_cuda else src, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.nll
+        return self._step()
+
+
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
-             order: str = "longest") -> dict:
+             order: str = "longest", cuda_graph: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics.
 
     `order`: "longest" (longest documents first, the default) or "corpus" (the corpus's order).
     With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
+    `cuda_graph`: the unpacked chunk step replayed as a CUDA graph after the first chunk (see the
+    module doc; on the CPU the same static-buffer step, without capture).
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
@@ -121,16 +192,22 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     if pack and model.cfg.n_mem:   # the weights do not change while evaluating: one prefix for all
         with autocast() if autocast else nullcontext():
             prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
+    static = None
     for batch in batcher:
         tokens = to_device(batch.tokens, device)
         mask = to_device(batch.loss_mask, device)
         starts = to_device(batch.starts, device)
         ids = to_device(batch.token_doc_ids, device)                   # (B, T) document of each input
-        with autocast() if autocast else nullcontext():
-            # the boundary path only for chunks where a document starts inside (a host-side flag)
-            inner = starts if pack and batch.inner_starts else None
-            nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:], loss_mask=mask,
-                               reduction="none", starts=inner, prefix=prefix)
+        if static is not None:
+            nll = static(tokens, mask, starts[:, 0])
+        else:
+            with autocast() if autocast else nullcontext():
+                # the boundary path only for chunks where a document starts inside (a host flag)
+                inner = starts if pack and batch.inner_starts else None
+                nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:],
+                                   loss_mask=mask, reduction="none", starts=inner, prefix=prefix)
+            if cuda_graph and not pack:   # from the next chunk on: the static step
+                static = StaticChunkStep(model, state, tokens, mask, autocast, graph=device.type == "cuda")
         nll = nll.double()                                             # (B, T) zero where masked
         weight = mask.double()
         ids = torch.where(ids < 0, n_docs, ids).flatten()

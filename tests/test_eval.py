@@ -114,6 +114,53 @@ def test_packed_evaluation_equals_the_boundary_path_on_every_chunk():
     assert math.isclose(packed["nll_sum"], total, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("n_mem, kv_window, lanes, chunk_len", [(2, 16, 2, 16), (0, 8, 3, 7),
+                                                              (4, 32, 1, 16)])
+def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, chunk_len):
+    # cuda_graph=True runs every chunk after the first on static buffers (on the CPU without
+    # capture): the state written back in place after each chunk, resets included, gives the
+    # plain path's sums exactly (float64): every document, every position bucket
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=n_mem, kv_window=kv_window)
+    model = ElephantLM(cfg).double()
+    corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
+    plain = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
+    static = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", cuda_graph=True)
+    assert static["documents"] == plain["documents"] and static["tokens"] == plain["tokens"]
+    for key in ("nll_sum", "per_doc_mean_loss"):
+        assert math.isclose(static[key], plain[key], rel_tol=1e-12), key
+    for label, bucket in plain["position_buckets"].items():
+        assert math.isclose(static["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_static_step_keeps_its_buffers():
+    # the static step reads and writes the same state tensors chunk after chunk (what a captured
+    # graph needs), and a step that would change a state dtype is refused by name
+    from elephant.evaluate import StaticChunkStep
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double().eval()
+    tokens = torch.randint(0, 61, (2, 9))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    with torch.no_grad():
+        _, state = model(tokens[:, :-1], None)
+        step = StaticChunkStep(model, state, tokens, mask)
+        before = {k: t.data_ptr() for k, t in step.state.tensors().items()}
+        first = step(tokens, mask, torch.tensor([False, True])).clone()
+        assert {k: t.data_ptr() for k, t in step.state.tensors().items()} == before
+        assert torch.equal(step.state.pos, torch.tensor([16, 8]))
+        _, want = model(tokens[:, :-1], state, torch.tensor([False, True]))
+        for k, t in step.state.tensors().items():
+            assert torch.equal(t, want.tensors()[k]), k
+        assert first.shape == (2, 8)
+        step.state.ssm[0] = step.state.ssm[0].float()       # the scan gives float64 state back
+        with pytest.raises(RuntimeError, match="state ssm.0 changed from torch.float32"):
+            step(tokens, mask, torch.tensor([False, False]))
+
+
 def test_evaluation_memory_does_not_grow_with_document_length():
     # the state a lane carries has a fixed size: a 40x longer document leaves the same state shapes
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MA", d_mlp=48, d_state=16,
