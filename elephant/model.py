@@ -70,6 +70,9 @@ class Block(nn.Module):
         return x, new_state
 
 
+COMPILE_BACKEND = "inductor"
+
+
 class ElephantLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,6 +147,22 @@ class ElephantLM(nn.Module):
         H, P, N = cfg.mamba_heads, cfg.mamba_head_dim, cfg.d_state
         per_token += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
         return per_token * S / T
+
+    def compile_for(self, how: str, backend: str | None = None) -> None:
+        """torch.compile the chunk step in place (parameter names unchanged): "blocks", each block
+        on its own graph (the model's glue between them runs eagerly: state, memory update, KV
+        append, loss); "model", the whole chunk forward with its loss as one graph (the glue
+        too: fewer launches and less Python per chunk; a graph per distinct state structure, e.g.
+        the first chunk after a detach and the next); "off" leaves it eager. Static shapes.
+        `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
+        backend = backend or COMPILE_BACKEND
+        if how == "blocks":
+            for block in self.blocks:
+                block.compile(dynamic=False, backend=backend)
+        elif how == "model":
+            self.compile(dynamic=False, backend=backend)
+        elif how != "off":
+            raise ValueError(f"compile_for: expected blocks, model or off, got {how!r}")
 
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD on CUDA, SDPA, fused elephant MLP) or the reference paths

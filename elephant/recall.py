@@ -314,7 +314,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
 
-    from elephant.trainer import setup_runtime
+    from elephant.trainer import compile_mode, setup_runtime
 
     t, d = cfg.train, cfg.data
     rt = setup_runtime(cfg)          # train.device and train.dtype, as the general trainer reads them
@@ -336,9 +336,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
         opt.load_state_dict(rank_state["optim"])
         step = int(meta["step"])
         log(f"resumed from {ckpt} (step {step})")
-    if t.compile == "on" or (t.compile == "auto" and device.type == "cuda"):
-        for block in model.blocks:
-            block.compile(dynamic=False)
+    model.compile_for(compile_mode(t.compile, device))
     task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
     lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)
     window = cfg.model.bptt_chunks

@@ -65,6 +65,13 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
+def compile_mode(setting: str, device) -> str:
+    """train.compile -> ElephantLM.compile_for's mode: auto compiles each block on CUDA."""
+    if setting == "auto":
+        return "blocks" if torch.device(device).type == "cuda" else "off"
+    return {"on": "blocks", "model": "model", "off": "off"}[setting]
+
+
 def setup_runtime(cfg: Config) -> Runtime:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -121,9 +128,7 @@ class Trainer:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
         self.opt = build_optimizers(self.model, cfg.optim)
-        if cfg.train.compile == "on" or (cfg.train.compile == "auto" and rt.device.type == "cuda"):
-            for block in self.model.blocks:
-                block.compile(dynamic=False)
+        self.model.compile_for(compile_mode(cfg.train.compile, rt.device))
 
         from data_packing import RollingChunkBatcher
         t = cfg.train

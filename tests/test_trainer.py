@@ -305,3 +305,35 @@ def test_memory_windows_step_equals_answer_step_with_the_memory_path(tmp_path, c
             model.zero_grad(set_to_none=True)
     finally:
         tr.close()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp_path, corpus_dir,
+                                                                           monkeypatch, pack):
+    # train.compile=model compiles the whole chunk step (forward, glue, loss) as one graph; traced
+    # here with the aot_eager backend: no graph break, a handful of graphs for the whole run (not
+    # one per chunk or step), and the same losses and weights as the eager trainer over 5 steps
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from elephant import model as model_mod
+    monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
+    runs = {}
+    for mode in ("off", "model"):
+        cfg = load_config(ROOT / "configs/tiny.toml",
+                          overrides(tmp_path / mode, corpus_dir, **{"train.compile": mode,
+                                                                    "data.pack": pack}))
+        torch._dynamo.reset()
+        counters.clear()
+        tr = Trainer(cfg, progress=False)
+        try:
+            runs[mode] = ([tr.train_step()["loss"] for _ in range(5)],
+                          {n: p.detach().clone() for n, p in tr.model.named_parameters()})
+        finally:
+            tr.close()
+        if mode == "model":
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            assert 1 <= counters["stats"]["unique_graphs"] <= 6
+    (eager_losses, eager_w), (losses_, w) = runs["off"], runs["model"]
+    assert torch.allclose(torch.tensor(losses_), torch.tensor(eager_losses), rtol=1e-4), (losses_, eager_losses)
+    for name, p in eager_w.items():
+        assert torch.allclose(w[name], p, rtol=1e-3, atol=1e-5), name
