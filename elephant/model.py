@@ -161,6 +161,8 @@ class ElephantLM(nn.Module):
                 block.compile(dynamic=False, backend=backend)
         elif how == "model":
             self.compile(dynamic=False, backend=backend)
+            # the initial memory's prefix (packed documents) runs the blocks outside forward
+            self.init_prefix = torch.compile(self.init_prefix, dynamic=False, backend=backend)
         elif how != "off":
             raise ValueError(f"compile_for: expected blocks, model or off, got {how!r}")
 

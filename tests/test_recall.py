@@ -108,3 +108,26 @@ def test_train_recall_trains_saves_and_resumes(tmp_path):
     again, _, _ = from_pretrained(tmp_path / "run")
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      again.state_dict().values()))
+
+
+@pytest.mark.parametrize("gate_init, shut", [(-12.0, True), (12.0, False)])
+def test_recall_probe_sees_what_the_gates_keep(gate_init, shut):
+    # benchmarks/recall_probe.py on untrained models whose gates are all shut (every write below
+    # the floor: the memory is kept bit for bit, cosine 1 after any number of chunks) or all open
+    # (each chunk replaces the memory: it drifts); the queries are scored by chunk ends
+    from benchmarks.recall_probe import probe
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=320, d_model=32, n_heads=2, layers="MA", d_mlp=64, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=16, n_mem=2, kv_window=32, bptt_chunks=2,
+                      mem_gate_init=gate_init, mem_gate_min=0.05 if shut else 0.0)
+    model = ElephantLM(cfg).eval()
+    out = probe(model, ByteTokenizer(), [150, 400], lanes=2, chunk_len=64,
+                device=torch.device("cpu"), seed=0, slot_ablation=False)
+    assert out["queries"] == 4 and "gates" in out
+    cos = [v["mean"] for v in out["memory_left_cosine_by_chunks"].values()]
+    if shut:
+        assert out["gates"]["closed_frac"] == 1.0 and out["gates"]["write_at_mention_mean"] == 0
+        assert all(c == pytest.approx(1.0, abs=1e-6) for c in cos)
+    else:
+        assert out["gates"]["closed_frac"] == 0.0 and out["gates"]["filler_mean"] > 0.99
+        assert min(cos) < 0.99
