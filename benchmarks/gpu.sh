@@ -14,6 +14,9 @@
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage)
+#   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
+#           and compiled-model GPU tests, then train_speed with train.compile=model and the
+#           CUDA-graph evaluation beside the defaults (~4 min)
 #   lmstudy benchmarks/lm_study.py: hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -81,6 +84,13 @@ for stage in $stages; do
         tar czf - -C $RUN checkpoints/latest checkpoints/$(cat $RUN/checkpoints/latest) |
           split -b 15m - $OUT/ckpt/part.
       fi ;;
+    verify)
+      timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_gpu_model.py \
+        -k "head or cuda_graph or recompile" 2>&1 | tee "$LOGS/gpu_verify_tests.log" | grep -E "^E |passed|failed|Error" | tail -30
+      timeout 300 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only hybrid,eval \
+        --set train.compile=model --eval-cuda-graph --out $RES/train_speed_compile_model_$(python -c \
+        "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
+        | tee "$LOGS/train_speed_model.log" | grep -v "profiler_st" | tail -12 ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;

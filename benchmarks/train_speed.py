@@ -251,7 +251,8 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     from elephant.layers import head
     head.FUSED = not args.in_place_head
     t, m = cfg.train, cfg.model
-    compiled = cfg.train.compile == "on"
+    from elephant.trainer import compile_mode
+    compiled = compile_mode(cfg.train.compile, device) != "off"
     slots = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
     for _ in range(args.warmup):
         trainer.train_step()
@@ -329,6 +330,8 @@ def run_eval(args, trainer, device) -> dict:
            "eval_peak_mem_gb": many["peak_mem_gb"], "eval_1lane_peak_mem_gb": one["peak_mem_gb"]}
     if args.eval_cuda_graph:  # the same two passes with the chunk step replayed as a CUDA graph
         graph = dict(cuda_graph=True)
+        time_eval(model, warm_docs, lanes, T, device, autocast, **graph)        # compile, not timed
+        time_eval(model, one_document(corpus, 2 * T), 1, T, device, autocast, **graph)
         many_g = time_eval(model, leading_documents(corpus, args.eval_tokens), lanes, T, device,
                            autocast, **graph)
         one_g = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast,
