@@ -85,7 +85,7 @@ for stage in $stages; do
           split -b 15m - $OUT/ckpt/part.
       fi ;;
     verify)
-      timeout 150 python -m pytest -m gpu -q -p no:cacheprovider -p no:logging tests/test_gpu_model.py \
+      timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_model.py \
         -k "head or cuda_graph or recompile" 2>&1 | tee "$LOGS/gpu_verify_tests.log" | grep -E "^E |passed|failed|Error" | tail -30
       timeout 300 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only hybrid,eval \
         --set train.compile=model --eval-cuda-graph --out $RES/train_speed_compile_model_$(python -c \
