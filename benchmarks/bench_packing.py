@@ -258,6 +258,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--only", choices=["paths", "breakdown"], default=None)
+    ap.add_argument("--compile", choices=["blocks", "model"], default="blocks",
+                    help="each block compiled (default) or the whole chunk step (train.compile=model)")
     args = ap.parse_args()
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -269,13 +271,14 @@ def main() -> None:
     model.set_fast_paths(True)
     if not smoke:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-        for block in model.blocks:
-            block.compile(dynamic=False)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        model.compile_for(args.compile)
     autocast = bf16_autocast(device)
-    out_path = result_path("packing", smoke)
+    out_path = result_path("packing" if args.compile == "blocks" else "packing_compile_model", smoke)
     results = {**environment(device),
                "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else "")
-               + (f" --only {args.only}" if args.only else ""),
+               + (f" --only {args.only}" if args.only else "")
+               + (f" --compile {args.compile}" if args.compile != "blocks" else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}
