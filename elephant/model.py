@@ -160,8 +160,10 @@ class ElephantLM(nn.Module):
             for block in self.blocks:
                 block.compile(dynamic=False, backend=backend)
         elif how == "model":
-            self.compile(dynamic=False, backend=backend)
-            # the initial memory's prefix (packed documents) runs the blocks outside forward
+            # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
+            # the graph (see forward); the initial memory's prefix (packed documents) runs the
+            # blocks outside forward
+            self._chunk = torch.compile(self._chunk, dynamic=False, backend=backend)
             self.init_prefix = torch.compile(self.init_prefix, dynamic=False, backend=backend)
         elif how != "off":
             raise ValueError(f"compile_for: expected blocks, model or off, got {how!r}")
@@ -243,6 +245,32 @@ class ElephantLM(nn.Module):
             reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
         if state.chunks >= cfg.bptt_chunks:
             state = state.detach()
+        # the memory-only path (training with it tracked) is updated here, outside `_chunk`, so
+        # that a compiled `_chunk` (compile_for("model")) is one autograd node that the window's
+        # backward may free, while the path's graph reaches across windows
+        path, links = state.memory_path, state.links
+        if path is not None and reset is not None:
+            path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
+        core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
+                              memory=state.memory, chunks=state.chunks)
+        out, new, written, started = self._chunk(tokens, core, reset, targets, loss_mask, reduction,
+                                                 starts, prefix, path is not None)
+        new.links = links
+        if path is not None:  # the same update on the memory-only path (see RecurrentState)
+            if started is not None:   # a document that began in this chunk read the initial memory
+                path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
+            new.memory_path = self._memory_update(path, written)[0]
+        return out, new
+
+    def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
+               targets: Tensor | None, loss_mask: Tensor | None, reduction: str,
+               starts: Tensor | None, prefix: list[tuple] | None, want_written: bool):
+        """The chunk itself, after `forward`'s checks and detach: the reset, the blocks, the KV
+        append, the memory update and the output. Returns (logits or loss, new state without the
+        memory path, the write slots' outputs detached (with `want_written`), the lanes whose
+        last document began in this chunk (packed) or None). What compile_for("model") compiles."""
+        B, T = tokens.shape
+        cfg = self.cfg
         if reset is not None:
             state = state.reset(reset, self.mem_init if cfg.n_mem else None)
 
@@ -251,7 +279,7 @@ class ElephantLM(nn.Module):
         tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
         new_pos = state.pos + T
         M = cfg.n_mem
-        seg = None
+        seg = started = None
         if starts is None:
             prefix = None
         else:
@@ -282,7 +310,7 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
 
-        new = RecurrentState(pos=new_pos, chunks=state.chunks + 1, links=state.links)
+        new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
         for i, block in enumerate(self.blocks):
             init = None if prefix is None else prefix[i]
             if block.kind == "M":
@@ -302,21 +330,20 @@ class ElephantLM(nn.Module):
                 else:  # keep only the keys of each lane's last document
                     new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T],
                                                new_valid=tok_seg == tok_seg[:, -1:], keep=~started))
+        written = None
         if M:
-            read, path = state.memory, state.memory_path
+            read = state.memory
             if starts is not None:  # a document that began in this chunk read the initial memory
                 read = torch.where(started[:, None, None], self.mem_init.to(read.dtype), read)
-                if path is not None:
-                    path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
-            if path is not None:  # the same update on the memory-only path (see RecurrentState)
-                new.memory_path = self._memory_update(path, x[:, M + T:].detach())[0]
+            if want_written:
+                written = x[:, M + T:].detach()
             new.memory, gate = self._memory_update(read, x[:, M + T:])
             x = x[:, M:M + T]
         else:
             gate = None
         h = self.norm_f(x)
         if targets is None:
-            return self.lm_head(h), new
+            return self.lm_head(h), new, written, started
         loss = self.head_loss(h, targets, loss_mask, reduction)
         if gate is not None and cfg.mem_write_cost and self.training and reduction != "none":
             # the price of writing: mean gate per lane, charged for each of the chunk's tokens
@@ -324,7 +351,7 @@ class ElephantLM(nn.Module):
             per_lane = gate.mean(-1)                                      # (B,)
             loss = loss + cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
                                                 else per_lane.mean())
-        return loss, new
+        return loss, new, written, started
 
     def init_prefix(self, dtype=None) -> list[tuple]:
         """What a document sees of the initial memory, per layer: the blocks run over `mem_init`

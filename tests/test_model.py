@@ -334,3 +334,44 @@ def test_memory_only_backprop_equals_its_reference_and_reaches_past_the_window()
         part = part + loss
     part.backward()
     assert not torch.allclose(model.mem_gate.grad, got["mem_gate"])
+
+
+def test_compiled_chunk_gives_the_memory_path_gradients_of_the_eager_model():
+    # compile_for("model") compiles `_chunk` (one autograd node per chunk, freed by its window's
+    # backward); the detach and the memory-only path stay in forward, outside the graph, so
+    # truncated windows with the path tracked give the eager model's gradients (traced here with
+    # the aot_eager backend, float64), without a graph break
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch.manual_seed(1)
+    B, T, n = 2, 5, 6
+    tokens, targets = torch.randint(0, 97, (B, T * n)), torch.randint(0, 97, (B, T * n))
+    starts = torch.zeros(B, T * n, dtype=torch.bool)
+    starts[0, 7] = starts[1, 18] = True                      # documents starting inside chunks
+    grads = []
+    for compiled in (False, True):
+        model = make(layers="MA", n_mem=2, kv_window=4, bptt_chunks=2, mem_gate_init=0.0).train()
+        torch._dynamo.reset()
+        counters.clear()
+        if compiled:
+            model.compile_for("model", backend="aot_eager")
+        state = model.init_state(B, dtype=torch.float64).track_memory_path()
+        part = 0.0
+        for c in range(n):
+            if c and c % 2 == 0:
+                part.backward()
+                part, state = 0.0, state.detach()
+            sl = slice(c * T, (c + 1) * T)
+            s = starts[:, sl].clone()
+            s[:, 0] |= c == 0
+            loss, state = model(tokens[:, sl], state, targets=targets[:, sl], reduction="sum",
+                                starts=s)
+            part = part + loss
+        part.backward()
+        assert state.backward_memory_path() == 2
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        if compiled:
+            assert not counters["graph_break"] and counters["stats"]["unique_graphs"] >= 1
+    assert set(grads[0]) == set(grads[1])
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-9, atol=1e-12, msg=k)
