@@ -127,21 +127,8 @@ class StaticChunkStep:
         return nll
 
     def _capture(self) -> None:
-        """Warm up on a side stream (compiles what is still to compile), capture one step, and put
-        the state back as it was: the warm-up and the capture ran on the buffers' contents."""
-        keep = [t.clone() for t in self.state.tensors().values()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.nll = self._step()
-        for t, old in zip(self.state.tensors().values(), keep):
-            t.copy_(old)
-        self.graph = graph
+        from .cudagraph import capture
+        self.graph, self.nll = capture(self._step, list(self.state.tensors().values()))
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
         """One chunk: host or device batch tensors in, the per-token NLL (B, T) out (with a graph,

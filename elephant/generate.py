@@ -270,20 +270,9 @@ class Decoder:
     # ---------------------------------------------------------------- CUDA graph
     def _capture(self) -> None:
         """Capture the token step once (after warm-up runs, whose effect on the state is undone)."""
-        keep = self._snapshot()
+        from .cudagraph import capture
         self._tok = torch.zeros(self.B, dtype=torch.long, device=self.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self._token_fn(self._tok)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self._token_fn(self._tok)
-        for t, o in zip(self._tensors(), keep[0]):
-            t.copy_(o)
-        self._graph = graph
+        self._graph, self._logits = capture(lambda: self._token_fn(self._tok), self._tensors())
 
 
 # ---------------------------------------------------------------------------------------------
