@@ -151,9 +151,9 @@ class ElephantLM(nn.Module):
     def compile_for(self, how: str, backend: str | None = None) -> None:
         """torch.compile the chunk step in place (parameter names unchanged): "blocks", each block
         on its own graph (the model's glue between them runs eagerly: state, memory update, KV
-        append, loss); "model", the whole chunk forward with its loss as one graph (the glue
-        too: fewer launches and less Python per chunk; a graph per distinct state structure, e.g.
-        the first chunk after a detach and the next); "off" leaves it eager. Static shapes.
+        append, loss); "model", the whole chunk (`_chunk`: reset, blocks, glue and loss) as one
+        graph (fewer launches and less Python per chunk; a graph per distinct state structure,
+        e.g. the first chunk after a detach and the next); "off" leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
         backend = backend or COMPILE_BACKEND
         if how == "blocks":
