@@ -267,6 +267,24 @@ def test_memory_write_cost_is_charged_in_training_only():
     assert torch.allclose(nll.sum(), ce)
 
 
+def run_windows(model, n: int, run_chunk, B: int, path: bool = True):
+    """Truncated BPTT over windows of 2 chunks (a backward per window, then the state detached),
+    the memory-only path tracked across them with `path` (not yet backpropagated): run_chunk(c,
+    state) -> (loss, state) feeds chunk c. Returns the state after the last window."""
+    state = model.init_state(B, dtype=torch.float64)
+    if path:
+        state = state.track_memory_path()
+    part = 0.0
+    for c in range(n):
+        if c and c % 2 == 0:
+            part.backward()
+            part, state = 0.0, state.detach()
+        loss, state = run_chunk(c, state)
+        part = part + loss
+    part.backward()
+    return state
+
+
 def test_memory_only_backprop_equals_its_reference_and_reaches_past_the_window():
     # Truncated BPTT over windows of 2 chunks, with the memory path kept across the detaches
     # (backward per window, then backward_memory_path) must give, in every parameter, the sum over
@@ -279,19 +297,18 @@ def test_memory_only_backprop_equals_its_reference_and_reaches_past_the_window()
     tokens, targets = torch.randint(0, 97, (B, T * n)), torch.randint(0, 97, (B, T * n))
     chunk = lambda c: (tokens[:, c * T:(c + 1) * T], targets[:, c * T:(c + 1) * T])
 
-    state = model.init_state(B, dtype=torch.float64).track_memory_path()
-    part = 0.0
-    for c in range(n):
-        if c and c % 2 == 0:
-            part.backward()
-            part, state = 0.0, state.detach()
-            assert state.memory.requires_grad and state.memory_path.requires_grad
+    def feed(c, state):
         x, y = chunk(c)
-        loss, state = model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None,
-                            targets=y, reduction="sum")
+        return model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None, targets=y,
+                     reduction="sum")
+
+    def run_chunk(c, state):
+        if c and c % 2 == 0:   # just detached: the next chunks read the memory as a leaf
+            assert state.memory.requires_grad and state.memory_path.requires_grad
+        loss, state = feed(c, state)
         assert torch.equal(state.memory, state.memory_path)   # the path changes no value
-        part = part + loss
-    part.backward()
+        return loss, state
+    state = run_windows(model, n, run_chunk, B)
     assert state.backward_memory_path() == 2                  # two detaches carried a gradient
     got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -322,17 +339,7 @@ def test_memory_only_backprop_equals_its_reference_and_reaches_past_the_window()
     # the path is what carries the later windows' loss to the gates of the first chunks: without
     # it the gate parameters get less gradient
     model.zero_grad()
-    state = model.init_state(B, dtype=torch.float64)
-    part = 0.0
-    for c in range(n):
-        if c and c % 2 == 0:
-            part.backward()
-            part, state = 0.0, state.detach()
-        x, y = chunk(c)
-        loss, state = model(x, state, torch.ones(B, dtype=torch.bool) if c == 0 else None,
-                            targets=y, reduction="sum")
-        part = part + loss
-    part.backward()
+    run_windows(model, n, feed, B, path=False)
     assert not torch.allclose(model.mem_gate.grad, got["mem_gate"])
 
 
@@ -355,19 +362,12 @@ def test_compiled_chunk_gives_the_memory_path_gradients_of_the_eager_model():
         counters.clear()
         if compiled:
             model.compile_for("model", backend="aot_eager")
-        state = model.init_state(B, dtype=torch.float64).track_memory_path()
-        part = 0.0
-        for c in range(n):
-            if c and c % 2 == 0:
-                part.backward()
-                part, state = 0.0, state.detach()
+        def run_chunk(c, state):
             sl = slice(c * T, (c + 1) * T)
             s = starts[:, sl].clone()
             s[:, 0] |= c == 0
-            loss, state = model(tokens[:, sl], state, targets=targets[:, sl], reduction="sum",
-                                starts=s)
-            part = part + loss
-        part.backward()
+            return model(tokens[:, sl], state, targets=targets[:, sl], reduction="sum", starts=s)
+        state = run_windows(model, n, run_chunk, B)
         assert state.backward_memory_path() == 2
         grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         if compiled:
