@@ -59,6 +59,12 @@ def stream(model, tokens: np.ndarray, chunk_len: int, device, drop_slot: int | N
     return np.concatenate(preds, 1), np.stack(gates), np.stack(memories)
 
 
+def answer_accuracy(preds: np.ndarray, tokens: np.ndarray, lane: int, q) -> float:
+    """The fraction of query q's answer tokens that lane `lane`'s argmax predictions got right."""
+    targets = range(q.answer_start, q.answer_start + q.answer_len)
+    return float(np.mean([preds[lane, t - 1] == tokens[lane, t] for t in targets]))
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine similarity over the last axis."""
     num = (a * b).sum(-1)
@@ -87,11 +93,10 @@ def probe(model, tokenizer, distances, lanes, chunk_len, device, seed, slot_abla
             mention_end = q.answer_start - q.distance          # the token after the previous mention
             cm = (mention_end - 1) // chunk_len                # chunk holding the mention's last token
             cq = (q.answer_start - 1) // chunk_len             # chunk whose outputs predict the answer
-            targets = range(q.answer_start, q.answer_start + q.answer_len)
-            acc = float(np.mean([preds[b, t - 1] == tokens[b, t] for t in targets]))
+            acc = answer_accuracy(preds, tokens, b, q)
             ends = cq - cm                                     # chunk ends between the two
             by_ends.setdefault(min(ends, 8), []).append(acc)
-            queries.append(dict(lane=b, distance=q.distance, chunk_ends=ends, accuracy=acc))
+            queries.append(dict(lane=b, query=q, distance=q.distance, chunk_ends=ends, accuracy=acc))
             if ends >= 2:
                 write_gate.append(gates[cm, b])                # (M,) the update after the mention
                 filler_gate.append(gates[cm + 1:cq, b].mean(0))
@@ -118,12 +123,7 @@ def probe(model, tokenizer, distances, lanes, chunk_len, device, seed, slot_abla
         drops = []
         for s in range(M):
             p, _, _ = stream(model, tokens, chunk_len, device, drop_slot=s)
-            accs = []
-            for q_rec, (b, q) in zip(queries, [(b, q) for b, d in enumerate(docs) for q in d.queries]):
-                if q_rec["chunk_ends"] >= 2:
-                    accs.append(np.mean([p[b, t - 1] == tokens[b, t]
-                                         for t in range(q.answer_start, q.answer_start + q.answer_len)]))
-            drops.append(float(np.mean(accs)))
+            drops.append(float(np.mean([answer_accuracy(p, tokens, q["lane"], q["query"]) for q in far])))
         out["slot_ablation"] = {"accuracy_2plus_chunk_ends": base, "with_slot_reset": drops}
     return out
 
