@@ -89,7 +89,7 @@ for stage in $stages; do
     verify)
       timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_model.py \
         -k "head or cuda_graph or recompile" 2>&1 | tee "$LOGS/gpu_verify_tests.log" | grep -E "^E |passed|failed|Error" | tail -30
-      timeout 300 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only hybrid,eval \
+      timeout 300 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only baseline,hybrid,eval \
         --set train.compile=model --eval-cuda-graph --out $RES/train_speed_compile_model_$(python -c \
         "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
         | tee "$LOGS/train_speed_model.log" | grep -v "profiler_st" | tail -12 ;;
