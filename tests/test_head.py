@@ -179,31 +179,39 @@ def test_fused_block_math_equals_the_in_place_steps(dtype):
     torch.testing.assert_close(_dlogits(z, lse, t, scale.to(acc)), dz)
 
 
-def test_compiled_head_takes_the_in_place_steps(monkeypatch):
-    # inside a graph torch.compile traces, the blocked loss does not call the separately compiled
-    # block functions (the fused path is for the eager head); the whole loss traces in one graph
-    # and equals the reference, values and gradients. Eagerly it does call them (forced on CPU
-    # here, the plain functions standing in for the compiled ones).
+def test_compiled_head_traces_the_functional_block_math(monkeypatch):
+    # inside a graph torch.compile traces, the blocked loss uses the plain functional block math
+    # (never the in-place steps nor the separately compiled kernels); the whole loss traces in
+    # one graph and equals the reference, values and gradients. Eagerly with FUSED on it calls
+    # the compiled kernels (forced on CPU here, recording wrappers of the plain functions).
     import torch._dynamo
     from elephant.layers import head
     seen = []
 
-    def fused(name):
-        seen.append(name)
-        return head.PLAIN_FNS[name]
+    def no_in_place(*args, **kwargs):
+        raise AssertionError("the in-place block steps ran inside a traced graph")
+
+    def recording(name):
+        def fn(*args):
+            seen.append(name)
+            return head.PLAIN_FNS[name](*args)
+        return fn
     monkeypatch.setattr(head, "FUSED", True)
     monkeypatch.setattr(head, "_fusable", lambda z: True)
-    monkeypatch.setattr(head, "_fused", fused)
+    monkeypatch.setattr(head, "_FUSED_FNS", {n: recording(n) for n in head.PLAIN_FNS})
     h, w, t = inputs(dtype=torch.float32)
     m = MASKS["bool"](h.shape[0])
-    torch._dynamo.reset()
-    fn = torch.compile(lambda h, w: linear_cross_entropy(h, w, t, m, "sum", block_rows=10),
-                       fullgraph=True, backend="aot_eager")
-    got = fn(h, w)
     want = linear_cross_entropy_reference(h, w, t, m, "sum")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with monkeypatch.context() as traced:
+        traced.setattr(head, "_block_nll", no_in_place)
+        traced.setattr(head, "_block_dlogits", no_in_place)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda h, w: linear_cross_entropy(h, w, t, m, "sum", block_rows=10),
+                           fullgraph=True, backend="aot_eager")
+        got = fn(h, w)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not seen
     eager = linear_cross_entropy(h, w, t, m, "sum", block_rows=10)
     torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-6)

@@ -120,12 +120,23 @@ def _block_dlogits(p: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Ten
 FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B and the tests)
 
 
-def _fused_on(z: Tensor) -> bool:
-    """The fused block functions for this block? On CUDA, and not inside a graph torch.compile is
-    tracing (the head compiled with the model takes the in-place steps, which the compiler
-    fuses itself: the fused functions nested in such a graph failed the bf16 equivalence test on
-    an H100 for a reason not yet found, LOG.md)."""
-    return FUSED and _fusable(z) and not torch.compiler.is_compiling()
+def _block_fn(name: str, z: Tensor):
+    """The functional block math for this block: the separately compiled kernels on CUDA (FUSED),
+    the plain functions inside a graph torch.compile is tracing (it fuses them with the rest),
+    else None for the in-place steps (eager CPU, or FUSED off). Inside a traced graph never the
+    in-place steps: the in-place steps and
+    the slice writes of the eager path gave an all-zero dh when traced with bf16 logits on an
+    H100 (test_blocked_head_equals_reference_on_cuda[sum-bf16-True], LOG.md)."""
+    if torch.compiler.is_compiling():
+        return PLAIN_FNS[name]
+    return _FUSED_FNS[name] if FUSED and _fusable(z) else None
+
+
+def _acc(total: Tensor | None, part: Tensor) -> Tensor:
+    """total + part: in place when eager, a new tensor inside a traced graph (see _block_fn)."""
+    if total is None:
+        return part
+    return total + part if torch.compiler.is_compiling() else total.add_(part)
 
 
 def _fusable(z: Tensor) -> bool:
@@ -161,10 +172,6 @@ PLAIN_FNS = {"nll": _nll_lse, "grad": _nll_and_dlogits, "dlogits": _dlogits}
 _FUSED_FNS = {name: torch.compile(fn) for name, fn in PLAIN_FNS.items()}
 
 
-def _fused(name: str):
-    return _FUSED_FNS[name]
-
-
 def _blocks(n: int, block_rows: int):
     for start in range(0, n, block_rows):
         yield slice(start, min(start + block_rows, n))
@@ -173,17 +180,20 @@ def _blocks(n: int, block_rows: int):
 def _forward_nll(h2: Tensor, w: Tensor, t: Tensor, block_rows: int, keep_lse: bool = False):
     """Per-row NLL (N,) of h2 (N, D) already in the matmul dtype (and each row's log-sum-exp)."""
     out_dtype = torch.promote_types(h2.dtype, torch.float32)
-    nll = torch.empty(h2.shape[0], dtype=out_dtype, device=h2.device)
-    lse = torch.empty_like(nll) if keep_lse else None
+    nll, lse = [], []
     for rows in _blocks(h2.shape[0], block_rows):
         z = h2[rows] @ w.t()                                             # (n, V) logits
-        if _fused_on(z):
-            nll[rows], block_lse = _fused("nll")(z, t[rows])
+        fn = _block_fn("nll", z)
+        if fn is not None:
+            block_nll, block_lse = fn(z, t[rows])
         else:
-            nll[rows], block_lse, _, _, _ = _block_nll(z.to(out_dtype), t[rows], softmax=False)
-        if keep_lse:
-            lse[rows] = block_lse
-    return nll, lse
+            block_nll, block_lse, _, _, _ = _block_nll(z.to(out_dtype), t[rows], softmax=False)
+        nll.append(block_nll)
+        lse.append(block_lse)
+    if not nll:   # no rows
+        empty = h2.new_zeros(0, dtype=out_dtype)
+        return empty, empty if keep_lse else None
+    return torch.cat(nll), torch.cat(lse) if keep_lse else None
 
 
 class _SummedNLL(torch.autograd.Function):
@@ -193,25 +203,29 @@ class _SummedNLL(torch.autograd.Function):
     def forward(ctx, h2, weight, t, scale, block_rows, dtype):
         hc, wc = h2.to(dtype), weight.to(dtype)
         out_dtype = torch.promote_types(dtype, torch.float32)
-        total = torch.zeros((), dtype=out_dtype, device=h2.device)
+        total = grad_w = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hc) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device) if need_w else None
+        grad_h = []
         with _no_autocast(h2.device.type):
             for rows in _blocks(hc.shape[0], block_rows):
                 z = hc[rows] @ wc.t()                                    # (n, V)
                 s = scale[rows].to(out_dtype)
-                if _fused_on(z):
-                    nll, _, dz = _fused("grad")(z, t[rows], s)
+                fn = _block_fn("grad", z)
+                if fn is not None:
+                    nll, _, dz = fn(z, t[rows], s)
                 else:
                     nll, _, softmax, safe, valid = _block_nll(z.to(out_dtype), t[rows])
                     dz = _block_dlogits(softmax, safe, valid, s).to(dtype)
-                total += (nll * s).sum()
-                if need_h or need_w:
-                    if need_h:
-                        grad_h[rows] = dz @ wc                           # (n, D)
-                    if need_w:
-                        grad_w += dz.t() @ hc[rows]                      # (V, D)
+                total = _acc(total, (nll * s).sum())
+                if need_h:
+                    grad_h.append(dz @ wc)                               # (n, D)
+                if need_w:
+                    grad_w = _acc(grad_w, (dz.t() @ hc[rows]).to(out_dtype))  # (V, D)
+        if total is None:   # no rows
+            total = hc.new_zeros((), dtype=out_dtype)
+        grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
+        if need_w and grad_w is None:
+            grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h2.dtype, weight.dtype)
         return total
@@ -244,12 +258,12 @@ class _PerTokenNLL(torch.autograd.Function):
         hc, wc = h2.to(dtype), weight.to(dtype)
         out_dtype = lse.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hc) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device) if need_w else None
+        grad_h, grad_w = [], None
         for rows in _blocks(hc.shape[0], block_rows):
             z = hc[rows] @ wc.t()
-            if _fused_on(z):
-                dz = _fused("dlogits")(z, lse[rows], t[rows], g[rows].to(out_dtype))
+            fn = _block_fn("dlogits", z)
+            if fn is not None:
+                dz = fn(z, lse[rows], t[rows], g[rows].to(out_dtype))
             else:
                 z = z.to(out_dtype)
                 valid = t[rows] != IGNORE_INDEX
@@ -257,9 +271,12 @@ class _PerTokenNLL(torch.autograd.Function):
                 softmax = z.sub_(lse[rows, None]).exp_()
                 dz = _block_dlogits(softmax, safe, valid, g[rows].to(out_dtype)).to(dtype)
             if need_h:
-                grad_h[rows] = dz @ wc
+                grad_h.append(dz @ wc)
             if need_w:
-                grad_w += dz.t() @ hc[rows]
+                grad_w = _acc(grad_w, (dz.t() @ hc[rows]).to(out_dtype))
+        grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
+        if need_w and grad_w is None:
+            grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
         return (None if grad_h is None else grad_h.to(h2.dtype),
                 None if grad_w is None else grad_w.to(weight.dtype), None, None, None)
 
