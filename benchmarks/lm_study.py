@@ -8,6 +8,7 @@ source: the standard library plus site-packages, bytes), then scored over whole 
 hybrid       configs/recall.toml's design at the LM-study size: MAMMAMMA, d_model 512, 8 memory
              tokens (gated), KV window 512, chunks of 512, BPTT 2 chunks, 32 lanes.
 hybrid-path  the hybrid, each step 4 BPTT windows with memory-only backpropagation across them.
+hybrid-keep  the hybrid with 128 kept tokens per attention layer past its window (model.kv_keep).
 transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lanes x 2 micro-batches
              = the same tokens per step; its MLP is widened until its parameter count matches.
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
@@ -39,6 +40,10 @@ VARIANTS = {
     "hybrid-path": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                     "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
                     "train.memory_windows=4"],
+    # the hybrid with 128 kept tokens per attention layer past its window (model.kv_keep)
+    "hybrid-keep": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                    "model.kv_keep=128", "model.bptt_chunks=2", "train.chunk_len=512",
+                    "train.lanes=32"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
@@ -88,8 +93,9 @@ def main() -> int:
         args.budget_s, args.eval_docs = min(args.budget_s, 15), min(args.eval_docs, 4)
     names = args.variants.split(",")
     configs = {name: base + VARIANTS[name] for name in names}
-    if "hybrid" in configs and "transformer" in configs:
-        target = ElephantLM(load_config(None, configs["hybrid"]).model).num_params()
+    hybrids = [n for n in names if n.startswith("hybrid")]
+    if hybrids and "transformer" in configs:   # the transformer matches the first hybrid's size
+        target = ElephantLM(load_config(None, configs[hybrids[0]]).model).num_params()
         configs["transformer"].append(f"model.d_mlp={matched_mlp(configs['transformer'], target)}")
     summary = {"benchmark": "lm_study", **environment(), "budget_s": args.budget_s, "variants": {}}
     curves = {}

@@ -55,6 +55,11 @@ VARIANTS = {
     "path-open": {"window": 2, "memory_path": True, "mem_gate_init": 0.0},
     "window4": {"window": 4},
     "path4": {"window": 4, "memory_path": True},
+    # a KV window of one chunk, and long-term kept tokens past it (model.kv_keep)
+    "kvw": {"kv_window": 32},
+    "keep": {"kv_window": 32, "kv_keep": 16},
+    "keep-nomem": {"kv_window": 32, "kv_keep": 16, "n_mem": 0},
+    "keep-nonoise": {"kv_window": 32, "kv_keep": 16, "kv_keep_noise": 0.0},
 }
 
 
@@ -82,7 +87,8 @@ def run(name: str, args) -> dict:
     distances = [parse_count(d) for d in args.distances.split(",")]
     out = {"variant": name, "config": cfg.to_dict(), "params": model.num_params(), "curve": curve,
            "train_seconds": time.perf_counter() - t0, "recall": {}}
-    for part in ("none", "memory") if cfg.n_mem else ("none",):
+    parts = ["none"] + ["memory"] * bool(cfg.n_mem) + ["keep"] * bool(cfg.kv_keep)
+    for part in parts:
         r = evaluate_recall(model, tok, distances, args.eval_lanes, T, torch.device("cpu"),
                             seed=1234 + args.seed, ablation=part, digits=args.digits)
         out["recall"][part] = r

@@ -37,6 +37,11 @@ class ModelConfig:
                                      # (docs/RESULTS.md, CPU recall study)
     mem_write_cost: float = 0.0      # loss per token per unit of mean gate: write only what pays
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
+    kv_keep: int = 0                 # long-term memory: keys/values of this many tokens per attention
+                                     # layer kept past the window, chosen by a learned score and kept
+                                     # bit for bit until better-scored tokens displace them (needs
+                                     # kv_window > 0)
+    kv_keep_noise: float = 1.0       # Gumbel noise on the keep scores while training (exploration)
     rope_base: float = 10000.0
     qk_norm: bool = True             # RMS-normalize queries and keys before rotary
     d_state: int = 64                # Mamba-2 SSM state size N
@@ -65,7 +70,10 @@ class ModelConfig:
         _positive(self, "vocab_size", "d_model", "n_heads", "d_state", "mamba_head_dim", "expand",
                   "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
                   "norm_eps", "init_std")
-        _non_negative(self, "d_mlp", "n_mem", "kv_window")
+        _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise")
+        if self.kv_keep and not self.kv_window:
+            raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
+                              "set model.kv_window > 0 as well")
         _choice(self, "mem_update", ("gated", "replace"))
         _non_negative(self, "mem_write_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .state import RecurrentState
+from .state import KVCache, RecurrentState
 
 
 class GenerationError(ValueError):
@@ -78,6 +78,7 @@ class Decoder:
         self.fill = torch.zeros(B, dtype=torch.long, device=self.device)    # (B,) chunk slots used
         self.valid = torch.zeros(B, S, dtype=torch.bool, device=self.device)  # (B, W + C)
         self.kv: list[tuple[Tensor, Tensor] | None] = []
+        self.kept: dict[int, dict[str, Tensor]] = {}   # attention layer -> its kept-token buffers
         self.conv: list[Tensor | None] = []
         self.ssm: list[Tensor | None] = []
         for i, block in enumerate(model.blocks):
@@ -95,6 +96,8 @@ class Decoder:
                 v[:, :, :W] = cache.v
                 self.valid[:, :W] = cache.valid
             self.kv.append((k, v))
+            if cache is not None and cache.keep_k is not None:
+                self.kept[i] = self._kept_buffers(cache)
             self.conv.append(None)
             self.ssm.append(None)
         self.memory = None if state.memory is None else state.memory.clone()  # this chunk's read memory
@@ -158,6 +161,8 @@ class Decoder:
         for t in self.conv + self.ssm:
             if t is not None:
                 t.zero_()
+        for buf in self.kept.values():
+            buf["keep_valid"].zero_()
         if self.memory is not None:
             self.memory = self.model.mem_init.detach().to(self.memory.dtype).expand_as(self.memory).clone()
         self._start_chunk(None)
@@ -187,29 +192,78 @@ class Decoder:
                 self.conv[i].copy_(conv)
                 self.ssm[i].copy_(ssm)
             else:
-                h = self._attention(block.mixer, h, pos, self.kv[i], idx, mask)
+                h = self._attention(block.mixer, h, pos, self.kv[i], idx, mask, self.kept.get(i))
             x = x + h
             if block.mlp is not None:
                 x = x + block.mlp(block.norm2(x))
         self.fill += S
         return x
 
-    @staticmethod
-    def _attention(mixer, x: Tensor, pos: Tensor, kv: tuple[Tensor, Tensor], idx: Tensor,
-                   mask: Tensor) -> Tensor:
+    def _attention(self, mixer, x: Tensor, pos: Tensor, kv: tuple[Tensor, Tensor], idx: Tensor,
+                   mask: Tensor, kept: dict[str, Tensor] | None = None) -> Tensor:
         """Attention.forward's projections and rotary (`Attention.project`), with this step's
         keys/values written into the layer's buffer at idx (B, S) and the queries attending over
-        the whole buffer."""
+        the whole buffer (after the layer's kept tokens, if any: their keys, values and inputs
+        of this chunk's slots are recorded too, for the choice at the chunk's end)."""
         B, S, D = x.shape
         H, hd = mixer.n_heads, mixer.head_dim
-        q, k, v = mixer.project(x, pos)                               # (B, H, S, hd)
+        q, k, v, *k_raw = mixer.project(x, pos, raw=kept is not None)  # (B, H, S, hd)
         dtype = v.dtype
         K, V = kv                                                     # (B, H, W + C, hd)
         at = idx[:, None, :, None].expand(B, H, S, hd)
         K.scatter_(2, at, k.to(K.dtype))
         V.scatter_(2, at, v.to(V.dtype))
-        y = F.scaled_dot_product_attention(q, K.to(dtype), V.to(dtype), attn_mask=mask)
+        K, V = K.to(dtype), V.to(dtype)
+        if kept is not None:
+            slot = idx - self.W                                       # (B, S) chunk slots
+            kept["raw_k"].scatter_(2, slot[:, None, :, None].expand(B, H, S, hd),
+                                   k_raw[0].to(kept["raw_k"].dtype))
+            kept["raw_x"].scatter_(1, slot[:, :, None].expand(B, S, D), x.to(kept["raw_x"].dtype))
+            K = torch.cat([kept["read_k"].to(dtype), K], dim=2)
+            V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
+            mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
+        y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
         return mixer.o(y.transpose(1, 2).reshape(B, S, D))
+
+    # ---------------------------------------------------------------- kept tokens (model.kv_keep)
+    def _kept_buffers(self, cache: KVCache) -> dict[str, Tensor]:
+        """A layer's kept tokens (cloned from the state), what this chunk reads of them (`read_*`,
+        see Attention.kept_tokens) and its chunk slots' keys before rotary and inputs (`raw_*`)."""
+        buf = {n: getattr(cache, n).clone() for n in KVCache.NAMES if n.startswith("keep_")}
+        B, H, K, hd = cache.keep_k.shape
+        buf |= dict(read_k=torch.zeros_like(buf["keep_k"]), read_v=torch.zeros_like(buf["keep_v"]),
+                    read_valid=torch.zeros_like(buf["keep_valid"]),
+                    raw_k=torch.zeros(B, H, self.C, hd, device=self.device, dtype=cache.keep_k.dtype),
+                    raw_x=torch.zeros(B, self.C, cache.keep_x.shape[-1], device=self.device,
+                                      dtype=cache.keep_x.dtype))
+        return buf
+
+    def _read_kept(self) -> None:
+        """At a chunk's start: what its tokens read of every layer's kept tokens (in place)."""
+        for i, buf in self.kept.items():
+            cache = KVCache(k=None, v=None, valid=None,
+                            **{n: buf[n] for n in KVCache.NAMES if n.startswith("keep_")})
+            k, v, valid = self.model.blocks[i].mixer.kept_tokens(cache, self.pos)
+            buf["read_k"].copy_(k)
+            buf["read_v"].copy_(v)
+            buf["read_valid"].copy_(valid)
+
+    def _choose_kept(self) -> None:
+        """At a chunk's end: every layer keeps the best of its kept tokens and the chunk's tokens
+        (KVCache.with_kept, no noise: the model is evaluating)."""
+        M, T = self.M, self.T
+        pos = self.pos[:, None] - T + torch.arange(T, device=self.device)      # the chunk's tokens
+        for i, buf in self.kept.items():
+            mixer = self.model.blocks[i].mixer
+            cache = KVCache(k=None, v=None, valid=None,
+                            **{n: buf[n] for n in KVCache.NAMES if n.startswith("keep_")})
+            x = buf["raw_x"][:, M:M + T]
+            score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
+            v = self.kv[i][1][:, :, self.W + M:self.W + M + T]                # the chunk's values
+            chosen = cache.with_kept(buf["raw_k"][:, :, M:M + T], v, x, pos,
+                                     torch.ones_like(pos, dtype=torch.bool), score)
+            for n, t in chosen.fields().items():
+                buf[n].copy_(t)
 
     def _token_step(self, tokens: Tensor) -> Tensor:
         model = self.model
@@ -219,7 +273,9 @@ class Decoder:
 
     # ---------------------------------------------------------------- chunk boundaries
     def _start_chunk(self, lanes) -> None:
-        """Read memory: run the read-memory tokens (no rotary position) at the chunk's start."""
+        """Read memory: run the read-memory tokens (no rotary position) at the chunk's start
+        (after the kept tokens it reads are set)."""
+        self._read_kept()
         if self.M:
             pos = torch.full((self.B, self.M), -1, dtype=torch.long, device=self.device)
             self._blocks(self.memory.to(self.dtype), pos)
@@ -232,6 +288,7 @@ class Decoder:
             pos = torch.full((self.B, M), -1, dtype=torch.long, device=self.device)
             written = self._blocks(write, pos)
             self.memory = self.model.update_memory(self.memory, written)
+        self._choose_kept()
         if W:
             for kv in self.kv:
                 if kv is not None:
@@ -253,6 +310,7 @@ class Decoder:
     def _tensors(self) -> list[Tensor]:
         out = [self.pos, self.fill, self.valid]
         out += [t for kv in self.kv if kv is not None for t in kv]
+        out += [t for buf in self.kept.values() for t in buf.values()]
         return out + [t for t in self.conv + self.ssm if t is not None]
 
     def _snapshot(self) -> tuple[list[Tensor], Tensor | None]:

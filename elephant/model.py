@@ -11,8 +11,13 @@ al. 2022). What the write slots produce becomes the next chunk's read memory thr
 number of chunks bit for bit (the plain RMT rewrite, `mem_update="replace"`, re-encodes the whole
 memory through the network at every chunk). How far trained gates do stay shut is measured in
 docs/RESULTS.md. Attention layers see the previous
-`kv_window` keys of the lane's document (no gradient through them); Mamba-2 layers start from the
-lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
+`kv_window` keys of the lane's document (no gradient through them), and with `kv_keep` > 0 the keys
+and values of up to kv_keep earlier tokens kept past the window: at every chunk's end each attention
+layer keeps the best-scored of its kept tokens and the chunk's tokens (a learned linear score of the
+token's input, with exploration noise in training), so a token worth keeping is carried bit for bit
+until better ones displace it; it is read as if it stood just before the window, whatever its age,
+and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 layers start
+from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
 chunks: a state that has been through that many chunks is detached before the next one. With
 memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory updates is
 kept across those detaches: a gradient that reaches a chunk's read memory travels on to every
@@ -44,10 +49,12 @@ class Block(nn.Module):
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
-                init: tuple | None = None) -> tuple[Tensor, tuple]:
+                init: tuple | None = None, start: Tensor | None = None) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
-        attention: (k, v)), see ElephantLM.forward."""
+        attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
+        token in the lane's carried document (for kept tokens). The new state of an attention
+        layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized input)."""
         h = self.norm1(x)
         if self.kind == "M":
             conv, ssm = layer_state
@@ -61,9 +68,15 @@ class Block(nn.Module):
             extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0], prefix_v=init and init[1])
             if cache is None:
                 h, k, v = self.mixer(h, pos, **extra)
-            else:
+                new_state = (k, v)
+            elif cache.keep_k is None:
                 h, k, v = self.mixer(h, pos, cache.k, cache.v, cache.valid, **extra)
-            new_state = (k, v)
+                new_state = (k, v)
+            else:
+                inp = h
+                h, k, v, k_raw = self.mixer(inp, pos, cache.k, cache.v, cache.valid, kept=cache,
+                                            start=start, **extra)
+                new_state = (k, v, k_raw, inp)
         x = x + h
         if self.mlp is not None:
             x = x + self.mlp(self.norm2(x))
@@ -199,11 +212,18 @@ class ElephantLM(nn.Module):
                 state.conv.append(None)
                 state.ssm.append(None)
                 if cfg.kv_window:
-                    H, hd = cfg.n_heads, cfg.head_dim
+                    H, hd, K = cfg.n_heads, cfg.head_dim, cfg.kv_keep
+                    kept = {} if not K else dict(
+                        keep_k=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
+                        keep_v=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
+                        keep_x=torch.zeros(batch, K, cfg.d_model, device=device, dtype=dtype),
+                        keep_pos=torch.zeros(batch, K, dtype=torch.long, device=device),
+                        keep_valid=torch.zeros(batch, K, dtype=torch.bool, device=device))
                     state.kv.append(KVCache(
                         k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
                         v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
-                        valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device)))
+                        valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device),
+                        **kept))
                 else:
                     state.kv.append(None)
         if cfg.n_mem:
@@ -253,8 +273,9 @@ class ElephantLM(nn.Module):
             path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
         core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
                               memory=state.memory, chunks=state.chunks)
-        out, new, written, started = self._chunk(tokens, core, reset, targets, loss_mask, reduction,
-                                                 starts, prefix, path is not None)
+        h, new, written, started, gate = self._chunk(tokens, core, reset, starts, prefix,
+                                                     path is not None)
+        out = self._output(h, gate, targets, loss_mask, reduction)
         new.links = links
         if path is not None:  # the same update on the memory-only path (see RecurrentState)
             if started is not None:   # a document that began in this chunk read the initial memory
@@ -262,13 +283,30 @@ class ElephantLM(nn.Module):
             new.memory_path = self._memory_update(path, written)[0]
         return out, new
 
+    def _output(self, h: Tensor, gate: Tensor | None, targets: Tensor | None,
+                loss_mask: Tensor | None, reduction: str) -> Tensor:
+        """The logits of the final hidden states h (B, T, D), or with `targets` the loss (and the
+        write cost). Outside `_chunk`, so that a compiled chunk leaves the blocked loss to its own
+        kernels (one graph per block unrolled in the chunk's graph made it slow to compile)."""
+        if targets is None:
+            return self.lm_head(h)
+        loss = self.head_loss(h, targets, loss_mask, reduction)
+        if gate is not None and self.cfg.mem_write_cost and self.training and reduction != "none":
+            # the price of writing: mean gate per lane, charged for each of the chunk's tokens
+            # (training only: evaluation reports the cross-entropy alone)
+            per_lane = gate.mean(-1)                                      # (B,)
+            T = h.shape[1]
+            loss = loss + self.cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
+                                                     else per_lane.mean())
+        return loss
+
     def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
-               targets: Tensor | None, loss_mask: Tensor | None, reduction: str,
                starts: Tensor | None, prefix: list[tuple] | None, want_written: bool):
         """The chunk itself, after `forward`'s checks and detach: the reset, the blocks, the KV
-        append, the memory update and the output. Returns (logits or loss, new state without the
-        memory path, the write slots' outputs detached (with `want_written`), the lanes whose
-        last document began in this chunk (packed) or None). What compile_for("model") compiles."""
+        append and the memory update. Returns (the final normalized hidden states (B, T, D), new
+        state without the memory path, the write slots' outputs detached (with `want_written`),
+        the lanes whose last document began in this chunk (packed) or None, the memory gates or
+        None). What compile_for("model") compiles."""
         B, T = tokens.shape
         cfg = self.cfg
         if reset is not None:
@@ -305,6 +343,9 @@ class ElephantLM(nn.Module):
             mem = state.memory.to(x.dtype)
             write = self.mem_write.to(x.dtype).unsqueeze(0).expand(B, -1, -1)
             x = torch.cat([mem, x, write], dim=1)                         # (B, M + T + M, D)
+            # the read memory stands at the chunk's first position, the write slots at its last:
+            # rotary sees the same distances between them and the tokens in every chunk, so
+            # nothing depends on how far into the document the chunk is
             no_rope = torch.full((B, M), -1, dtype=torch.long, device=tokens.device)
             pos = torch.cat([no_rope, tok_pos, no_rope], dim=1)
         else:
@@ -320,16 +361,21 @@ class ElephantLM(nn.Module):
                 new.ssm.append(ssm)
             else:
                 cache = state.kv[i]
-                x, (k, v) = block(x, pos, cache, seg=seg, init=init)
+                x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:
                     new.kv.append(None)
-                elif starts is None:
-                    new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T]))
-                else:  # keep only the keys of each lane's last document
-                    new.kv.append(cache.append(k[:, :, M:M + T], v[:, :, M:M + T],
-                                               new_valid=tok_seg == tok_seg[:, -1:], keep=~started))
+                    continue
+                # packed: keep only the keys of each lane's last document
+                last_doc = None if starts is None else tok_seg == tok_seg[:, -1:]
+                keep = None if starts is None else ~started
+                window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc, keep=keep)
+                if kept:
+                    window = self._keep_tokens(block.mixer, cache, window, kept[0][:, :, M:M + T],
+                                               v[:, :, M:M + T], kept[1][:, M:M + T], tok_pos,
+                                               last_doc, keep)
+                new.kv.append(window)
         written = None
         if M:
             read = state.memory
@@ -341,17 +387,22 @@ class ElephantLM(nn.Module):
             x = x[:, M:M + T]
         else:
             gate = None
-        h = self.norm_f(x)
-        if targets is None:
-            return self.lm_head(h), new, written, started
-        loss = self.head_loss(h, targets, loss_mask, reduction)
-        if gate is not None and cfg.mem_write_cost and self.training and reduction != "none":
-            # the price of writing: mean gate per lane, charged for each of the chunk's tokens
-            # (training only: evaluation reports the cross-entropy alone)
-            per_lane = gate.mean(-1)                                      # (B,)
-            loss = loss + cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
-                                                else per_lane.mean())
-        return loss, new, written, started
+        return self.norm_f(x), new, written, started, gate
+
+    def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
+                     x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None) -> KVCache:
+        """The layer's kept tokens after the chunk (`KVCache.with_kept`): the kv_keep best by keep
+        score among those kept so far and the chunk's tokens (of the lane's last document), with
+        Gumbel noise on the scores while training (kv_keep_noise) so that tokens the score does
+        not favour yet are sometimes kept and can show what keeping them is worth."""
+        with torch.no_grad():
+            score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
+            noise = self.cfg.kv_keep_noise
+            if self.training and noise:
+                u = torch.rand_like(score).clamp(1e-10, 1 - 1e-7)
+                score = score - noise * torch.log(-torch.log(u))
+        valid = torch.ones_like(pos, dtype=torch.bool) if last_doc is None else last_doc
+        return window.with_kept(k_raw, v, x, pos, valid, score, keep=keep)
 
     def init_prefix(self, dtype=None) -> list[tuple]:
         """What a document sees of the initial memory, per layer: the blocks run over `mem_init`

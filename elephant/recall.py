@@ -46,20 +46,25 @@ def label(n: int) -> str:
     return str(n)
 
 
-ABLATIONS = ("none", "memory", "kv", "ssm")
+ABLATIONS = ("none", "memory", "kv", "keep", "ssm")
 
 
 def ablate(model, state, part: str):
     """The state with one carried part dropped after a chunk, to see what carries a fact:
-    memory -> the initial memory, kv -> an empty window, ssm -> zero Mamba conv/SSM state."""
+    memory -> the initial memory, kv -> an empty window, keep -> no kept tokens (model.kv_keep),
+    ssm -> zero Mamba conv/SSM state."""
     if part == "none":
         return state
+    from elephant.state import KVCache
     lanes = torch.zeros(state.lanes, dtype=torch.bool, device=state.pos.device)
     cleared = state.reset(~lanes, model.mem_init if model.cfg.n_mem else None)
     if part == "memory":
         state.memory = cleared.memory
-    elif part == "kv":
-        state.kv = cleared.kv
+    elif part in ("kv", "keep"):
+        window = ("k", "v", "valid") if part == "kv" else ("keep_valid",)
+        state.kv = [None if c is None else
+                    KVCache(**(c.fields() | {n: getattr(e, n) for n in window if getattr(c, n) is not None}))
+                    for c, e in zip(state.kv, cleared.kv)]
     elif part == "ssm":
         state.conv, state.ssm = cleared.conv, cleared.ssm
     else:

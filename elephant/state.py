@@ -1,16 +1,17 @@
 """RecurrentState: everything a lane carries from one chunk of its document to the next.
 
 Per lane (batch row) it holds the rotary position reached in the current document, every
-attention layer's window of cached keys/values, every Mamba-2 layer's conv and SSM state, and the
-RMT read memory. Shapes are fixed at creation (the KV window has `kv_window` slots whether they are
-filled or not, with a validity mask), so a compiled model never sees a new shape.
+attention layer's window of cached keys/values (and its kept tokens, model.kv_keep), every Mamba-2
+layer's conv and SSM state, and the RMT read memory. Shapes are fixed at creation (the KV window
+has `kv_window` slots whether they are filled or not, with a validity mask), so a compiled model
+never sees a new shape.
 
 The state is a plain container of tensors. `reset(lanes)` and `detach()` swap in new tensors rather
 than writing into the old ones, so a state that is part of an autograd graph stays valid.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -21,10 +22,29 @@ class KVCache:
     k: Tensor       # (B, H, W, hd) rotated keys, oldest first
     v: Tensor       # (B, H, W, hd)
     valid: Tensor   # (B, W) bool: slots that hold a key of the lane's current document
+    # long-term kept tokens (model.kv_keep = K > 0, else None): keys before rotary (they are
+    # rotated at a position relative to the chunk that reads them), values, the layer's normalized
+    # input (the learned keep score is computed from it with gradient, see Attention.keep_score),
+    # positions in the document, and which of the K slots hold a token of the lane's document
+    keep_k: Tensor | None = None      # (B, H, K, hd)
+    keep_v: Tensor | None = None      # (B, H, K, hd)
+    keep_x: Tensor | None = None      # (B, K, D)
+    keep_pos: Tensor | None = None    # (B, K) int64
+    keep_valid: Tensor | None = None  # (B, K) bool
+
+    NAMES = ("k", "v", "valid", "keep_k", "keep_v", "keep_x", "keep_pos", "keep_valid")
+
+    def fields(self) -> dict[str, Tensor]:
+        """name -> tensor of every field in use."""
+        return {n: getattr(self, n) for n in self.NAMES if getattr(self, n) is not None}
+
+    def map(self, fn) -> "KVCache":
+        return replace(self, **{n: fn(t) for n, t in self.fields().items()})
 
     def append(self, k: Tensor, v: Tensor, new_valid: Tensor | None = None,
                keep: Tensor | None = None) -> "KVCache":
         """The window after this chunk: the last W of [cache | new keys]. No gradient is kept.
+        The kept tokens are carried unchanged (see `with_kept`).
 
         Packed documents: `new_valid` (B, S_new) marks the new keys of the lane's current (last)
         document, `keep` (B,) whether the cached keys still belong to it (all valid / kept: None)."""
@@ -35,7 +55,36 @@ class KVCache:
         fresh = (torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W) if new_valid is None
                  else new_valid)                                              # (B, S_new)
         valid = torch.cat([old, fresh], dim=1)[:, -W:]
-        return KVCache(k[:, :, -W:].contiguous(), v[:, :, -W:].contiguous(), valid.contiguous())
+        return replace(self, k=k[:, :, -W:].contiguous(), v=v[:, :, -W:].contiguous(),
+                       valid=valid.contiguous())
+
+    def with_kept(self, k: Tensor, v: Tensor, x: Tensor, pos: Tensor, valid: Tensor,
+                  score: Tensor, keep: Tensor | None = None) -> "KVCache":
+        """The kept tokens after this chunk: the K best by `score` among the kept ones and the
+        chunk's candidates. k, v (B, H, T, hd) unrotated keys and values of the chunk's tokens,
+        x (B, T, D) their inputs, pos (B, T) positions, valid (B, T) the candidates (tokens of the
+        lane's current document), score (B, K + T) of [kept | candidates], e.g. with exploration
+        noise, `keep` (B,) whether the kept tokens still belong to the lane's document (packed:
+        false where a document began in the chunk; None: all do). No gradient is kept; a slot
+        left without a valid token is invalid."""
+        K = self.keep_k.shape[2]
+        with torch.no_grad():
+            old = self.keep_valid if keep is None else self.keep_valid & keep[:, None]
+            ok = torch.cat([old, valid], dim=1)                                 # (B, K + T)
+            best = torch.where(ok, score.float(), float("-inf")).topk(K, dim=1).indices  # (B, K)
+
+            def pick(old: Tensor, new: Tensor) -> Tensor:
+                """The chosen entries of [old | new] along the token axis (2 for (B, H, n, hd),
+                else 1)."""
+                axis = 2 if old.dim() == 4 else 1
+                both = torch.cat([old, new.detach().to(old.dtype)], dim=axis)
+                idx = best[:, None, :, None] if axis == 2 else best.view(*best.shape, *[1] * (old.dim() - 2))
+                shape = list(both.shape)
+                shape[axis] = K
+                return both.gather(axis, idx.expand(shape))
+            return replace(self, keep_k=pick(self.keep_k, k), keep_v=pick(self.keep_v, v),
+                           keep_x=pick(self.keep_x, x), keep_pos=pick(self.keep_pos, pos),
+                           keep_valid=ok.gather(1, best))
 
 
 @dataclass
@@ -62,7 +111,7 @@ class RecurrentState:
         out = {"pos": self.pos}
         for i, c in enumerate(self.kv):
             if c is not None:
-                out[f"kv.{i}.k"], out[f"kv.{i}.v"], out[f"kv.{i}.valid"] = c.k, c.v, c.valid
+                out |= {f"kv.{i}.{n}": t for n, t in c.fields().items()}
         for name in ("conv", "ssm"):
             for i, t in enumerate(getattr(self, name)):
                 if t is not None:
@@ -74,7 +123,7 @@ class RecurrentState:
     def _map(self, fn) -> "RecurrentState":
         return RecurrentState(
             pos=fn(self.pos),
-            kv=[None if c is None else KVCache(fn(c.k), fn(c.v), fn(c.valid)) for c in self.kv],
+            kv=[None if c is None else c.map(fn) for c in self.kv],
             conv=[None if t is None else fn(t) for t in self.conv],
             ssm=[None if t is None else fn(t) for t in self.ssm],
             memory=None if self.memory is None else fn(self.memory),
@@ -140,8 +189,8 @@ class RecurrentState:
         first = states[0]
         return RecurrentState(
             pos=join(lambda s: s.pos),
-            kv=[None if c is None else KVCache(join(lambda s: s.kv[i].k), join(lambda s: s.kv[i].v),
-                                               join(lambda s: s.kv[i].valid))
+            kv=[None if c is None else KVCache(**{n: join(lambda s: getattr(s.kv[i], n))
+                                                  for n in c.fields()})
                 for i, c in enumerate(first.kv)],
             conv=[join(lambda s: s.conv[i]) for i in range(len(first.conv))],
             ssm=[join(lambda s: s.ssm[i]) for i in range(len(first.ssm))],
@@ -190,8 +239,8 @@ class RecurrentState:
         self.pos = tensors["pos"].to(self.pos.device)
         for i, c in enumerate(self.kv):
             if c is not None:
-                self.kv[i] = KVCache(*(tensors[f"kv.{i}.{n}"].to(getattr(c, n).device, getattr(c, n).dtype)
-                                       for n in ("k", "v", "valid")))
+                self.kv[i] = KVCache(**{n: tensors[f"kv.{i}.{n}"].to(t.device, t.dtype)
+                                        for n, t in c.fields().items()})
         for name in ("conv", "ssm"):
             seq = getattr(self, name)
             for i, t in enumerate(seq):

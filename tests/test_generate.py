@@ -41,14 +41,15 @@ def forward_chunks(model, tokens, T, reset_at=None):
     return torch.cat(outs, dim=1)
 
 
-CASES = [("MAMA", 0, 0), ("MAMA", 2, 8), ("MAMA", 3, 3), ("AA", 2, 0), ("AA", 0, 6),
-         ("MM", 2, 0), ("AMMA", 1, 12)]
+CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0), ("AA", 0, 6, 0),
+         ("MM", 2, 0, 0), ("AMMA", 1, 12, 0),
+         ("MAMA", 2, 5, 3), ("AA", 0, 4, 6)]     # kept tokens past the window (kv_keep)
 
 
-@pytest.mark.parametrize("layers, n_mem, kv_window", CASES)
-def test_step_path_equals_chunked_forward(layers, n_mem, kv_window):
+@pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", CASES)
+def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep):
     T = 5
-    model = make(layers=layers, n_mem=n_mem, kv_window=kv_window)
+    model = make(layers=layers, n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep)
     tokens = torch.randint(0, V, (2, 4 * T + 3))   # five chunks, the last partial
     want = forward_chunks(model, tokens, T, reset_at=2)
     dec = Decoder(model, 2, T)

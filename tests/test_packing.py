@@ -28,11 +28,12 @@ def starts_at(B, T, *cols) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n_mem, kv_window", [(3, 16), (0, 16), (3, 0)])
-def test_previous_document_never_leaks_into_the_next(n_mem, kv_window):
+@pytest.mark.parametrize("n_mem, kv_window, kv_keep", [(3, 16, 0), (0, 16, 0), (3, 0, 0), (3, 16, 4)])
+def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep):
     # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
-    # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged.
-    model = make(n_mem=n_mem, kv_window=kv_window)
+    # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged (with
+    # kept tokens: doc A's tokens 0-7 would be readable in chunk 2, had B not started).
+    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep)
     T, b0 = 12, 7
     gen = torch.Generator().manual_seed(1)
     chunks = torch.randint(0, V, (3, 2, T), generator=gen)
@@ -320,13 +321,14 @@ def test_a_prefix_of_the_wrong_model_is_refused():
         model(torch.randint(0, V, (1, 6)), starts=starts_at(1, 6, 0, 3), prefix=[])
 
 
-@pytest.mark.parametrize("n_mem", [0, 3])
-def test_chunk_without_inner_start_takes_the_unpacked_path_exactly(n_mem):
+@pytest.mark.parametrize("n_mem, kv_keep", [(0, 0), (3, 0), (3, 5)])
+def test_chunk_without_inner_start_takes_the_unpacked_path_exactly(n_mem, kv_keep):
     # a chunk where documents start at token 0 at most (the batcher's inner_starts is False): the
     # boundary path and the plain path (starts=None, reset = starts[:, 0]) agree, logits and state
-    model = make(n_mem=n_mem, kv_window=16)
+    model = make(n_mem=n_mem, kv_window=8, kv_keep=kv_keep)
     gen = torch.Generator().manual_seed(10)
     _, state = model(torch.randint(0, V, (3, 11), generator=gen))
+    _, state = model(torch.randint(0, V, (3, 11), generator=gen), state)  # kept tokens now read
     tokens = torch.randint(0, V, (3, 11), generator=gen)
     starts = torch.zeros(3, 11, dtype=torch.bool)
     starts[1, 0] = True

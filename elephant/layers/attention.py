@@ -5,7 +5,10 @@
 Every query of the chunk sees the valid slots of its lane's cache (keys and values of earlier
 chunks, rotated with their own absolute positions, carrying no gradient) and the keys j <= i of
 the chunk. Rotary angles come from `pos` (B, S), so positions run on per lane across chunks and a
-cached key keeps its position; a negative position means "not rotated" (memory tokens).
+cached key keeps its position; a negative position means "not rotated" (memory tokens). With kept
+tokens (model.kv_keep, `kept=`), the layer's kept keys/values come before the window: rotated at
+a position just before the window (so at the same distance from the chunk however old they are),
+values scaled by sigmoid(keep score) (`Attention.kept_tokens`).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which flash kernels cannot take. So:
@@ -52,6 +55,16 @@ def rotary_cos_sin(pos: Tensor, head_dim: int, base: float, dtype: torch.dtype
     return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
+def rotate_at(x: Tensor, pos: Tensor, base: float) -> Tensor:
+    """x (B, H, n, hd) rotated to the signed positions pos (B,), the same for every entry of a
+    lane (the kept tokens, see Attention.kept_tokens); formed in float64 like rotary_cos_sin."""
+    hd = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)
+    angle = pos.to(torch.float64)[:, None, None, None] * inv_freq        # (B, 1, 1, hd/2)
+    work = torch.promote_types(x.dtype, torch.float32)
+    return apply_rotary(x.to(work), angle.cos().to(work), angle.sin().to(work)).to(x.dtype)
+
+
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half rotary: pairs (x[i], x[i + hd/2]) turn by the angle of frequency i."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -74,9 +87,10 @@ def attention_mask(S: int, cache_valid: Tensor | None, device=None) -> Tensor:
 
 
 def _with_cache(k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> tuple[Tensor, Tensor]:
-    # (B, H, W + S, hd); the cache carries no gradient (Transformer-XL)
-    K = torch.cat([cache_k.detach().to(k.dtype), k], dim=2)
-    V = torch.cat([cache_v.detach().to(v.dtype), v], dim=2)
+    # (B, H, W + S, hd); Attention.forward has detached the window (the kept tokens' values keep
+    # the gradient of their keep score)
+    K = torch.cat([cache_k.to(k.dtype), k], dim=2)
+    V = torch.cat([cache_v.to(v.dtype), v], dim=2)
     return K, V
 
 
@@ -169,14 +183,36 @@ class Attention(nn.Module):
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.window = cfg.kv_window
+        if cfg.kv_keep:  # the learned keep score of a token: <keep_w, its normalized input> + keep_b
+            self.keep_w = nn.Parameter(torch.empty(cfg.d_model).normal_(std=cfg.init_std))
+            self.keep_b = nn.Parameter(torch.zeros(1))
         self.backend = backend or DEFAULT_BACKEND
         if self.backend not in BACKENDS:
             raise ValueError(f"attention backend: expected one of {', '.join(BACKENDS)} "
                              f"(ELEPHANT_ATTN), got {self.backend!r}")
 
-    def project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def keep_score(self, x: Tensor) -> Tensor:
+        """The keep score (..., ) of tokens whose normalized layer input is x (..., D): which
+        tokens the layer's long-term memory keeps (higher first), and, through sigmoid(score),
+        how much of a kept token's value a query reads (the score's gradient comes from there)."""
+        return (x.to(self.keep_w.dtype) * self.keep_w).sum(-1) + self.keep_b
+
+    def kept_tokens(self, cache, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values and validity ((B, H, K, hd), (B, K)) of the kept tokens of `cache` for a
+        chunk starting at position `start` (B,) of the lane's document. A kept token reads as if it stood just before the window (position start - W - 1),
+        whatever its real distance, so a query meets it at a distance it met in training; its
+        value is scaled by sigmoid(keep score), with gradient; it is hidden while it is still in
+        the window (position >= start - W)."""
+        edge = start - self.window
+        k = rotate_at(cache.keep_k, edge - 1, self.rope_base)
+        gate = torch.sigmoid(self.keep_score(cache.keep_x))                  # (B, K)
+        v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
+        return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
+
+    def project(self, x: Tensor, pos: Tensor, raw: bool = False):
         """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
-        shared by the chunk forward and the generation step."""
+        shared by the chunk forward and the generation step. `raw`: also the keys before rotary."""
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         q, k, v = self.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
@@ -188,24 +224,34 @@ class Attention(nn.Module):
             q = F.rms_norm(q, (hd,), self.q_norm.weight.to(work), eps)
             k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
         cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work)     # (B, 1, S, hd/2)
-        return apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
+        out = apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
+        return (*out, k.to(dtype)) if raw else out
 
     def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
                 cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
                 seg: Tensor | None = None, prefix_k: Tensor | None = None,
-                prefix_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None):
         """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
         seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
+        kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
+        chunk's first position), before the window and like it (`kept_tokens`).
 
-        Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each.
+        Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each; with `kept`
+        also the keys before rotary (what kept tokens store).
         """
         B, S, D = x.shape
-        q, k, v = self.project(x, pos)                                # (B, H, S, hd) each
+        q, k, v, *k_raw = self.project(x, pos, raw=kept is not None)  # (B, H, S, hd) each
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
+        if cache_k is not None:   # the window carries no gradient (Transformer-XL)
+            cache_k, cache_v = cache_k.detach(), cache_v.detach()
+            if kept is not None:  # kept tokens first; their values carry the keep score's gradient
+                kk, kv, kvalid = self.kept_tokens(kept, start)
+                cache_k, cache_v = torch.cat([kk, cache_k], dim=2), torch.cat([kv, cache_v], dim=2)
+                cache_valid = torch.cat([kvalid, cache_valid], dim=1)
         if seg is None:
             y = attend(q, k, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
         else:
             y = attend_segments(q, k, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
         y = y.transpose(1, 2).reshape(B, S, D)
-        return self.o(y), k, v
+        return (self.o(y), k, v, *k_raw)

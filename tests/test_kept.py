@@ -1,0 +1,154 @@
+"""Kept tokens (model.kv_keep): the attention layers' long-term memory past the KV window."""
+import pytest
+import torch
+
+from elephant.config import ConfigError, ModelConfig
+from elephant.model import ElephantLM
+from elephant.recall import ablate
+from elephant.state import KVCache
+
+V = 40
+
+
+def make(seed=0, **kw) -> ElephantLM:
+    base = dict(vocab_size=V, d_model=32, n_heads=4, layers="A", d_mlp=48, d_state=16,
+                mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=4, kv_keep=1, bptt_chunks=8)
+    base.update(kw)
+    torch.manual_seed(seed)
+    return ElephantLM(ModelConfig(**base)).double().eval()
+
+
+def favour(model, token: int, layer: int = 0) -> None:
+    """Make `token` the best-scored token of the first layer (whose input is the embedding)."""
+    mixer = model.blocks[layer].mixer
+    with torch.no_grad():
+        e = model.blocks[layer].norm1(model.embed.weight[token])
+        mixer.keep_w.copy_(e / e.norm() * 20)
+        mixer.keep_b.zero_()
+
+
+def test_with_kept_takes_the_best_valid_scores():
+    B, H, K, T, hd, D = 2, 1, 2, 3, 2, 3
+    cache = KVCache(k=torch.zeros(B, H, 1, hd), v=torch.zeros(B, H, 1, hd),
+                    valid=torch.zeros(B, 1, dtype=torch.bool),
+                    keep_k=torch.full((B, H, K, hd), -1.0), keep_v=torch.full((B, H, K, hd), -1.0),
+                    keep_x=torch.full((B, K, D), -1.0), keep_pos=torch.tensor([[100, 101]] * B),
+                    keep_valid=torch.tensor([[True, False]] * B))
+    k = torch.arange(T, dtype=torch.float).view(1, 1, T, 1).expand(B, H, T, hd)
+    x = torch.arange(T, dtype=torch.float).view(1, T, 1).expand(B, T, D)
+    pos = torch.tensor([[5, 6, 7]] * B)
+    valid = torch.tensor([[True, True, False], [True, True, True]])
+    # scores of [kept 0, kept 1 (invalid), tokens 0, 1, 2 (lane 0: 2 invalid)]
+    score = torch.tensor([[0.5, 9.0, 0.1, 0.7, 5.0], [0.5, 9.0, 0.1, 0.7, 5.0]])
+    out = cache.with_kept(k, k, x, pos, valid, score)
+    assert out.keep_pos.tolist() == [[6, 100], [7, 6]]
+    assert out.keep_valid.all()
+    assert out.keep_k[0, 0, :, 0].tolist() == [1.0, -1.0] and out.keep_x[1, :, 0].tolist() == [2.0, 1.0]
+    # a lane whose document ended (keep false) drops its old kept tokens
+    out = cache.with_kept(k, k, x, pos, valid, score, keep=torch.tensor([False, True]))
+    assert out.keep_pos[0].tolist() == [6, 5] and out.keep_pos[1].tolist() == [7, 6]
+    assert out.k is cache.k    # the window is left to append
+
+
+def test_a_kept_token_is_carried_bit_for_bit_while_lower_scores_pass():
+    model = make(kv_keep=1)
+    favour(model, 7)
+    T = 4
+    gen = torch.Generator().manual_seed(0)
+    state = None
+    first = torch.tensor([[3, 7, 5, 2]])
+    _, state = model(first, state)
+    kept = {n: t.clone() for n, t in state.kv[0].fields().items() if n.startswith("keep_")}
+    assert kept["keep_pos"].item() == 1 and kept["keep_valid"].item()
+    for _ in range(6):
+        filler = torch.randint(8, V, (1, T), generator=gen)
+        _, state = model(filler, state)
+        for n, t in kept.items():
+            assert torch.equal(getattr(state.kv[0], n), t), n
+
+
+def test_a_kept_token_reads_the_same_however_far_back_it_is():
+    # one layer, the favoured token kept alone: the query chunk's logits are the same after 2 or
+    # after 7 chunks of the same filler, though the token is 12 or 32 tokens back (the window
+    # holds the same filler, and a kept token is read at a fixed distance before the window)
+    model = make(kv_keep=1)
+    favour(model, 7)
+    filler, query = torch.tensor([[9, 10, 11, 12]]), torch.tensor([[13, 7, 14, 15]])
+    outs = []
+    for gap in (2, 7):
+        _, state = model(torch.tensor([[3, 7, 5, 2]]))
+        for _ in range(gap):
+            _, state = model(filler, state)
+        logits, _ = model(query, state)
+        outs.append(logits)
+    assert (outs[0] - outs[1]).abs().max() < 1e-12
+    # and the kept token does change them: without it the logits differ
+    _, state = model(torch.tensor([[3, 7, 5, 2]]))
+    for _ in range(2):
+        _, state = model(filler, state)
+    state = ablate(model, state, "keep")
+    logits, _ = model(query, state)
+    assert (logits - outs[0]).abs().max() > 1e-6
+
+
+def test_kept_tokens_are_hidden_while_in_the_window():
+    # a token enters the kept set at its chunk's end, but is read from the window until it leaves
+    model = make(kv_keep=1, kv_window=8)
+    favour(model, 7)
+    _, state = model(torch.tensor([[3, 7, 5, 2]]))
+    reader = model.blocks[0].mixer
+    _, _, visible = reader.kept_tokens(state.kv[0], state.pos)
+    assert not visible.any()                      # position 1 is inside the window [0, 4) + 4
+    _, state = model(torch.tensor([[9, 10, 11, 12]]), state)
+    _, state = model(torch.tensor([[9, 10, 11, 12]]), state)
+    _, _, visible = reader.kept_tokens(state.kv[0], state.pos)
+    assert visible.all()                          # start 12 - window 8 = 4 > position 1
+
+
+def test_the_keep_score_learns_from_a_later_chunk():
+    # the loss of a chunk that reads a kept token reaches the keep score's parameters (through
+    # sigmoid(score) on the kept value), though the kept keys and values carry no gradient
+    model = make(kv_keep=2, layers="AA").train()
+    model.cfg.kv_keep_noise = 0.0
+    state = None
+    for c in range(3):
+        tokens = torch.randint(0, V, (2, 4))
+        loss, state = model(tokens, state, targets=tokens)
+    for block in model.blocks:
+        g = torch.autograd.grad(loss, [block.mixer.keep_w, block.mixer.keep_b], retain_graph=True)
+        assert all(t.abs().sum() > 0 for t in g)
+
+
+def test_exploration_noise_only_while_training():
+    model = make(kv_keep=2, kv_window=4)
+    tokens = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(3))
+    picks = []
+    for training in (False, False, True, True):
+        model.train(training)
+        torch.manual_seed(len(picks))
+        _, state = model(tokens)
+        picks.append(state.kv[0].keep_pos.sort(1).values)
+    assert torch.equal(picks[0], picks[1])                # evaluation: the scores alone decide
+    assert not torch.equal(picks[2], picks[3]) or not torch.equal(picks[2], picks[0])
+
+
+def test_kept_tokens_need_a_window():
+    with pytest.raises(ConfigError, match="kv_keep"):
+        ModelConfig(kv_keep=8, kv_window=0).validate()
+    with pytest.raises(ConfigError, match="kv_keep"):
+        ModelConfig(kv_keep=-1, kv_window=8).validate()
+
+
+def test_kept_tokens_round_trip_through_the_state_dict():
+    model = make(kv_keep=3, layers="MA")
+    _, state = model(torch.randint(0, V, (2, 4)))
+    _, state = model(torch.randint(0, V, (2, 4)), state)
+    saved = state.state_dict()
+    assert {"kv.1.keep_k", "kv.1.keep_x", "kv.1.keep_pos", "kv.1.keep_valid"} <= set(saved)
+    fresh = model.init_state(2, dtype=torch.float64)
+    fresh.load_state_dict(saved)
+    for n, t in state.tensors().items():
+        assert torch.equal(fresh.tensors()[n], t), n
+    cleared = state.reset(torch.tensor([True, False]))
+    assert not cleared.kv[1].keep_valid[0].any() and torch.equal(cleared.kv[1].keep_valid[1],
+                                                                  state.kv[1].keep_valid[1])
