@@ -55,6 +55,9 @@ VARIANTS = {
     "path-open": {"window": 2, "memory_path": True, "mem_gate_init": 0.0},
     "window4": {"window": 4},
     "path4": {"window": 4, "memory_path": True},
+    # the memory tokens at the chunk's rotary positions (read: first, write: last) instead of
+    # unrotated (model.mem_rotary)
+    "closed-chunkpos": {"mem_rotary": "chunk"},
     # a KV window of one chunk, and long-term kept tokens past it (model.kv_keep)
     "kvw": {"kv_window": 32},
     "keep": {"kv_window": 32, "kv_keep": 16},

@@ -36,6 +36,10 @@ class ModelConfig:
                                      # mem_gate_min; 0: half open). Shut gates reach much further
                                      # (docs/RESULTS.md, CPU recall study)
     mem_write_cost: float = 0.0      # loss per token per unit of mean gate: write only what pays
+    mem_rotary: str = "none"         # rotary position of the memory tokens: none (unrotated, so what a
+                                     # token reads of them depends on its absolute position) | chunk
+                                     # (read memory at the chunk's first position, write slots at its
+                                     # last: a chunk computes the same at any depth of its document)
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     kv_keep: int = 0                 # long-term memory: keys/values of this many tokens per attention
                                      # layer kept past the window, chosen by a learned score and kept
@@ -75,6 +79,7 @@ class ModelConfig:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")
         _choice(self, "mem_update", ("gated", "replace"))
+        _choice(self, "mem_rotary", ("none", "chunk"))
         _non_negative(self, "mem_write_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")

@@ -273,11 +273,11 @@ class Decoder:
 
     # ---------------------------------------------------------------- chunk boundaries
     def _start_chunk(self, lanes) -> None:
-        """Read memory: run the read-memory tokens (no rotary position) at the chunk's start
+        """Read memory: run the read-memory tokens (model._memory_positions) at the chunk's start
         (after the kept tokens it reads are set)."""
         self._read_kept()
         if self.M:
-            pos = torch.full((self.B, self.M), -1, dtype=torch.long, device=self.device)
+            pos = self.model._memory_positions(self.pos, self.pos + self.T)[0]
             self._blocks(self.memory.to(self.dtype), pos)
 
     def _end_chunk(self) -> None:
@@ -285,7 +285,7 @@ class Decoder:
         M, W, T = self.M, self.W, self.T
         if M:
             write = self.model.mem_write.to(self.dtype).unsqueeze(0).expand(self.B, -1, -1)
-            pos = torch.full((self.B, M), -1, dtype=torch.long, device=self.device)
+            pos = self.model._memory_positions(self.pos - T, self.pos)[1]
             written = self._blocks(write, pos)
             self.memory = self.model.update_memory(self.memory, written)
         self._choose_kept()

@@ -343,11 +343,8 @@ class ElephantLM(nn.Module):
             mem = state.memory.to(x.dtype)
             write = self.mem_write.to(x.dtype).unsqueeze(0).expand(B, -1, -1)
             x = torch.cat([mem, x, write], dim=1)                         # (B, M + T + M, D)
-            # the read memory stands at the chunk's first position, the write slots at its last:
-            # rotary sees the same distances between them and the tokens in every chunk, so
-            # nothing depends on how far into the document the chunk is
-            no_rope = torch.full((B, M), -1, dtype=torch.long, device=tokens.device)
-            pos = torch.cat([no_rope, tok_pos, no_rope], dim=1)
+            read_pos, write_pos = self._memory_positions(state.pos, new_pos)
+            pos = torch.cat([read_pos, tok_pos, write_pos], dim=1)
         else:
             pos = tok_pos
 
@@ -388,6 +385,17 @@ class ElephantLM(nn.Module):
         else:
             gate = None
         return self.norm_f(x), new, written, started, gate
+
+    def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
+        tokens run from `start` to `end` - 1 (B,): -1 (not rotated) with mem_rotary "none"; the
+        first and the last position with "chunk" (at a document's start: 0, the same as not
+        rotated, so the initial memory's prefix holds for documents that start inside a chunk)."""
+        M = self.cfg.n_mem
+        if self.cfg.mem_rotary == "none":
+            none = torch.full((start.shape[0], M), -1, dtype=torch.long, device=start.device)
+            return none, none
+        return start[:, None].expand(-1, M), (end - 1)[:, None].expand(-1, M)
 
     def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
                      x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None) -> KVCache:

@@ -75,9 +75,11 @@ def ablate(model, state, part: str):
 @torch.no_grad()
 def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
                     n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
-                    ablation: str = "none", digits: int = 6) -> dict:
+                    ablation: str = "none", digits: int = 6, offset: int = 0) -> dict:
     """Accuracy by distance over `lanes` documents streamed side by side (see the module doc).
-    `ablation` drops one carried part of the state after every chunk (see `ablate`)."""
+    `ablation` drops one carried part of the state after every chunk (see `ablate`). `offset`
+    starts every document at that rotary position instead of 0: what of the model depends on
+    how deep into a document it reads (nothing, where every position it uses is relative)."""
     from data_packing.recall import eval_document
 
     rng = np.random.default_rng(seed)
@@ -99,7 +101,8 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     was_training = model.training
     model.eval()
     state = model.init_state(lanes, device=device)
-    reset = torch.ones(lanes, dtype=torch.bool, device=device)
+    state.pos += offset
+    reset = None if offset else torch.ones(lanes, dtype=torch.bool, device=device)
     gate_zero = gate_n = 0
     peak = {}
     if device.type == "cuda":
@@ -147,7 +150,8 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
             "distance": d, "accuracy": float(correct[:, j].sum() / max(total[:, j].sum(), 1)),
             "exact": float(all_right[:, j].mean()), "answers": int(lanes),
             "mean_actual_distance": float(actual[:, j].mean())}
-    out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "lanes": lanes,
+    out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "offset": offset,
+           "lanes": lanes,
            "chunk_len": chunk_len,
            "pairs": n_pairs, "tokens": int(lanes * n_chunks * chunk_len), "seconds": seconds,
            "tokens_per_s": lanes * n_chunks * chunk_len / max(seconds, 1e-9)}
@@ -342,6 +346,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
         step = int(meta["step"])
         log(f"resumed from {ckpt} (step {step})")
     model.compile_for(compile_mode(t.compile, device))
+    torch.manual_seed(t.seed * 1_000_003 + step)   # exploration noise (model.kv_keep) of a resumed run
     task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
     lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)
     window = cfg.model.bptt_chunks
@@ -414,7 +419,7 @@ def _eval(args) -> int:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
     result = evaluate_recall(model, tokenizer, distances, args.lanes, chunk_len, device, args.pairs,
                              args.seed, autocast, progress=not args.no_progress and sys.stderr.isatty(),
-                             ablation=args.ablate)
+                             ablation=args.ablate, offset=parse_count(getattr(args, "offset", "0")))
     result["checkpoint"] = str(args.checkpoint)
     # one key per distance (recall_4K, recall_1M: digit accuracy), and where and how it was measured
     result.update({f"recall_{label}": row["accuracy"] for label, row in result["by_distance"].items()})
@@ -485,6 +490,9 @@ def main(argv=None) -> int:
         s.add_argument("--ablate", default="none", choices=ABLATIONS,
                        help="drop one carried part of the state after every chunk")
         s.add_argument("--device", default="auto")
+        if name == "eval":
+            s.add_argument("--offset", default="0",
+                           help="start every document at this rotary position (e.g. 1M)")
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

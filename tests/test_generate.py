@@ -47,9 +47,10 @@ CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0
 
 
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", CASES)
-def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep):
+def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem_rotary="none"):
     T = 5
-    model = make(layers=layers, n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep)
+    model = make(layers=layers, n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep,
+                 mem_rotary=mem_rotary)
     tokens = torch.randint(0, V, (2, 4 * T + 3))   # five chunks, the last partial
     want = forward_chunks(model, tokens, T, reset_at=2)
     dec = Decoder(model, 2, T)
@@ -60,6 +61,10 @@ def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep):
         got.append(dec.step(tokens[:, t]))
     got = torch.stack(got, dim=1)
     assert (got - want).abs().max().item() < 1e-9
+
+
+def test_step_path_equals_chunked_forward_with_memory_at_chunk_positions():
+    test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary="chunk")
 
 
 @pytest.mark.parametrize("mem_update", ["gated", "replace"])

@@ -152,3 +152,23 @@ def test_kept_tokens_round_trip_through_the_state_dict():
     cleared = state.reset(torch.tensor([True, False]))
     assert not cleared.kv[1].keep_valid[0].any() and torch.equal(cleared.kv[1].keep_valid[1],
                                                                   state.kv[1].keep_valid[1])
+
+
+@pytest.mark.parametrize("mem_rotary", ["chunk", "none"])
+def test_a_chunk_computes_the_same_at_any_depth_of_its_document(mem_rotary):
+    # with the memory at the chunk's positions (mem_rotary "chunk"), every position the model
+    # uses is relative (window keys, kept tokens, memory), so a document read from position 10^6
+    # gives the logits of the same document read from 0; unrotated memory tokens do not
+    model = make(layers="MAMA", n_mem=2, kv_window=4, kv_keep=3, mem_rotary=mem_rotary)
+    tokens = torch.randint(0, V, (2, 5, 4), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for offset in (0, 10 ** 6):
+        state = model.init_state(2, dtype=torch.float64)
+        state.pos += offset
+        logits = []
+        for c in range(5):
+            out, state = model(tokens[:, c], state)
+            logits.append(out)
+        outs.append(torch.cat(logits, 1))
+    diff = (outs[0] - outs[1]).abs().max().item()
+    assert diff < 1e-9 if mem_rotary == "chunk" else diff > 1e-4, diff
