@@ -58,6 +58,9 @@ VARIANTS = {
     # the memory tokens at the chunk's rotary positions (read: first, write: last) instead of
     # unrotated (model.mem_rotary)
     "closed-chunkpos": {"mem_rotary": "chunk"},
+    # partial rotary: pairs of a period over 256 tokens (longer than the training documents)
+    # not rotated (model.rope_max_period)
+    "closed-prope": {"rope_max_period": 256.0},
     # a KV window of one chunk, and long-term kept tokens past it (model.kv_keep)
     "kvw": {"kv_window": 32},
     "keep": {"kv_window": 32, "kv_keep": 16},
@@ -96,6 +99,11 @@ def run(name: str, args) -> dict:
                             seed=1234 + args.seed, ablation=part, digits=args.digits)
         out["recall"][part] = r
         print(format_table(r, f"[{name}] ablation={part}"), file=sys.stderr, flush=True)
+    for offset in [parse_count(o) for o in args.offsets.split(",") if o.strip() not in ("", "0")]:
+        r = evaluate_recall(model, tok, distances, args.eval_lanes, T, torch.device("cpu"),
+                            seed=1234 + args.seed, digits=args.digits, offset=offset)
+        out["recall"][f"offset{offset}"] = r
+        print(format_table(r, f"[{name}] read from position {offset}"), file=sys.stderr, flush=True)
     return out
 
 
@@ -113,6 +121,8 @@ def main() -> int:
                    help="grow the largest training distance from this one (0: no curriculum)")
     p.add_argument("--distances", default="128,512,2K,8K,32K")
     p.add_argument("--eval-lanes", type=int, default=32)
+    p.add_argument("--offsets", default="",
+                   help="also score every document read from these rotary positions (e.g. 1M)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/recall_cpu.json")
     args = p.parse_args()

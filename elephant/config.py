@@ -47,6 +47,9 @@ class ModelConfig:
                                      # kv_window > 0)
     kv_keep_noise: float = 1.0       # Gumbel noise on the keep scores while training (exploration)
     rope_base: float = 10000.0
+    rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
+                                     # not rotated (partial rotary): angles that training documents
+                                     # never wrap through are never met, however deep the document
     qk_norm: bool = True             # RMS-normalize queries and keys before rotary
     d_state: int = 64                # Mamba-2 SSM state size N
     mamba_head_dim: int = 64         # Mamba-2 head size P; heads = expand * d_model // P
@@ -74,7 +77,8 @@ class ModelConfig:
         _positive(self, "vocab_size", "d_model", "n_heads", "d_state", "mamba_head_dim", "expand",
                   "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
                   "norm_eps", "init_std")
-        _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise")
+        _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise",
+                      "rope_max_period")
         if self.kv_keep and not self.kv_window:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")

@@ -240,3 +240,18 @@ def test_cache_in_another_dtype_is_cast():
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="ELEPHANT_ATTN"):
         Attention(ModelConfig(d_model=D, n_heads=H), backend="flash3")
+
+
+def test_rotary_pairs_of_a_long_period_are_not_rotated():
+    # partial rotary (model.rope_max_period): pairs whose period is over the limit keep cos 1,
+    # sin 0 at any position; the others are the full rotary's
+    from elephant.layers.attention import inverse_frequencies
+    pos = torch.tensor([[0, 3, 5000, 10 ** 6]])
+    full = rotary_cos_sin(pos, 16, 10000.0, torch.float64)
+    part = rotary_cos_sin(pos, 16, 10000.0, torch.float64, max_period=100.0)
+    period = 2 * torch.pi / inverse_frequencies(16, 10000.0)
+    long = period > 100.0
+    assert 0 < long.sum() < 8
+    for a, b, still in zip(full, part, (1.0, 0.0)):
+        assert torch.equal(b[..., ~long], a[..., ~long])
+        assert (b[..., long] == still).all()

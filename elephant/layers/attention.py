@@ -39,15 +39,24 @@ DEFAULT_BACKEND = os.environ.get("ELEPHANT_ATTN", "sdpa")
 
 
 # ------------------------------------------------------------------------------- rotary
-def rotary_cos_sin(pos: Tensor, head_dim: int, base: float, dtype: torch.dtype
-                   ) -> tuple[Tensor, Tensor]:
-    """cos, sin (B, 1, S, head_dim / 2) of the rotary angles pos * base^(-2i / head_dim).
+def inverse_frequencies(head_dim: int, base: float, max_period: float = 0.0, device=None) -> Tensor:
+    """base^(-2i / head_dim) (head_dim / 2,) float64; with max_period > 0 the frequencies whose
+    period 2 pi / f is longer are 0 (those pairs are not rotated)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    if max_period > 0:
+        inv_freq = torch.where(2 * torch.pi / inv_freq > max_period, 0.0, inv_freq)
+    return inv_freq
+
+
+def rotary_cos_sin(pos: Tensor, head_dim: int, base: float, dtype: torch.dtype,
+                   max_period: float = 0.0) -> tuple[Tensor, Tensor]:
+    """cos, sin (B, 1, S, head_dim / 2) of the rotary angles pos * base^(-2i / head_dim) (pairs of
+    a period over `max_period` > 0 not rotated, see inverse_frequencies).
 
     Angles are formed in float64 (a few hundred thousand elements) so that positions in the
     millions keep their fraction; a negative position gives cos = 1, sin = 0 (no rotation).
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device)
-                        / head_dim)                                   # (hd/2,)
+    inv_freq = inverse_frequencies(head_dim, base, max_period, pos.device)  # (hd/2,)
     angle = pos.clamp(min=0).to(torch.float64).unsqueeze(-1) * inv_freq  # (B, S, hd/2)
     rotate = (pos >= 0).unsqueeze(-1)
     cos = torch.where(rotate, angle.cos(), 1.0).to(dtype)
@@ -55,11 +64,10 @@ def rotary_cos_sin(pos: Tensor, head_dim: int, base: float, dtype: torch.dtype
     return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-def rotate_at(x: Tensor, pos: Tensor, base: float) -> Tensor:
+def rotate_at(x: Tensor, pos: Tensor, base: float, max_period: float = 0.0) -> Tensor:
     """x (B, H, n, hd) rotated to the signed positions pos (B,), the same for every entry of a
     lane (the kept tokens, see Attention.kept_tokens); formed in float64 like rotary_cos_sin."""
-    hd = x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=x.device) / hd)
+    inv_freq = inverse_frequencies(x.shape[-1], base, max_period, x.device)
     angle = pos.to(torch.float64)[:, None, None, None] * inv_freq        # (B, 1, 1, hd/2)
     work = torch.promote_types(x.dtype, torch.float32)
     return apply_rotary(x.to(work), angle.cos().to(work), angle.sin().to(work)).to(x.dtype)
@@ -178,7 +186,7 @@ class Attention(nn.Module):
     def __init__(self, cfg, backend: str | None = None):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.rope_base = float(cfg.rope_base)
+        self.rope_base, self.rope_max_period = float(cfg.rope_base), float(cfg.rope_max_period)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -205,7 +213,7 @@ class Attention(nn.Module):
         value is scaled by sigmoid(keep score), with gradient; it is hidden while it is still in
         the window (position >= start - W)."""
         edge = start - self.window
-        k = rotate_at(cache.keep_k, edge - 1, self.rope_base)
+        k = rotate_at(cache.keep_k, edge - 1, self.rope_base, self.rope_max_period)
         gate = torch.sigmoid(self.keep_score(cache.keep_x))                  # (B, K)
         v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
         return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
@@ -223,7 +231,7 @@ class Attention(nn.Module):
             eps = self.q_norm.eps
             q = F.rms_norm(q, (hd,), self.q_norm.weight.to(work), eps)
             k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
-        cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work)     # (B, 1, S, hd/2)
+        cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work, self.rope_max_period)
         out = apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
         return (*out, k.to(dtype)) if raw else out
 
