@@ -113,6 +113,28 @@ def test_packed_training_fills_its_chunks_and_learns(tmp_path, corpus_dir):
     assert sum(ls[-5:]) / 5 < sum(ls[:5]) / 5 - 0.5
 
 
+def test_kept_tokens_train_and_resume_bitwise(tmp_path, corpus_dir):
+    # model.kv_keep through the trainer: the kept tokens (carried lane state) and the exploration
+    # noise (the RNG) resume exactly from a checkpoint; the kept tokens fill up
+    import shutil
+    run = tmp_path / "run"
+    over = overrides(run, corpus_dir, **{"train.max_steps": 6, "train.ckpt_every": 2,
+                                         "train.keep_ckpts": 5, "model.kv_window": 32,
+                                         "model.kv_keep": 8})
+    cfg = load_config(ROOT / "configs/tiny.toml", over)
+    trainer = Trainer(cfg, progress=False)
+    trainer.fit()
+    ref = losses(run)
+    kept = [c.keep_valid for c in trainer.states[0].kv if c is not None]
+    assert kept and all(v.any() for v in kept)
+    for late in ("step_0000004", "step_0000006"):
+        shutil.rmtree(run / "checkpoints" / late)
+    (run / "checkpoints" / "latest").write_text("step_0000002\n")
+    Trainer(load_config(ROOT / "configs/tiny.toml", over), resume=True, progress=False).fit()
+    again = losses(run)
+    assert [again[s] for s in range(3, 7)] == [ref[s] for s in range(3, 7)]   # bitwise
+
+
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus_dir):
     steps = 12
     ref = tmp_path / "ref"
