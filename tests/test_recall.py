@@ -32,26 +32,6 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.09 and 0.06
 
 
-def test_tiny_model_recalls_a_fact_past_its_window_through_kept_tokens():
-    # Attention only, a KV window of one chunk and 16 kept tokens per layer: past the window
-    # (128 tokens = 4 chunks back) the fact travels in the kept tokens or in the memory.
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
-                      kv_window=32, kv_keep=16, bptt_chunks=8)
-    model = ElephantLM(cfg)
-    opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
-                                              adam_lr=0.01, embed_lr=0.01, head_lr=0.01))
-    train_on_answers(model, opt, steps=800, lanes=32, chunk_len=32, gaps=(40, 70), digits=3)
-    cpu = torch.device("cpu")
-    recall = evaluate_recall(model, ByteTokenizer(), [128, 256], 32, 32, cpu, digits=3)
-    accuracy = [r["accuracy"] for r in recall["by_distance"].values()]
-    assert min(accuracy) > 0.3, recall["by_distance"]           # 0.54 and 0.50 when written
-    # drop the kept tokens after every chunk: the fact is gone, so it travelled in them
-    ablated = evaluate_recall(model, ByteTokenizer(), [128, 256], 32, 32, cpu, digits=3,
-                              ablation="keep")
-    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.2
-
-
 def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     out = tmp_path / "recall.json"
     code = main(["train", "--config", "configs/recall.toml", "--distances", "64,1K", "--lanes", "2",
