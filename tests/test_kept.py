@@ -6,16 +6,13 @@ from elephant.config import ConfigError, ModelConfig
 from elephant.model import ElephantLM
 from elephant.recall import ablate
 from elephant.state import KVCache
+from tiny_lm import tiny_lm
 
 V = 40
 
 
 def make(seed=0, **kw) -> ElephantLM:
-    base = dict(vocab_size=V, d_model=32, n_heads=4, layers="A", d_mlp=48, d_state=16,
-                mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=4, kv_keep=1, bptt_chunks=8)
-    base.update(kw)
-    torch.manual_seed(seed)
-    return ElephantLM(ModelConfig(**base)).double().eval()
+    return tiny_lm(seed, **(dict(vocab_size=V, layers="A", kv_window=4, kv_keep=1, bptt_chunks=8) | kw))
 
 
 def favour(model, token: int, layer: int = 0) -> None:

@@ -9,16 +9,13 @@ import torch.nn.functional as F
 from elephant.config import ModelConfig
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
+from tiny_lm import tiny_lm
 
 V = 97
 
 
 def make(seed=0, **kw) -> ElephantLM:
-    base = dict(vocab_size=V, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                mamba_head_dim=16, expand=2, d_conv=4, ssd_chunk=8, n_mem=0, kv_window=0)
-    base.update(kw)
-    torch.manual_seed(seed)
-    return ElephantLM(ModelConfig(**base)).double().eval()
+    return tiny_lm(seed, **({"vocab_size": V} | kw))
 
 
 def starts_at(B, T, *cols) -> torch.Tensor:
