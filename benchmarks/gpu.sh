@@ -19,7 +19,7 @@
 #           CUDA-graph evaluation beside the defaults (~4 min)
 #   packing-model  bench_packing.py --only paths --compile model: packing with the whole chunk
 #           step compiled (~3 min)
-#   lmstudy benchmarks/lm_study.py: hybrid with memory vs a transformer of the same size, the same
+#   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
@@ -98,6 +98,7 @@ for stage in $stages; do
         | tee "$LOGS/bench_packing_model.log" | tail -12 ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
+        --variants ${LM_VARIANTS:-hybrid,transformer} \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
