@@ -238,12 +238,16 @@ class Decoder:
                                       dtype=cache.keep_x.dtype))
         return buf
 
+    @staticmethod
+    def _kept_cache(buf: dict[str, Tensor]) -> KVCache:
+        """The kept tokens of a layer's buffers as a KVCache (no window)."""
+        return KVCache(k=None, v=None, valid=None,
+                       **{n: buf[n] for n in KVCache.NAMES if n.startswith("keep_")})
+
     def _read_kept(self) -> None:
         """At a chunk's start: what its tokens read of every layer's kept tokens (in place)."""
         for i, buf in self.kept.items():
-            cache = KVCache(k=None, v=None, valid=None,
-                            **{n: buf[n] for n in KVCache.NAMES if n.startswith("keep_")})
-            k, v, valid = self.model.blocks[i].mixer.kept_tokens(cache, self.pos)
+            k, v, valid = self.model.blocks[i].mixer.kept_tokens(self._kept_cache(buf), self.pos)
             buf["read_k"].copy_(k)
             buf["read_v"].copy_(v)
             buf["read_valid"].copy_(valid)
@@ -254,9 +258,7 @@ class Decoder:
         M, T = self.M, self.T
         pos = self.pos[:, None] - T + torch.arange(T, device=self.device)      # the chunk's tokens
         for i, buf in self.kept.items():
-            mixer = self.model.blocks[i].mixer
-            cache = KVCache(k=None, v=None, valid=None,
-                            **{n: buf[n] for n in KVCache.NAMES if n.startswith("keep_")})
+            mixer, cache = self.model.blocks[i].mixer, self._kept_cache(buf)
             x = buf["raw_x"][:, M:M + T]
             score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
             v = self.kv[i][1][:, :, self.W + M:self.W + M + T]                # the chunk's values

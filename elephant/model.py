@@ -17,10 +17,10 @@ layer keeps the best-scored of its kept tokens and the chunk's tokens (a learned
 token's input, with exploration noise in training), so a token worth keeping is carried bit for bit
 until better ones displace it; it is read as if it stood just before the window, whatever its age,
 and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 layers start
-from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for `bptt_chunks`
-chunks: a state that has been through that many chunks is detached before the next one. With
-memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory updates is
-kept across those detaches: a gradient that reaches a chunk's read memory travels on to every
+from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for
+`bptt_chunks` chunks: a state that has been through that many chunks is detached before the next
+one. With memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory
+updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on to every
 earlier gate (and through each shut gate unchanged), at the cost of a few (B, n_mem, D) tensors
 per chunk, not of the chunks' activations.
 """

@@ -208,10 +208,11 @@ class Attention(nn.Module):
 
     def kept_tokens(self, cache, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values and validity ((B, H, K, hd), (B, K)) of the kept tokens of `cache` for a
-        chunk starting at position `start` (B,) of the lane's document. A kept token reads as if it stood just before the window (position start - W - 1),
-        whatever its real distance, so a query meets it at a distance it met in training; its
-        value is scaled by sigmoid(keep score), with gradient; it is hidden while it is still in
-        the window (position >= start - W)."""
+        chunk starting at position `start` (B,) of the lane's document. A kept token reads as if
+        it stood just before the window (position start - W - 1), whatever its real distance, so
+        a query meets it at a distance it met in training; its value is scaled by sigmoid(keep
+        score), with gradient; it is hidden while it is still in the window (position >=
+        start - W)."""
         edge = start - self.window
         k = rotate_at(cache.keep_k, edge - 1, self.rope_base, self.rope_max_period)
         gate = torch.sigmoid(self.keep_score(cache.keep_x))                  # (B, K)
