@@ -20,9 +20,9 @@ and its value is scaled by sigmoid(score), which is where the score learns. Mamb
 from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for
 `bptt_chunks` chunks: a state that has been through that many chunks is detached before the next
 one. With memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory
-updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on to every
-earlier gate (and through each shut gate unchanged), at the cost of a few (B, n_mem, D) tensors
-per chunk, not of the chunks' activations.
+updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on
+to every earlier gate (and through each shut gate unchanged), at the cost of a few (B, n_mem, D)
+tensors per chunk, not of the chunks' activations.
 """
 from __future__ import annotations
 
