@@ -21,6 +21,7 @@ import re
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,6 @@ def ablate(model, state, part: str):
     ssm -> zero Mamba conv/SSM state."""
     if part == "none":
         return state
-    from elephant.state import KVCache
     lanes = torch.zeros(state.lanes, dtype=torch.bool, device=state.pos.device)
     cleared = state.reset(~lanes, model.mem_init if model.cfg.n_mem else None)
     if part == "memory":
@@ -63,7 +63,7 @@ def ablate(model, state, part: str):
     elif part in ("kv", "keep"):
         window = ("k", "v", "valid") if part == "kv" else ("keep_valid",)
         state.kv = [None if c is None else
-                    KVCache(**(c.fields() | {n: getattr(e, n) for n in window if getattr(c, n) is not None}))
+                    replace(c, **{n: getattr(e, n) for n in window if getattr(c, n) is not None})
                     for c, e in zip(state.kv, cleared.kv)]
     elif part == "ssm":
         state.conv, state.ssm = cleared.conv, cleared.ssm

@@ -123,19 +123,19 @@ FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B 
 def _block_fn(name: str, z: Tensor):
     """The functional block math for this block: the separately compiled kernels on CUDA (FUSED),
     the plain functions inside a graph torch.compile is tracing (it fuses them with the rest),
-    else None for the in-place steps (eager CPU, or FUSED off). Inside a traced graph never the
-    in-place steps: the in-place steps and
-    the slice writes of the eager path gave an all-zero dh when traced with bf16 logits on an
-    H100 (test_blocked_head_equals_reference_on_cuda[sum-bf16-True], LOG.md)."""
+    else None for the in-place steps (eager CPU, or FUSED off). Never the in-place steps inside a
+    traced graph: they and the eager path's slice writes gave an all-zero dh when traced with
+    bf16 logits on an H100 (test_blocked_head_equals_reference_on_cuda[sum-bf16-True], LOG.md)."""
     if torch.compiler.is_compiling():
         return PLAIN_FNS[name]
     return _FUSED_FNS[name] if FUSED and _fusable(z) else None
 
 
-def _acc(total: Tensor | None, part: Tensor) -> Tensor:
-    """total + part: in place when eager, a new tensor inside a traced graph (see _block_fn)."""
+def _acc(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
+    """total + part, accumulated in `dtype` (the first part is converted once, later ones are
+    added as they are): in place when eager, a new tensor inside a traced graph (see _block_fn)."""
     if total is None:
-        return part
+        return part.to(dtype)
     return total + part if torch.compiler.is_compiling() else total.add_(part)
 
 
@@ -216,11 +216,11 @@ class _SummedNLL(torch.autograd.Function):
                 else:
                     nll, _, softmax, safe, valid = _block_nll(z.to(out_dtype), t[rows])
                     dz = _block_dlogits(softmax, safe, valid, s).to(dtype)
-                total = _acc(total, (nll * s).sum())
+                total = _acc(total, (nll * s).sum(), out_dtype)
                 if need_h:
                     grad_h.append(dz @ wc)                               # (n, D)
                 if need_w:
-                    grad_w = _acc(grad_w, (dz.t() @ hc[rows]).to(out_dtype))  # (V, D)
+                    grad_w = _acc(grad_w, dz.t() @ hc[rows], out_dtype)  # (V, D)
         if total is None:   # no rows
             total = hc.new_zeros((), dtype=out_dtype)
         grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
@@ -273,7 +273,7 @@ class _PerTokenNLL(torch.autograd.Function):
             if need_h:
                 grad_h.append(dz @ wc)
             if need_w:
-                grad_w = _acc(grad_w, (dz.t() @ hc[rows]).to(out_dtype))
+                grad_w = _acc(grad_w, dz.t() @ hc[rows], out_dtype)
         grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
         if need_w and grad_w is None:
             grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
