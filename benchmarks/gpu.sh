@@ -71,7 +71,7 @@ for stage in $stages; do
       # one long recall run over several calls: each resumes from the checkpoint the last one
       # returned (carry runs/recall-long-parts, the parts of $OUT/ckpt), trains for
       # RECALL_LONG_S seconds of train.max_steps' schedule, scores by distance and returns the
-      # newest checkpoint in parts of 15 MiB
+      # newest checkpoint in parts of 15 MiB (RECALL_LONG_DIST: the distances scored)
       RUN=runs/recall-long
       if ls runs/recall-long-parts/part.* > /dev/null 2>&1; then
         mkdir -p $RUN && cat runs/recall-long-parts/part.* | tar xzf - -C $RUN
@@ -79,7 +79,7 @@ for stage in $stages; do
       RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
       timeout ${RECALL_LONG_TIMEOUT:-540} python -m elephant.recall train --config configs/recall.toml \
         $RESUME --stop-after-s ${RECALL_LONG_S:-400} --no-progress --lanes 16 \
-        --distances 128,512,1K,4K,16K,64K,1M --json $RES/recall_long.json train.run_dir=$RUN ${RECALL_LONG_ARGS:-} \
+        --distances ${RECALL_LONG_DIST:-128,512,1K,4K,16K,64K,1M} --json $RES/recall_long.json train.run_dir=$RUN ${RECALL_LONG_ARGS:-} \
         2>&1 | tee "$LOGS/recall_long.log" | grep -v "answer loss" | tail -20
       if [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ]; then
         mkdir -p $OUT/ckpt
