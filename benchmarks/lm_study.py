@@ -106,6 +106,7 @@ def main() -> int:
         curve = train_for_budget(trainer, args.budget_s, name=name)
         train_s = time.perf_counter() - t0
         test = open_corpus(cfg.data, "test", trainer.rt, progress=False)[1]
+        t_eval = time.perf_counter()
         ev = evaluate(trainer.model, test, lanes=16, chunk_len=cfg.train.chunk_len,
                       device=trainer.rt.device, autocast=trainer.rt.autocast, max_docs=args.eval_docs)
         curves[name] = ev["position_buckets"]
@@ -114,6 +115,7 @@ def main() -> int:
             "train_seconds": train_s, "tokens_seen": trainer.tokens_seen, "curve": curve,
             "eval_loss": ev["loss"], "eval_bits_per_byte": ev["bits_per_byte"],
             "eval_documents": ev["documents"], "eval_tokens": ev["tokens"],
+            "eval_seconds": time.perf_counter() - t_eval,
             "loss_by_position": {k: v["loss"] for k, v in ev["position_buckets"].items()},
             "peak_mem_gb": (torch.cuda.max_memory_allocated() / 2 ** 30
                             if torch.cuda.is_available() else None)}
@@ -122,8 +124,9 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    plot_position_loss(curves, out / "positions.png", "Test loss by position in the document")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        # written after every variant: a run cut short keeps what it measured
+        plot_position_loss(curves, out / "positions.png", "Test loss by position in the document")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({n: {k: v[k] for k in ("params", "steps", "eval_loss", "eval_bits_per_byte")}
                       for n, v in summary["variants"].items()}, indent=1))
     return 0
