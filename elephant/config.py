@@ -39,7 +39,9 @@ class ModelConfig:
     mem_rotary: str = "none"         # rotary position of the memory tokens: none (unrotated, so what a
                                      # token reads of them depends on its absolute position) | chunk
                                      # (read memory at the chunk's first position, write slots at its
-                                     # last: a chunk computes the same at any depth of its document)
+                                     # last: a chunk computes the same at any depth of its document;
+                                     # on the recall recipe it learned to carry facts worse than none:
+                                     # docs/RESULTS.md)
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     kv_keep: int = 0                 # long-term memory: keys/values of this many tokens per attention
                                      # layer kept past the window, chosen by a learned score and kept
