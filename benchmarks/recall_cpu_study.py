@@ -58,6 +58,9 @@ VARIANTS = {
     # the memory tokens at the chunk's rotary positions (read: first, write: last) instead of
     # unrotated (model.mem_rotary)
     "closed-chunkpos": {"mem_rotary": "chunk"},
+    # the memory's keys scored without rotary by every query, the write slots at the chunk's last
+    # position (model.mem_rotary "free")
+    "closed-free": {"mem_rotary": "free"},
     # partial rotary: pairs of a period over 256 tokens (longer than the training documents)
     # not rotated (model.rope_max_period)
     "closed-prope": {"rope_max_period": 256.0},

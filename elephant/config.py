@@ -41,7 +41,10 @@ class ModelConfig:
                                      # (read memory at the chunk's first position, write slots at its
                                      # last: a chunk computes the same at any depth of its document;
                                      # on the recall recipe it learned to carry facts worse than none:
-                                     # docs/RESULTS.md)
+                                     # docs/RESULTS.md) | free (every query scores the memory's keys
+                                     # without rotary, the write slots read from the chunk's last
+                                     # position: position-free, and the memory read is the one
+                                     # "none" learns at position 0)
     kv_window: int = 0               # cached keys/values per attention layer carried to the next chunk
     kv_keep: int = 0                 # long-term memory: keys/values of this many tokens per attention
                                      # layer kept past the window, chosen by a learned score and kept
@@ -85,7 +88,7 @@ class ModelConfig:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")
         _choice(self, "mem_update", ("gated", "replace"))
-        _choice(self, "mem_rotary", ("none", "chunk"))
+        _choice(self, "mem_rotary", ("none", "chunk", "free"))
         _non_negative(self, "mem_write_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")

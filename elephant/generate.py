@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .layers.attention import pad_sequence_keys
 from .state import KVCache, RecurrentState
 
 
@@ -101,6 +102,11 @@ class Decoder:
             self.conv.append(None)
             self.ssm.append(None)
         self.memory = None if state.memory is None else state.memory.clone()  # this chunk's read memory
+        self.free = None     # mem_rotary "free": the memory slots, keys kept before rotary (W + C,)
+        if cfg.mem_rotary == "free" and self.M:
+            self.free = torch.zeros(S, dtype=torch.bool, device=self.device)
+            self.free[W:W + self.M] = True
+            self.free[W + self.M + self.T:] = True
         self.phase = [0] * B        # host copy: tokens of the current chunk seen, per lane
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
         self._token_fn = self._token_step
@@ -207,19 +213,28 @@ class Decoder:
         of this chunk's slots are recorded too, for the choice at the chunk's end)."""
         B, S, D = x.shape
         H, hd = mixer.n_heads, mixer.head_dim
-        q, k, v, *k_raw = mixer.project(x, pos, raw=kept is not None)  # (B, H, S, hd)
+        free = self.free
+        q, k, v, *raw = mixer.project(x, pos, raw=kept is not None or free is not None,
+                                      raw_q=free is not None)  # (B, H, S, hd)
         dtype = v.dtype
         K, V = kv                                                     # (B, H, W + C, hd)
         at = idx[:, None, :, None].expand(B, H, S, hd)
+        if free is not None:   # the memory slots hold their keys before rotary
+            k = torch.where(free[idx][:, None, :, None], raw[0], k)
         K.scatter_(2, at, k.to(K.dtype))
         V.scatter_(2, at, v.to(V.dtype))
         K, V = K.to(dtype), V.to(dtype)
+        if free is not None:   # Attention.forward's scores (free_scores) over the buffer
+            f = free.view(1, 1, -1, 1)
+            K = torch.cat([torch.where(f, 0.0, K), torch.where(f, K, 0.0)], dim=-1)
+            q = torch.cat([q, raw[1]], dim=-1) * math.sqrt(2.0)
         if kept is not None:
             slot = idx - self.W                                       # (B, S) chunk slots
             kept["raw_k"].scatter_(2, slot[:, None, :, None].expand(B, H, S, hd),
-                                   k_raw[0].to(kept["raw_k"].dtype))
+                                   raw[0].to(kept["raw_k"].dtype))
             kept["raw_x"].scatter_(1, slot[:, :, None].expand(B, S, D), x.to(kept["raw_x"].dtype))
-            K = torch.cat([kept["read_k"].to(dtype), K], dim=2)
+            read_k = kept["read_k"].to(dtype)
+            K = torch.cat([read_k if free is None else pad_sequence_keys(read_k), K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
             mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)

@@ -49,12 +49,15 @@ class Block(nn.Module):
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
-                init: tuple | None = None, start: Tensor | None = None) -> tuple[Tensor, tuple]:
+                init: tuple | None = None, start: Tensor | None = None,
+                free: Tensor | None = None) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
         attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
-        token in the lane's carried document (for kept tokens). The new state of an attention
-        layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized input)."""
+        token in the lane's carried document (for kept tokens). `free` (S,) bool: the memory
+        tokens, scored without rotary by attention (mem_rotary "free"). The new state of an
+        attention layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized
+        input)."""
         h = self.norm1(x)
         if self.kind == "M":
             conv, ssm = layer_state
@@ -66,6 +69,8 @@ class Block(nn.Module):
         else:
             cache: KVCache | None = layer_state
             extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0], prefix_v=init and init[1])
+            if free is not None:
+                extra["free"] = free
             if cache is None:
                 h, k, v = self.mixer(h, pos, **extra)
                 new_state = (k, v)
@@ -347,6 +352,7 @@ class ElephantLM(nn.Module):
             pos = torch.cat([read_pos, tok_pos, write_pos], dim=1)
         else:
             pos = tok_pos
+        free = self._free_tokens(M, T, x.device)
 
         new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
         for i, block in enumerate(self.blocks):
@@ -358,7 +364,8 @@ class ElephantLM(nn.Module):
                 new.ssm.append(ssm)
             else:
                 cache = state.kv[i]
-                x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos)
+                x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos,
+                                         free=free)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:
@@ -389,13 +396,25 @@ class ElephantLM(nn.Module):
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
         """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
         tokens run from `start` to `end` - 1 (B,): -1 (not rotated) with mem_rotary "none"; the
-        first and the last position with "chunk" (at a document's start: 0, the same as not
-        rotated, so the initial memory's prefix holds for documents that start inside a chunk)."""
+        first and the last position with "chunk" and "free" (at a document's start: 0, the same
+        as not rotated, so the initial memory's prefix holds for documents that start inside a
+        chunk; with "free" only the memory's queries use them, see `_free_tokens`)."""
         M = self.cfg.n_mem
         if self.cfg.mem_rotary == "none":
             none = torch.full((start.shape[0], M), -1, dtype=torch.long, device=start.device)
             return none, none
         return start[:, None].expand(-1, M), (end - 1)[:, None].expand(-1, M)
+
+    def _free_tokens(self, M: int, T: int, device) -> Tensor | None:
+        """With mem_rotary "free": which of [read memory (M) | tokens (T) | write slots (M)] are
+        memory, the keys attention scores without rotary (Attention.forward's `free`); else None.
+        The memory tokens keep the chunk's positions as queries (`_memory_positions`): the
+        write slots read the chunk from its last position."""
+        if self.cfg.mem_rotary != "free" or not M:
+            return None
+        free = torch.ones(2 * M + T, dtype=torch.bool, device=device)
+        free[M:M + T] = False
+        return free
 
     def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
                      x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None) -> KVCache:
@@ -423,13 +442,15 @@ class ElephantLM(nn.Module):
         x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
         pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)
         fresh = self.init_state(1, device=x.device, dtype=x.dtype)
+        free = (torch.ones(cfg.n_mem, dtype=torch.bool, device=x.device)
+                if cfg.mem_rotary == "free" else None)     # all memory
         out = []
         for i, block in enumerate(self.blocks):
             if block.kind == "M":
                 x, (conv, ssm) = block(x, pos, (fresh.conv[i], fresh.ssm[i]))
                 out.append((conv[0], ssm[0]))
-            else:
-                x, (k, v) = block(x, pos, None)
+            else:   # k: at position -1, i.e. before rotary, what `free` memory keys are too
+                x, (k, v) = block(x, pos, None, free=free)
                 out.append((k, v))
         return out
 

@@ -63,8 +63,9 @@ def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem
     assert (got - want).abs().max().item() < 1e-9
 
 
-def test_step_path_equals_chunked_forward_with_memory_at_chunk_positions():
-    test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary="chunk")
+@pytest.mark.parametrize("mem_rotary", ["chunk", "free"])
+def test_step_path_equals_chunked_forward_with_rotated_or_free_memory(mem_rotary):
+    test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary=mem_rotary)
 
 
 @pytest.mark.parametrize("mem_update", ["gated", "replace"])

@@ -1,4 +1,6 @@
 """Kept tokens (model.kv_keep): the attention layers' long-term memory past the KV window."""
+import math
+
 import pytest
 import torch
 
@@ -151,11 +153,12 @@ def test_kept_tokens_round_trip_through_the_state_dict():
                                                                   state.kv[1].keep_valid[1])
 
 
-@pytest.mark.parametrize("mem_rotary", ["chunk", "none"])
+@pytest.mark.parametrize("mem_rotary", ["chunk", "free", "none"])
 def test_a_chunk_computes_the_same_at_any_depth_of_its_document(mem_rotary):
-    # with the memory at the chunk's positions (mem_rotary "chunk"), every position the model
-    # uses is relative (window keys, kept tokens, memory), so a document read from position 10^6
-    # gives the logits of the same document read from 0; unrotated memory tokens do not
+    # with the memory at the chunk's positions (mem_rotary "chunk") or scored without rotary
+    # ("free"), every position the model uses is relative (window keys, kept tokens, memory), so
+    # a document read from position 10^6 gives the logits of the same document read from 0;
+    # unrotated memory tokens do not
     model = make(layers="MAMA", n_mem=2, kv_window=4, kv_keep=3, mem_rotary=mem_rotary)
     tokens = torch.randint(0, V, (2, 5, 4), generator=torch.Generator().manual_seed(4))
     outs = []
@@ -168,4 +171,25 @@ def test_a_chunk_computes_the_same_at_any_depth_of_its_document(mem_rotary):
             logits.append(out)
         outs.append(torch.cat(logits, 1))
     diff = (outs[0] - outs[1]).abs().max().item()
-    assert diff < 1e-9 if mem_rotary == "chunk" else diff > 1e-4, diff
+    assert diff < 1e-9 if mem_rotary != "none" else diff > 1e-4, diff
+
+
+def test_free_memory_scores_are_the_unrotated_dot_product_at_any_query_position():
+    # free_scores: a query scores a memory key by q.k without rotary, wherever it stands, and a
+    # sequence key by rot(q).rot(k), exactly what the explicit two-part score gives
+    from elephant.layers.attention import free_scores, rotary_cos_sin, apply_rotary
+    g = torch.Generator().manual_seed(0)
+    B, H, S, hd = 2, 3, 7, 8
+    q_raw, k_raw = (torch.randn(B, H, S, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    free = torch.tensor([True, True, False, False, False, False, True])
+    scores = []
+    for offset in (0, 12345):
+        pos = torch.arange(S).expand(B, S) + offset
+        cos, sin = rotary_cos_sin(pos, hd, 10000.0, torch.float64)
+        q, k = apply_rotary(q_raw, cos, sin), apply_rotary(k_raw, cos, sin)
+        qa, ka = free_scores(q, q_raw, k, k_raw, free)
+        got = qa @ ka.mT / math.sqrt(2 * hd)                         # what SDPA computes
+        want = torch.where(free.view(1, 1, 1, S), q_raw @ k_raw.mT, q @ k.mT) / math.sqrt(hd)
+        assert torch.allclose(got, want, atol=1e-12)
+        scores.append(got[..., free])
+    assert torch.allclose(scores[0], scores[1], atol=1e-12)      # memory: the same from any position

@@ -25,12 +25,14 @@ def starts_at(B, T, *cols) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n_mem, kv_window, kv_keep", [(3, 16, 0), (0, 16, 0), (3, 0, 0), (3, 16, 4)])
-def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep):
+@pytest.mark.parametrize("n_mem, kv_window, kv_keep, mem_rotary",
+                         [(3, 16, 0, "none"), (0, 16, 0, "none"), (3, 0, 0, "none"),
+                          (3, 16, 4, "none"), (3, 16, 4, "free")])
+def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, mem_rotary):
     # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
     # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged (with
     # kept tokens: doc A's tokens 0-7 would be readable in chunk 2, had B not started).
-    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep)
+    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep, mem_rotary=mem_rotary)
     T, b0 = 12, 7
     gen = torch.Generator().manual_seed(1)
     chunks = torch.randint(0, V, (3, 2, T), generator=gen)
@@ -79,11 +81,13 @@ def test_document_starting_mid_chunk_equals_document_fed_alone(layers):
     assert (packed - alone).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("layers, mem_update", [("MAMA", "gated"), ("AMMA", "replace"), ("MM", "gated")])
-def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update):
+@pytest.mark.parametrize("layers, mem_update, mem_rotary",
+                         [("MAMA", "gated", "none"), ("AMMA", "replace", "none"), ("MM", "gated", "none"),
+                          ("MAMA", "gated", "chunk"), ("AMMA", "gated", "free")])
+def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update, mem_rotary):
     # memory on: doc B starting at token 5 of a chunk (and filling it) gives the logits, and leaves the
     # state, of doc B starting a chunk of its own after a reset; so does the chunk after that
-    model = make(layers=layers, n_mem=3, kv_window=16, mem_update=mem_update)
+    model = make(layers=layers, n_mem=3, kv_window=16, mem_update=mem_update, mem_rotary=mem_rotary)
     T, b0 = 14, 5
     gen = torch.Generator().manual_seed(3)
     doc_b = torch.randint(0, V, (2, T - b0 + 9), generator=gen)

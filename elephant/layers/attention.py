@@ -8,7 +8,8 @@ the chunk. Rotary angles come from `pos` (B, S), so positions run on per lane ac
 cached key keeps its position; a negative position means "not rotated" (memory tokens). With kept
 tokens (model.kv_keep, `kept=`), the layer's kept keys/values come before the window: rotated at
 a position just before the window (so at the same distance from the chunk however old they are),
-values scaled by sigmoid(keep score) (`Attention.kept_tokens`).
+values scaled by sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"), the memory tokens' keys are scored
+without rotary by every query (`free_scores`: one kernel call on doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which flash kernels cannot take. So:
@@ -28,6 +29,7 @@ through SDPA (`attend_segments`), whatever the backend. `benchmarks/bench_layers
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -173,6 +175,31 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tenso
     return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
 
 
+# ------------------------------------------------------------------------------- free memory
+def free_scores(q: Tensor, q_raw: Tensor, k: Tensor, k_raw: Tensor, free: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """Queries and keys (B, H, S, 2 hd) whose dot products are rot(q).rot(k) for the sequence's
+    keys and q.k, without rotary, for the memory's (`free` (S,) bool): every query scores a
+    memory key the same wherever it stands (mem_rotary "free"). Any attention kernel then takes
+    them as they are: [rot q, q] against [rot k, 0] or [0, k]. The queries are scaled by sqrt(2)
+    so that the kernel's 1 / sqrt(2 hd) is the layer's 1 / sqrt(hd). Keys from elsewhere (the
+    window, kept tokens, the initial memory's prefix) take `pad_sequence_keys` / `pad_memory_keys`."""
+    f = free.view(1, 1, -1, 1)
+    qa = torch.cat([q, q_raw], dim=-1) * math.sqrt(2.0)
+    ka = torch.cat([torch.where(f, 0.0, k), torch.where(f, k_raw, 0.0)], dim=-1).to(k.dtype)
+    return qa, ka
+
+
+def pad_sequence_keys(k: Tensor) -> Tensor:
+    """Rotated keys (..., hd) of the sequence as `free_scores` keys: [k, 0]."""
+    return torch.cat([k, torch.zeros_like(k)], dim=-1)
+
+
+def pad_memory_keys(k: Tensor) -> Tensor:
+    """Memory keys before rotary (..., hd) as `free_scores` keys: [0, k]."""
+    return torch.cat([torch.zeros_like(k), k], dim=-1)
+
+
 # ------------------------------------------------------------------------------- the layer
 class Attention(nn.Module):
     """Multi-head causal self-attention with per-lane rotary positions and a carried K/V window.
@@ -219,9 +246,10 @@ class Attention(nn.Module):
         v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
         return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
 
-    def project(self, x: Tensor, pos: Tensor, raw: bool = False):
+    def project(self, x: Tensor, pos: Tensor, raw: bool = False, raw_q: bool = False):
         """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
-        shared by the chunk forward and the generation step. `raw`: also the keys before rotary."""
+        shared by the chunk forward and the generation step. `raw`: also the keys before rotary;
+        `raw_q`: then also the queries before rotary (position-free memory, `free_scores`)."""
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         q, k, v = self.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
@@ -234,22 +262,29 @@ class Attention(nn.Module):
             k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
         cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work, self.rope_max_period)
         out = apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
+        if raw_q:
+            return (*out, k.to(dtype), q.to(dtype))
         return (*out, k.to(dtype)) if raw else out
 
     def forward(self, x: Tensor, pos: Tensor, cache_k: Tensor | None = None,
                 cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
                 seg: Tensor | None = None, prefix_k: Tensor | None = None,
-                prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None):
+                prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None,
+                free: Tensor | None = None):
         """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
         seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
         kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
         chunk's first position), before the window and like it (`kept_tokens`).
+        free (S,) bool: the memory tokens, whose keys every query scores without rotary
+        (mem_rotary "free", `free_scores`; the prefix keys count as memory too).
 
         Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each; with `kept`
         also the keys before rotary (what kept tokens store).
         """
         B, S, D = x.shape
-        q, k, v, *k_raw = self.project(x, pos, raw=kept is not None)  # (B, H, S, hd) each
+        q, k, v, *raw = self.project(x, pos, raw=kept is not None or free is not None,
+                                     raw_q=free is not None)  # (B, H, S, hd) each
+        k_raw = raw[:1] if kept is not None else []
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
         if cache_k is not None:   # the window carries no gradient (Transformer-XL)
@@ -258,9 +293,14 @@ class Attention(nn.Module):
                 kk, kv, kvalid = self.kept_tokens(kept, start)
                 cache_k, cache_v = torch.cat([kk, cache_k], dim=2), torch.cat([kv, cache_v], dim=2)
                 cache_valid = torch.cat([kvalid, cache_valid], dim=1)
+        qa, ka = q, k
+        if free is not None:    # the scores on doubled head dims; the window keeps the rotated k
+            qa, ka = free_scores(q, raw[1], k, raw[0], free)
+            cache_k = None if cache_k is None else pad_sequence_keys(cache_k)
+            prefix_k = None if prefix_k is None else pad_memory_keys(prefix_k)
         if seg is None:
-            y = attend(q, k, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
+            y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
         else:
-            y = attend_segments(q, k, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
+            y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
