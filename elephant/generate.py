@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layers.attention import pad_sequence_keys
+from .layers.attention import free_scores, pad_sequence_keys
 from .state import KVCache, RecurrentState
 
 
@@ -224,10 +224,8 @@ class Decoder:
         K.scatter_(2, at, k.to(K.dtype))
         V.scatter_(2, at, v.to(V.dtype))
         K, V = K.to(dtype), V.to(dtype)
-        if free is not None:   # Attention.forward's scores (free_scores) over the buffer
-            f = free.view(1, 1, -1, 1)
-            K = torch.cat([torch.where(f, 0.0, K), torch.where(f, K, 0.0)], dim=-1)
-            q = torch.cat([q, raw[1]], dim=-1) * math.sqrt(2.0)
+        if free is not None:   # Attention.forward's scores over the buffer, whose memory slots
+            q, K = free_scores(q, raw[1], K, K, free)   # already hold their keys before rotary
         if kept is not None:
             slot = idx - self.W                                       # (B, S) chunk slots
             kept["raw_k"].scatter_(2, slot[:, None, :, None].expand(B, H, S, hd),

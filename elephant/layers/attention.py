@@ -8,8 +8,9 @@ the chunk. Rotary angles come from `pos` (B, S), so positions run on per lane ac
 cached key keeps its position; a negative position means "not rotated" (memory tokens). With kept
 tokens (model.kv_keep, `kept=`), the layer's kept keys/values come before the window: rotated at
 a position just before the window (so at the same distance from the chunk however old they are),
-values scaled by sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"), the memory tokens' keys are scored
-without rotary by every query (`free_scores`: one kernel call on doubled head dims).
+values scaled by sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"),
+every query scores the memory tokens' keys without rotary (`free_scores`: one kernel call on
+doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which flash kernels cannot take. So:
