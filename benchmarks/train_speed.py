@@ -303,8 +303,13 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     with Clock(device) as clock:
         result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
                           autocast=autocast, cuda_graph=cuda_graph)
+    # lane fill: how much of the pass's chunks held tokens (a corpus whose longest document is
+    # a large share of it ends with that document read in one lane while the others idle)
+    fill = result["tokens"] / (result["chunk_steps"] * lanes * chunk_len)
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
+            "chunk_steps": result["chunk_steps"], "lane_fill": fill,
+            "tokens_per_s_at_full_lanes": result["tokens"] / clock.seconds / fill,
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
 
 

@@ -147,7 +147,9 @@ class StaticChunkStep:
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False) -> dict:
-    """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics.
+    """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
+    `chunk_steps`: the chunks of `lanes` rows this rank ran (a pass's lane fill is the tokens
+    over chunk_steps x lanes x chunk_len).
 
     `order`: "longest" (longest documents first, the default) or "corpus" (the corpus's order).
     With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
@@ -182,7 +184,9 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         with autocast() if autocast else nullcontext():
             prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
     static = None
+    chunk_steps = 0
     for batch in batcher:
+        chunk_steps += 1
         tokens = to_device(batch.tokens, device)
         mask = to_device(batch.loss_mask, device)
         starts = to_device(batch.starts, device)
@@ -221,4 +225,4 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     for i in range(n_docs):
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
     model.train(was_training)
-    return meter.result()
+    return meter.result() | {"chunk_steps": chunk_steps}

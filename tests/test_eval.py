@@ -314,3 +314,14 @@ def test_eval_cli_pushes_the_model_with_its_results(trained_run, tmp_path, monke
     assert "bits_per_byte" in card or "bits per byte" in card.lower()
     out, err = capsys.readouterr()
     assert fake_hub.token not in out + err
+
+
+def test_evaluation_counts_its_chunk_steps_longest_document_first():
+    # lanes 2, chunks of 4: documents of 17, 9, 5 and 5 tokens predict 16, 8, 4, 4 tokens, i.e.
+    # 4, 2, 1, 1 chunks. Longest first: lane 0 reads the 17 (4 chunks), lane 1 the 9 then both 5s
+    # (2 + 1 + 1): 4 steps, the lanes full (32 tokens in 4 x 2 x 4). With a 33-token document
+    # instead of the 17, lane 0 needs 8 chunks while lane 1 is done after 4: 8 steps, fill 48/64.
+    model = mama_model()
+    for lengths, steps, tokens in (([5, 17, 9, 5], 4, 32), ([5, 33, 9, 5], 8, 48)):
+        got = evaluate(model, corpus_of(lengths), lanes=2, chunk_len=4, device="cpu")
+        assert (got["chunk_steps"], got["tokens"]) == (steps, tokens)
