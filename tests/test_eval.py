@@ -114,15 +114,17 @@ def test_packed_evaluation_equals_the_boundary_path_on_every_chunk():
     assert math.isclose(packed["nll_sum"], total, rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("n_mem, kv_window, lanes, chunk_len", [(2, 16, 2, 16), (0, 8, 3, 7),
-                                                              (4, 32, 1, 16)])
-def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, chunk_len):
-    # cuda_graph=True runs every chunk after the first on static buffers (on the CPU without
-    # capture): the state written back in place after each chunk, resets included, gives the
-    # plain path's sums exactly (float64): every document, every position bucket
+@pytest.mark.parametrize("n_mem, kv_window, lanes, chunk_len, extra",
+                         [(2, 16, 2, 16, {}), (0, 8, 3, 7, {}), (4, 32, 1, 16, {}),
+                          (2, 8, 2, 7, {"kv_keep": 5, "mem_rotary": "free"})])
+def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, chunk_len, extra):
+    # cuda_graph=True (eval.py's default on GPUs) runs every chunk after the first on static
+    # buffers (on the CPU without capture): the state written back in place after each chunk,
+    # resets included, gives the plain path's sums exactly (float64): every document, every
+    # position bucket; kept tokens and position-free memory included
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=n_mem, kv_window=kv_window)
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=n_mem, kv_window=kv_window, **extra)
     model = ElephantLM(cfg).double()
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     plain = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
