@@ -67,6 +67,7 @@ VARIANTS = {
     # a KV window of one chunk, and long-term kept tokens past it (model.kv_keep)
     "kvw": {"kv_window": 32},
     "keep": {"kv_window": 32, "kv_keep": 16},
+    "keep-free": {"kv_window": 32, "kv_keep": 16, "mem_rotary": "free"},
     "keep-nomem": {"kv_window": 32, "kv_keep": 16, "n_mem": 0},
     "keep-nonoise": {"kv_window": 32, "kv_keep": 16, "kv_keep_noise": 0.0},
 }
