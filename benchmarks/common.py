@@ -65,33 +65,41 @@ def environment(device=None) -> dict:
 
 
 def train_for_budget(trainer, budget_s: float, warm: int = 10, log_every: int = 25,
-                     name: str = "") -> list[dict]:
-    """Run `trainer.train_step()` until `budget_s` seconds of wall clock are spent. After `warm`
-    steps (compilation) the next `warm` are timed and `max_steps` is set to what fits the budget,
-    so the learning-rate schedule runs to its end. Returns the loss every `log_every` steps."""
+                     name: str = "") -> tuple[list[dict], float]:
+    """Run `trainer.train_step()` for `budget_s` seconds of wall clock after the first `warm`
+    steps (compilation, which a warm Inductor cache shortens: it would make budgets unequal).
+    `max_steps` is fit to the budget from the measured step time, and fit again every `log_every`
+    steps until half the schedule has run, so the learning-rate schedule still ends on the budget
+    when steps slow down later. Returns the loss every `log_every` steps (seconds counted from
+    the end of the warm steps) and the seconds the warm steps took."""
     import sys
     cfg = trainer.cfg
     cuda = trainer.rt.device.type == "cuda"
-    curve, t_start, t_warm = [], time.perf_counter(), None
+    curve, t_start, t_warm, warm_s = [], time.perf_counter(), None, 0.0
     total = cfg.train.max_steps
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     while trainer.step < total:
         rec = trainer.train_step()
-        if trainer.step in (warm, 2 * warm):
-            if cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if trainer.step == warm:
-                t_warm = now
-            else:
-                per_step = (now - t_warm) / warm
-                total = trainer.step + max(1, int((budget_s - (now - t_start)) / per_step))
-                cfg.train.max_steps = total
+        if trainer.step == warm:
+            t_warm = now()
+            warm_s = t_warm - t_start
+        elif t_warm is not None and (trainer.step == 2 * warm or (
+                trainer.step % log_every == 0 and trainer.step < total // 2)):
+            spent = now() - t_warm
+            per_step = spent / (trainer.step - warm)
+            total = trainer.step + max(1, int((budget_s - spent) / per_step))
+            cfg.train.max_steps = total
         if trainer.step % log_every == 0 or trainer.step == total:
-            seconds = time.perf_counter() - t_start
+            seconds = time.perf_counter() - (t_warm or t_start)
             curve.append({"step": trainer.step, "loss": rec["loss"], "seconds": seconds})
             print(f"[{name}] step {trainer.step}/{total} loss {rec['loss']:.4f} {seconds:.0f}s",
                   file=sys.stderr, flush=True)
-    return curve
+    return curve, warm_s
 
 
 def result_path(prefix: str, smoke: bool):

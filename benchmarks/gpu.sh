@@ -14,6 +14,8 @@
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage)
+#   recall-long-eval  that checkpoint scored up to 1M tokens: one and four facts, from rotary
+#           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
 #           and compiled-model GPU tests, then train_speed with train.compile=model and the
 #           CUDA-graph evaluation beside the defaults (~4 min)
@@ -86,6 +88,18 @@ for stage in $stages; do
         tar czf - -C $RUN checkpoints/latest checkpoints/$(cat $RUN/checkpoints/latest) |
           split -b 15m - $OUT/ckpt/part.
       fi ;;
+    recall-long-eval)
+      # the checkpoint in runs/recall-long-parts scored by distance: one fact, several facts,
+      # read from rotary position 1,014,000, and with each carried part of the state dropped
+      RUN=runs/recall-long; mkdir -p $RUN && cat runs/recall-long-parts/part.* | tar xzf - -C $RUN
+      EV="python -m elephant.recall eval --checkpoint $RUN --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
+      J=$RES/recall_long_${RECALL_EVAL_NAME:-eval}
+      { $EV --distances 128,512,1K,4K,16K,64K,1M --json ${J}.json
+        $EV --distances 128,4K,64K,1M --pairs 4 --json ${J}_pairs4.json
+        $EV --distances 4K,64K,1M --offset 1014000 --json ${J}_offset1M.json
+        for a in memory keep kv ssm; do
+          $EV --distances 128,4K,64K --ablate $a --json ${J}_ablate_$a.json
+        done; } 2>&1 | tee "$LOGS/recall_long_eval.log" | grep -v "^$" | tail -60 ;;
     verify)
       timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_model.py \
         -k "head or cuda_graph or recompile" 2>&1 | tee "$LOGS/gpu_verify_tests.log" | grep -E "^E |passed|failed|Error" | tail -30

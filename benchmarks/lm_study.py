@@ -9,10 +9,12 @@ hybrid       configs/recall.toml's design at the LM-study size: MAMMAMMA, d_mode
              tokens (gated), KV window 512, chunks of 512, BPTT 2 chunks, 32 lanes.
 hybrid-path  the hybrid, each step 4 BPTT windows with memory-only backpropagation across them.
 hybrid-keep  the hybrid with 128 kept tokens per attention layer past its window (model.kv_keep).
+hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the recall recipe.
 transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lanes x 2 micro-batches
              = the same tokens per step; its MLP is widened until its parameter count matches.
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
-to the budget: benchmarks/common.train_for_budget), then stream the same test documents with
+to the budget: benchmarks/common.train_for_budget; the first 10 steps, compilation, are not
+counted), then stream the same test documents with
 carried state (elephant.evaluate: no context limit for the hybrid; the transformer restarts its
 context every 2048 tokens, as when it was trained). Written: `<out>/summary.json` (device,
 versions, date, command, loss and bits per byte, loss by position) and `<out>/positions.png`.
@@ -44,6 +46,10 @@ VARIANTS = {
     "hybrid-keep": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                     "model.kv_keep=128", "model.bptt_chunks=2", "train.chunk_len=512",
                     "train.lanes=32"],
+    # hybrid-keep whose queries score the memory without rotary (model.mem_rotary=free)
+    "hybrid-free": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                    "model.kv_keep=128", "model.mem_rotary=free", "model.bptt_chunks=2",
+                    "train.chunk_len=512", "train.lanes=32"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
@@ -103,7 +109,7 @@ def main() -> int:
         cfg = load_config(None, configs[name] + [f"train.run_dir={out / 'runs' / name}"])
         trainer = Trainer(cfg, progress=False)
         t0 = time.perf_counter()
-        curve = train_for_budget(trainer, args.budget_s, name=name)
+        curve, warm_s = train_for_budget(trainer, args.budget_s, name=name)
         train_s = time.perf_counter() - t0
         test = open_corpus(cfg.data, "test", trainer.rt, progress=False)[1]
         t_eval = time.perf_counter()
@@ -112,7 +118,8 @@ def main() -> int:
         curves[name] = ev["position_buckets"]
         summary["variants"][name] = {
             "overrides": configs[name], "params": trainer.model.num_params(), "steps": trainer.step,
-            "train_seconds": train_s, "tokens_seen": trainer.tokens_seen, "curve": curve,
+            "train_seconds": train_s, "warm_seconds": warm_s,
+            "tokens_seen": trainer.tokens_seen, "curve": curve,
             "eval_loss": ev["loss"], "eval_bits_per_byte": ev["bits_per_byte"],
             "eval_documents": ev["documents"], "eval_tokens": ev["tokens"],
             "eval_seconds": time.perf_counter() - t_eval,
