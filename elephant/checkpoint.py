@@ -254,6 +254,35 @@ def verify_checkpoint(ckpt: Path, files: list[str] | None = None, hashes: bool =
     return meta
 
 
+def load_weights(ckpt: str | Path, model: torch.nn.Module, verify: bool = True) -> dict:
+    """Load a checkpoint's weights into `model` (strictly: every tensor, nothing else); its meta."""
+    ckpt = find_checkpoint(ckpt)
+    meta = verify_checkpoint(ckpt, ["model.safetensors"], hashes=verify)
+    try:
+        missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False,
+                                         device=str(next(model.parameters()).device))
+    except (SafetensorError, RuntimeError, OSError) as e:
+        detail = [ln.strip() for ln in str(e).splitlines() if ln.strip()][1:2] or [str(e)]
+        raise CheckpointError(f"{ckpt / 'model.safetensors'} does not fit this model: "
+                              f"{detail[0][:300]}") from None
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt / 'model.safetensors'} does not fit this model: missing "
+                              f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+    return meta
+
+
+def init_from(path: str | Path, model: torch.nn.Module, model_config: dict) -> Path:
+    """Load the weights of the checkpoint at `path` (itself or a run dir) into `model`, a model
+    built from `model_config` (train.init_from: a new stage from another run's weights); the
+    checkpoint's model settings must be the same. Returns the checkpoint's folder."""
+    ckpt = find_checkpoint(path)
+    if read_meta(ckpt).get("config", {}).get("model") != model_config:
+        raise CheckpointError(f"train.init_from={path}: its model config differs from this run's "
+                              f"(start from it with the same model.* settings)")
+    load_weights(ckpt, model)
+    return ckpt
+
+
 def load_checkpoint(ckpt: str | Path, model: torch.nn.Module | None = None, rank: int = 0,
                     verify: bool = True) -> tuple[dict, dict]:
     """Load weights into `model` (strictly) and return (meta, this rank's state) of a checkpoint."""
@@ -261,16 +290,7 @@ def load_checkpoint(ckpt: str | Path, model: torch.nn.Module | None = None, rank
     meta = verify_checkpoint(ckpt, ["model.safetensors", f"rank{rank}.safetensors",
                                     f"rank{rank}.json"], hashes=verify)
     if model is not None:
-        try:
-            missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False,
-                                             device=str(next(model.parameters()).device))
-        except (SafetensorError, RuntimeError, OSError) as e:
-            detail = [ln.strip() for ln in str(e).splitlines() if ln.strip()][1:2] or [str(e)]
-            raise CheckpointError(f"{ckpt / 'model.safetensors'} does not fit this model: "
-                                  f"{detail[0][:300]}") from None
-        if missing or unexpected:
-            raise CheckpointError(f"{ckpt / 'model.safetensors'} does not fit this model: missing "
-                                  f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        load_weights(ckpt, model, verify=False)
     try:
         tensors = load_file(str(ckpt / f"rank{rank}.safetensors"))
         structure = json.loads((ckpt / f"rank{rank}.json").read_text())

@@ -211,6 +211,9 @@ class TrainConfig:
     memory_windows: int = 1          # BPTT windows (of model.bptt_chunks) per optimizer step; > 1
                                      # with memory: memory-only backpropagation across them
     max_steps: int = 1000
+    init_from: str = ""              # a checkpoint (or run dir) whose weights start this run: a new
+                                     # stage (fine-tuning, a curriculum) with a fresh optimizer, data
+                                     # stream and step count; its model.* settings must be this run's
     seed: int = 1337
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32

@@ -313,13 +313,15 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     `train.max_steps` steps, or as many as fit in `budget_s` seconds (measured after a warm-up,
     so the learning-rate schedule still runs to its end), then writes a checkpoint to
     `train.run_dir` that `eval` and `from_pretrained` read. With `resume`, continues from the newest
-    intact checkpoint there (weights, optimizer and step; the lanes start new documents).
+    intact checkpoint there (weights, optimizer and step; the lanes start new documents); without it,
+    `train.init_from` starts from another run's weights.
     `stop_after_s` instead keeps the schedule of `train.max_steps` and stops (with a checkpoint)
     once that many seconds have passed: a long run split over several sessions, each resumed.
     Returns a summary (steps, seconds, curve)."""
     from data_packing.recall import RecallTask
     from data_packing.tokenizer import load_tokenizer
-    from elephant.checkpoint import load_checkpoint, newest_intact_checkpoint, save_checkpoint
+    from elephant.checkpoint import (init_from, load_checkpoint, newest_intact_checkpoint,
+                                     save_checkpoint)
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
 
@@ -345,6 +347,8 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
         opt.load_state_dict(rank_state["optim"])
         step = int(meta["step"])
         log(f"resumed from {ckpt} (step {step})")
+    elif t.init_from:   # a new stage (e.g. more facts per document) from another run's weights
+        log(f"weights from {init_from(t.init_from, model, cfg.model.to_dict())}")
     model.compile_for(compile_mode(t.compile, device))
     torch.manual_seed(t.seed * 1_000_003 + step)   # exploration noise (model.kv_keep) of a resumed run
     task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, load_checkpoint, newest_intact_checkpoint, read_meta,
-                         save_checkpoint, set_aside, set_latest)
+from .checkpoint import (CheckpointError, init_from, load_checkpoint, newest_intact_checkpoint,
+                         read_meta, save_checkpoint, set_aside, set_latest)
 from .config import Config, ConfigError
 from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
@@ -124,6 +124,10 @@ class Trainer:
                               f"tokenizer's vocabulary ({self.tokenizer.vocab_size})")
 
         self.model = ElephantLM(cfg.model).to(rt.device)
+        if cfg.train.init_from and not resume:   # a resumed run has weights of its own
+            ckpt = init_from(cfg.train.init_from, self.model, cfg.model.to_dict())
+            if rt.main:
+                print(f"weights from {ckpt}", file=sys.stderr)
         if rt.world > 1:  # every rank starts from rank 0's weights
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)

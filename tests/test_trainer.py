@@ -249,6 +249,33 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, corpus_dir, ca
     assert "checkpoint not found" in capsys.readouterr().err
 
 
+def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus_dir, capsys):
+    # a curriculum's next stage: the weights of run A, a fresh optimizer, data stream and step count
+    first = tmp_path / "a"
+    over = overrides(first, corpus_dir, **{"train.max_steps": 4})
+    a = Trainer(load_config(ROOT / "configs/tiny.toml", over), progress=False)
+    a.fit()
+    second = tmp_path / "b"
+    b = Trainer(load_config(ROOT / "configs/tiny.toml", overrides(
+        second, corpus_dir, **{"train.max_steps": 3, "train.init_from": str(first),
+                               "data.pack": True})), progress=False)
+    assert b.step == 0 and all(torch.equal(p, q) for p, q in zip(a.model.parameters(),
+                                                                 b.model.parameters()))
+    b.fit()
+    assert sorted(losses(second)) == [1, 2, 3]
+    # its first loss is the trained model's, not a fresh one's
+    fresh = tmp_path / "fresh"
+    Trainer(load_config(ROOT / "configs/tiny.toml", overrides(
+        fresh, corpus_dir, **{"train.max_steps": 1, "data.pack": True})), progress=False).fit()
+    assert losses(second)[1] < losses(fresh)[1] - 0.5
+    # another model cannot start from it: a one-line error
+    assert train_cli.main(["--config", "configs/tiny.toml", "--no-progress", *overrides(
+        tmp_path / "c", corpus_dir, **{"train.init_from": str(first), "model.d_model": 96,
+                                       "model.mamba_head_dim": 32})]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: train.init_from=") and "model config differs" in err
+
+
 def test_packed_train_step_equals_the_per_chunk_boundary_path(tmp_path, corpus_dir):
     # the trainer's packed step (the boundary path only for chunks with an inner start, the initial
     # memory's prefix once per step) gives the loss and gradients of feeding every chunk its
