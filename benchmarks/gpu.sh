@@ -13,7 +13,8 @@
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
-#   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage)
+#   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
+#           RECALL_INIT=<folder of checkpoint parts> starts it from that run's weights
 #   recall-long-eval  that checkpoint scored up to 1M tokens: one and four facts, from rotary
 #           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
@@ -79,9 +80,15 @@ for stage in $stages; do
         mkdir -p $RUN && cat runs/recall-long-parts/part.* | tar xzf - -C $RUN
       fi
       RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
+      INIT=""
+      if [ -n "${RECALL_INIT:-}" ] && [ -z "$RESUME" ]; then
+        # a new stage from another run's weights (RECALL_INIT: a folder of its checkpoint's parts)
+        mkdir -p runs/recall-init && cat $RECALL_INIT/part.* | tar xzf - -C runs/recall-init
+        INIT=train.init_from=runs/recall-init
+      fi
       timeout ${RECALL_LONG_TIMEOUT:-540} python -m elephant.recall train --config configs/recall.toml \
         $RESUME --stop-after-s ${RECALL_LONG_S:-400} --no-progress --lanes 16 \
-        --distances ${RECALL_LONG_DIST:-128,512,1K,4K,16K,64K,1M} --json $RES/recall_long.json train.run_dir=$RUN ${RECALL_LONG_ARGS:-} \
+        --distances ${RECALL_LONG_DIST:-128,512,1K,4K,16K,64K,1M} --json $RES/recall_long.json train.run_dir=$RUN $INIT ${RECALL_LONG_ARGS:-} \
         2>&1 | tee "$LOGS/recall_long.log" | grep -v "answer loss" | tail -20
       if [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ]; then
         mkdir -p $OUT/ckpt
@@ -91,11 +98,15 @@ for stage in $stages; do
     recall-long-eval)
       # the checkpoint in runs/recall-long-parts scored by distance: one fact, several facts,
       # read from rotary position 1,014,000, and with each carried part of the state dropped
-      RUN=runs/recall-long; mkdir -p $RUN && cat runs/recall-long-parts/part.* | tar xzf - -C $RUN
+      # (RECALL_EVAL_PARTS: another folder of checkpoint parts)
+      RUN=runs/recall-long-eval; mkdir -p $RUN
+      cat ${RECALL_EVAL_PARTS:-runs/recall-long-parts}/part.* | tar xzf - -C $RUN
       EV="python -m elephant.recall eval --checkpoint $RUN --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
       J=$RES/recall_long_${RECALL_EVAL_NAME:-eval}
       { $EV --distances 128,512,1K,4K,16K,64K,1M --json ${J}.json
-        $EV --distances 128,4K,64K,1M --pairs 4 --json ${J}_pairs4.json
+        for p in 2 4; do
+          $EV --distances 128,4K,64K,1M --pairs $p --json ${J}_pairs$p.json
+        done
         $EV --distances 4K,64K,1M --offset 1014000 --json ${J}_offset1M.json
         for a in memory keep kv ssm; do
           $EV --distances 128,4K,64K --ablate $a --json ${J}_ablate_$a.json
