@@ -135,3 +135,20 @@ def test_recall_probe_sees_what_the_gates_keep(gate_init, shut):
     else:
         assert out["gates"]["closed_frac"] == 0.0 and out["gates"]["filler_mean"] > 0.99
         assert min(cos) < 0.99
+
+
+def test_keep_probe_finds_the_facts_tokens_in_the_kept_set():
+    # benchmarks/recall_keep_probe.py: with room to keep every token, exactly the fact's statement
+    # span (the fact's last digit and the SPAN tokens before it) is counted as kept, in every lane,
+    # from the chunk that holds it to the end
+    from benchmarks.recall_keep_probe import SPAN, probe
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=320, d_model=32, n_heads=2, layers="MA", d_mlp=64, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=16, n_mem=2, kv_window=32, kv_keep=1024,
+                      bptt_chunks=2)
+    out = probe(ElephantLM(cfg).eval(), ByteTokenizer(), 150, lanes=2, chunk_len=64,
+                device=torch.device("cpu"), every=1)
+    assert out["attention_layers"] == [1] and 0 <= out["answer_digit_accuracy"] <= 1
+    kept = [r["fact_kept"][0] for r in out["curve"]]
+    assert kept[-1] == [SPAN + 1, SPAN + 1] and len(kept) >= 4
+    assert all(a <= b for r, s in zip(kept, kept[1:]) for a, b in zip(r, s))   # only grows
