@@ -15,7 +15,7 @@
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
 #           RECALL_INIT=<folder of checkpoint parts> starts it from that run's weights
-#   recall-long-eval  that checkpoint scored up to 1M tokens: one and four facts, from rotary
+#   recall-long-eval  that checkpoint scored up to 1M tokens: one, two and four facts, from rotary
 #           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
 #           and compiled-model GPU tests, then train_speed with train.compile=model and the
