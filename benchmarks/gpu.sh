@@ -15,6 +15,7 @@
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
 #           RECALL_INIT=<folder of checkpoint parts> starts it from that run's weights
+#   recall-seeds  several seeds of the recall recipe side by side, over calls (see the stage)
 #   recall-long-eval  that checkpoint scored up to 1M tokens: one, two and four facts, from rotary
 #           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
@@ -95,6 +96,39 @@ for stage in $stages; do
         tar czf - -C $RUN checkpoints/latest checkpoints/$(cat $RUN/checkpoints/latest) |
           split -b 15m - $OUT/ckpt/part.
       fi ;;
+    recall-seeds)
+      # several seeds of the recall recipe trained side by side (a 5M-parameter model leaves most
+      # of the GPU idle), each in runs/recall-seed<S>: resumed from there while the machine is
+      # still warm, else from the checkpoint parts carried in runs/recall-seed<S>-parts. Each
+      # trains RECALL_LONG_S seconds of the schedule and is scored at RECALL_LONG_DIST; the
+      # newest checkpoint of the first seed comes back whole in $OUT/ckpt<S>/ (parts of 15 MiB),
+      # the weights of every seed in $OUT/w<S>.tar.gz (RECALL_SEEDS, RECALL_LONG_ARGS)
+      SEEDS=${RECALL_SEEDS:-7 1337}
+      for s in $SEEDS; do
+        RUN=runs/recall-seed$s
+        if [ ! -f $RUN/checkpoints/latest ] && ls $RUN-parts/part.* > /dev/null 2>&1; then
+          mkdir -p $RUN && cat $RUN-parts/part.* | tar xzf - -C $RUN
+        fi
+        RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
+        timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/recall.toml \
+          $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 \
+          --distances ${RECALL_LONG_DIST:-128,4K,64K} --json $RES/recall_seed$s.json \
+          train.run_dir=$RUN train.seed=$s ${RECALL_LONG_ARGS:-} > "$LOGS/recall_seed$s.log" 2>&1 &
+      done
+      wait
+      first=1
+      for s in $SEEDS; do
+        RUN=runs/recall-seed$s
+        echo "--- seed $s"; grep -v "answer loss" "$LOGS/recall_seed$s.log" | tail -12
+        grep "answer loss" "$LOGS/recall_seed$s.log" | tail -3
+        [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ] || continue
+        last=checkpoints/$(cat $RUN/checkpoints/latest)
+        tar czf $OUT/w$s.tar.gz -C $RUN checkpoints/latest $last/model.safetensors $last/meta.json
+        if [ $first = 1 ]; then
+          mkdir -p $OUT/ckpt$s && tar czf - -C $RUN checkpoints/latest $last | split -b 15m - $OUT/ckpt$s/part.
+        fi
+        first=0
+      done ;;
     recall-long-eval)
       # the checkpoint in runs/recall-long-parts scored by distance: one fact, several facts,
       # read from rotary position 1,014,000, and with each carried part of the state dropped

@@ -51,6 +51,10 @@ class ModelConfig:
                                      # bit for bit until better-scored tokens displace them (needs
                                      # kv_window > 0)
     kv_keep_noise: float = 1.0       # Gumbel noise on the keep scores while training (exploration)
+    kv_keep_drop: float = 0.0        # training only: the chance per lane and chunk that the lane's kept
+                                     # tokens are dropped (every layer; later tokens refill the set), as
+                                     # when a long stream displaces them, so that the memory must learn
+                                     # to carry what they hold (docs/RESULTS.md)
     rope_base: float = 10000.0
     rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
                                      # not rotated (partial rotary): angles that training documents
@@ -84,6 +88,8 @@ class ModelConfig:
                   "norm_eps", "init_std")
         _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise",
                       "rope_max_period")
+        if not 0.0 <= self.kv_keep_drop < 1.0:
+            raise ConfigError(f"model.kv_keep_drop: expected a chance in [0, 1), got {self.kv_keep_drop}")
         if self.kv_keep and not self.kv_window:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")

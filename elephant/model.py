@@ -353,6 +353,12 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
         free = self._free_tokens(M, T, x.device)
+        # the kept tokens each lane carries on (all layers alike): not those of a document that
+        # ended (packed), nor, while training with kv_keep_drop, of a lane whose set is dropped
+        keep_kept = None if starts is None else ~started
+        if cfg.kv_keep and cfg.kv_keep_drop and self.training:
+            survive = torch.rand(B, device=tokens.device) >= cfg.kv_keep_drop
+            keep_kept = survive if keep_kept is None else keep_kept & survive
 
         new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
         for i, block in enumerate(self.blocks):
@@ -378,7 +384,7 @@ class ElephantLM(nn.Module):
                 if kept:
                     window = self._keep_tokens(block.mixer, cache, window, kept[0][:, :, M:M + T],
                                                v[:, :, M:M + T], kept[1][:, M:M + T], tok_pos,
-                                               last_doc, keep)
+                                               last_doc, keep_kept)
                 new.kv.append(window)
         written = None
         if M:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, init_from, load_checkpoint, newest_intact_checkpoint,
-                         read_meta, save_checkpoint, set_aside, set_latest)
+from .checkpoint import (CheckpointError, check_model_config, init_from, load_checkpoint,
+                         newest_intact_checkpoint, read_meta, save_checkpoint, set_aside, set_latest)
 from .config import Config, ConfigError
 from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
@@ -235,9 +235,8 @@ class Trainer:
                                   f"(see its message)")
         ckpt = self.run_dir / "checkpoints" / f"step_{step:07d}"
         meta = read_meta(ckpt)
-        if meta.get("config", {}).get("model") != self.cfg.model.to_dict():
-            raise CheckpointError(f"{ckpt}: its model config differs from this run's "
-                                  f"(resume with the same model.* settings)")
+        check_model_config(meta, self.cfg.model.to_dict(), str(ckpt),
+                           "resume with the same model.* settings")
         if meta["world_size"] != self.rt.world or meta["grad_accum"] != self.cfg.train.grad_accum:
             raise CheckpointError(f"{ckpt}: written with world_size={meta['world_size']} and "
                                   f"grad_accum={meta['grad_accum']}; resume with the same")

@@ -131,6 +131,29 @@ def test_exploration_noise_only_while_training():
     assert not torch.equal(picks[2], picks[3]) or not torch.equal(picks[2], picks[0])
 
 
+def test_dropped_kept_tokens_are_refilled_by_later_tokens_only_while_training():
+    # kv_keep_drop: in training, a lane whose kept set is dropped after a chunk carries on only
+    # what that chunk offers (in every layer); the other lanes and evaluation are untouched
+    model = make(kv_keep=1, layers="AA", kv_keep_noise=0.0, kv_keep_drop=0.5)
+    favour(model, 7)
+    first, filler = torch.tensor([[3, 7, 5, 2]] * 16), torch.tensor([[9, 10, 11, 12]] * 16)
+    for training in (False, True):
+        model.train(training)
+        torch.manual_seed(0)
+        _, state = model(first)
+        assert (state.kv[0].keep_pos == 1).all()           # the favoured token, kept everywhere
+        _, state = model(filler, state)
+        held = state.kv[0].keep_pos[:, 0] == 1              # (B,) lanes that still hold it
+        if not training:
+            assert held.all()
+            continue
+        assert 0 < held.sum() < 16                          # 16 lanes at 1/2: some of each
+        assert (state.kv[0].keep_pos[~held, 0] >= 4).all()  # refilled from the filler chunk
+        assert torch.equal(state.kv[1].keep_pos[:, 0] < 4, held)   # every layer drops alike
+    with pytest.raises(ConfigError, match="kv_keep_drop"):
+        ModelConfig(kv_keep=8, kv_window=8, kv_keep_drop=1.0).validate()
+
+
 def test_kept_tokens_need_a_window():
     with pytest.raises(ConfigError, match="kv_keep"):
         ModelConfig(kv_keep=8, kv_window=0).validate()

@@ -249,6 +249,18 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path, corpus_dir, ca
     assert "checkpoint not found" in capsys.readouterr().err
 
 
+def test_a_model_setting_added_later_is_taken_at_its_default_from_an_older_checkpoint():
+    from elephant.checkpoint import check_model_config
+    from elephant.config import ModelConfig
+    cfg = ModelConfig(kv_window=8, kv_keep=4).to_dict()
+    older = {k: v for k, v in cfg.items() if k != "kv_keep_drop"}   # written before the key existed
+    check_model_config({"config": {"model": older}}, cfg, "ckpt", "hint")
+    with pytest.raises(CheckpointError, match=r"model.kv_keep_drop=0.0 there, 0.1 here"):
+        check_model_config({"config": {"model": older}}, cfg | {"kv_keep_drop": 0.1}, "ckpt", "hint")
+    with pytest.raises(CheckpointError, match=r"^ckpt: .*d_model=512 there, 96 here.*; hint$"):
+        check_model_config({"config": {"model": cfg}}, cfg | {"d_model": 96}, "ckpt", "hint")
+
+
 def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus_dir, capsys):
     # a curriculum's next stage: the weights of run A, a fresh optimizer, data stream and step count
     first = tmp_path / "a"
