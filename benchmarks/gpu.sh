@@ -16,6 +16,7 @@
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
 #           RECALL_INIT=<folder of checkpoint parts> starts it from that run's weights
 #   recall-seeds  several seeds of the recall recipe side by side, over calls (see the stage)
+#   recall-seeds-eval  those runs scored to 1M: ablations, offset 1M, two facts
 #   recall-long-eval  that checkpoint scored up to 1M tokens: one, two and four facts, from rotary
 #           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
@@ -99,10 +100,11 @@ for stage in $stages; do
     recall-seeds)
       # several seeds of the recall recipe trained side by side (a 5M-parameter model leaves most
       # of the GPU idle), each in runs/recall-seed<S>: resumed from there while the machine is
-      # still warm, else from the checkpoint parts carried in runs/recall-seed<S>-parts. Each
+      # still warm, else from the checkpoint parts carried in runs/recall-seed<S>-parts, or as a
+      # new stage from the weights in runs/recall-init<S>-parts (train.init_from). Each
       # trains RECALL_LONG_S seconds of the schedule and is scored at RECALL_LONG_DIST; the
       # newest checkpoint of the first seed comes back whole in $OUT/ckpt<S>/ (parts of 15 MiB),
-      # the weights of every seed in $OUT/w<S>.tar.gz (RECALL_SEEDS, RECALL_LONG_ARGS)
+      # the weights of the others in $OUT/w<S>/ (RECALL_SEEDS, RECALL_LONG_ARGS)
       SEEDS=${RECALL_SEEDS:-7 1337}
       for s in $SEEDS; do
         RUN=runs/recall-seed$s
@@ -110,10 +112,16 @@ for stage in $stages; do
           mkdir -p $RUN && cat $RUN-parts/part.* | tar xzf - -C $RUN
         fi
         RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
+        INIT=""
+        if [ -z "$RESUME" ] && ls runs/recall-init$s-parts/part.* > /dev/null 2>&1; then
+          # a new stage from that seed's earlier weights (carried in runs/recall-init<S>-parts)
+          mkdir -p runs/recall-init$s && cat runs/recall-init$s-parts/part.* | tar xzf - -C runs/recall-init$s
+          INIT=train.init_from=runs/recall-init$s
+        fi
         timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/recall.toml \
           $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 \
           --distances ${RECALL_LONG_DIST:-128,4K,64K} --json $RES/recall_seed$s.json \
-          train.run_dir=$RUN train.seed=$s ${RECALL_LONG_ARGS:-} > "$LOGS/recall_seed$s.log" 2>&1 &
+          train.run_dir=$RUN train.seed=$s $INIT ${RECALL_LONG_ARGS:-} > "$LOGS/recall_seed$s.log" 2>&1 &
       done
       wait
       first=1
@@ -123,11 +131,31 @@ for stage in $stages; do
         grep "answer loss" "$LOGS/recall_seed$s.log" | tail -3
         [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ] || continue
         last=checkpoints/$(cat $RUN/checkpoints/latest)
-        tar czf $OUT/w$s.tar.gz -C $RUN checkpoints/latest $last/model.safetensors $last/meta.json
         if [ $first = 1 ]; then
           mkdir -p $OUT/ckpt$s && tar czf - -C $RUN checkpoints/latest $last | split -b 15m - $OUT/ckpt$s/part.
+        else
+          mkdir -p $OUT/w$s && tar czf - -C $RUN checkpoints/latest $last/model.safetensors \
+            $last/meta.json | split -b 15m - $OUT/w$s/part.
         fi
         first=0
+      done ;;
+    recall-seeds-eval)
+      # the runs of recall-seeds scored side by side: one fact to 1M (RECALL_EVAL_LANES documents),
+      # with the kept tokens or the memory dropped, from rotary position 1,014,000, two facts
+      # (RECALL_EVAL_FULL= empty: the first alone)
+      for s in ${RECALL_SEEDS:-7 1337}; do
+        EV="python -m elephant.recall eval --checkpoint runs/recall-seed$s --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
+        J=$RES/recall_seed${s}_eval
+        { $EV --distances 128,512,1K,4K,16K,64K,1M --json ${J}.json
+          [ -n "${RECALL_EVAL_FULL:-1}" ] || exit 0
+          for a in keep memory; do $EV --distances 4K,64K,1M --ablate $a --json ${J}_ablate_$a.json; done
+          $EV --distances 4K,64K,1M --offset 1014000 --json ${J}_offset1M.json
+          $EV --distances 128,4K,64K,1M --pairs 2 --json ${J}_pairs2.json
+        } > "$LOGS/recall_seed${s}_eval.log" 2>&1 &
+      done
+      wait
+      for s in ${RECALL_SEEDS:-7 1337}; do
+        echo "--- seed $s"; grep -E "^\| (dist|digit)|recall of|chance" "$LOGS/recall_seed${s}_eval.log"
       done ;;
     recall-long-eval)
       # the checkpoint in runs/recall-long-parts scored by distance: one fact, several facts,
