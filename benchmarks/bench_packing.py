@@ -5,7 +5,7 @@ A step is what the trainer does: `bptt_chunks` chunks, one backward; a packed st
 boundary path only for chunks where a document starts inside (the batcher's `inner_starts`) and
 computes the initial-memory prefix once per step.
 
-  paths       forward+backward tokens/s.
+  paths       forward+backward tokens/s, the paths timed in turns over --rounds rounds.
               fill 1.0, on rows without padding: today's path (no `starts`); the packing path on
               chunks without an inner start (it takes today's path); the boundary path forced on
               them (`starts` given, the cost of the boundary machinery alone); the packing path with
@@ -25,7 +25,8 @@ computes the initial-memory prefix once per step.
               the older add_segment_init path, attention layers with and without boundaries, and
               the initial-memory prefix.
 
-    python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown]
+    python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown] [--compile model]
+                                       [--rounds 3] [--profile]
 writes benchmarks/results/packing_<device>.json after every section.
 """
 import argparse
@@ -43,13 +44,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import bf16_autocast, environment, result_path, timer  # noqa: E402
+from benchmarks.common import bf16_autocast, environment, profile, result_path, timer  # noqa: E402
 from elephant.layers import ssd  # noqa: E402
 from elephant.layers.attention import Attention, attend, attend_segments  # noqa: E402
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
 MEDIAN, SIGMA = 600, 1.0
+# profiled with --profile: today's path against the packing path with boundaries on the same tokens,
+# and the padded against the packed log-normal batches
+PROFILED = ("fill1_today_path", "fill1_packing_with_boundaries", "lognormal_unpacked",
+            "lognormal_packed")
 
 
 def make_config(smoke: bool) -> ModelConfig:
@@ -116,11 +121,22 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
+    return {"times": times, "real": real, "tokens_per_step": k * B * T, "chunks_per_step": k,
+            "boundary_path_chunks": boundary_chunks}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One path's timed rounds (`measure`'s results) as one row: the median step over every round,
+    and each round's median, so that the spread between rounds (clock, order) is there to see."""
+    times = [t for r in runs for t in r["times"]]
     med = sorted(times)[len(times) // 2]
-    return {"median_ms_per_step": med * 1e3, "tokens_per_s": k * B * T / med,
-            "fill": real / (len(times) * k * B * T), "real_tokens_per_s": real / sum(times),
+    per_step, real = runs[0]["tokens_per_step"], sum(r["real"] for r in runs)
+    return {"median_ms_per_step": med * 1e3, "tokens_per_s": per_step / med,
+            "fill": real / (len(times) * per_step), "real_tokens_per_s": real / sum(times),
             "mean_ms_per_step": sum(times) / len(times) * 1e3, "steps": len(times),
-            "chunks_per_step": k, "boundary_path_chunks": boundary_chunks}
+            "round_median_ms": [sorted(r["times"])[len(r["times"]) // 2] * 1e3 for r in runs],
+            "chunks_per_step": runs[0]["chunks_per_step"],
+            "boundary_path_chunks": sum(r["boundary_path_chunks"] for r in runs)}
 
 
 # ------------------------------------------------------------------------------- breakdown
@@ -260,6 +276,10 @@ def main() -> None:
     ap.add_argument("--only", choices=["paths", "breakdown"], default=None)
     ap.add_argument("--compile", choices=["blocks", "model"], default="blocks",
                     help="each block compiled (default) or the whole chunk step (train.compile=model)")
+    ap.add_argument("--profile", action="store_true",
+                    help="the top kernels of a few steps of the PROFILED paths (JSON, _profile.txt)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
@@ -278,7 +298,9 @@ def main() -> None:
     results = {**environment(device),
                "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else "")
                + (f" --only {args.only}" if args.only else "")
-               + (f" --compile {args.compile}" if args.compile != "blocks" else ""),
+               + (f" --compile {args.compile}" if args.compile != "blocks" else "")
+               + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+               + (" --profile" if args.profile else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}
@@ -309,13 +331,35 @@ def main() -> None:
             "lognormal_unpacked": (unpacked, {}),
             "lognormal_packed": (packed, {}),
         }
-        for name, (batches, opts) in variants.items():
-            try:
-                results["paths"][name] = measure(model, batches, device, autocast, warmup, **opts)
-            except Exception as e:  # record and go on with the other paths
-                results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
-                                          "trace": traceback.format_exc()[-1500:]}
+        # the paths take turns, round after round (the first round warms each up, and compiles):
+        # a drift of the clock or an effect of order then falls on every path alike
+        runs = {name: [] for name in variants}
+        for r in range(args.rounds):
+            for name, (batches, opts) in variants.items():
+                if name in results["paths"]:
+                    continue   # failed in an earlier round
+                try:
+                    runs[name].append(measure(model, batches, device, autocast,
+                                              warmup if r == 0 else 1, **opts))
+                except Exception as e:  # record and go on with the other paths
+                    results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                                              "trace": traceback.format_exc()[-1500:]}
+        for name in variants:
+            if name not in results["paths"]:
+                results["paths"][name] = summarize(runs[name])
             print(name, json.dumps(results["paths"][name]), flush=True)
+        if args.profile:
+            # where the time of a step goes, by kernel: the paths whose gaps are not explained
+            tables = []
+            for name in PROFILED:
+                if "error" in results["paths"][name]:
+                    continue
+                batches, opts = variants[name]
+                step = (lambda b=batches[:k], o=opts:           # one trainer step
+                        measure(model, b, device, autocast, 0, **o))
+                results["paths"][name]["top_kernels"], table = profile(step, 3, device, name)
+                tables.append(table)
+            out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
         if not smoke:
             results["dynamo"] = dynamo_counts()
         p = results["paths"]

@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts (and the memory tests): timing with CUDA events on GPU,
-perf_counter on CPU; the bytes autograd saves for a backward."""
+perf_counter on CPU; the bytes autograd saves for a backward; the top kernels of a profiled step."""
 import time
 
 import torch
@@ -117,3 +117,27 @@ def bf16_autocast(device):
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     from contextlib import nullcontext
     return nullcontext
+
+
+def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
+    """Top kernels by device time over `steps` calls of `step()` and the profiler's table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)
+    # the kernels themselves on the GPU (an operator's row would count its kernels twice)
+    rows = [e for e in events if getattr(e, key) > 0
+            and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
+    total = sum(getattr(e, key) for e in rows) or 1.0
+    rows.sort(key=lambda e: -getattr(e, key))
+    top = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
+            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:20]]
+    return top, table

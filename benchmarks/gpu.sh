@@ -22,8 +22,9 @@
 #   verify  the GPU checks of what was last built on the CPU only: the head, CUDA-graph evaluation
 #           and compiled-model GPU tests, then train_speed with train.compile=model and the
 #           CUDA-graph evaluation beside the defaults (~4 min)
-#   packing-model  bench_packing.py --only paths --compile model: packing with the whole chunk
-#           step compiled (~3 min)
+#   packing-model  bench_packing.py --only paths --compile model --profile: packing with the whole
+#           chunk step compiled, the paths timed in turns, the top kernels of the unexplained ones
+#           (with one round and no profile it took about 6 minutes on the H100, compiling included)
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -181,7 +182,7 @@ for stage in $stages; do
         "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
         | tee "$LOGS/train_speed_model.log" | grep -v "profiler_st" | tail -12 ;;
     packing-model)
-      timeout 400 python benchmarks/bench_packing.py --only paths --compile model 2>&1 \
+      timeout 500 python benchmarks/bench_packing.py --only paths --compile model --profile 2>&1 \
         | tee "$LOGS/bench_packing_model.log" | tail -12 ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \

@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import baseline_gpt  # noqa: E402
-from benchmarks.common import environment, result_path  # noqa: E402
+from benchmarks.common import environment, profile, result_path  # noqa: E402
 
 RECIPES = {"attention": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0"],
            "hybrid": []}
@@ -143,30 +143,6 @@ def count_syncs(step, device) -> dict | None:
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     return {"count": len(syncs), "where": dict(where.most_common(10))}
-
-
-def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
-    """Top kernels by device time over `steps` calls of `step()` and the profiler's table."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    cuda = torch.device(device).type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)
-    # the kernels themselves on the GPU (an operator's row would count its kernels twice)
-    rows = [e for e in events if getattr(e, key) > 0
-            and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
-    total = sum(getattr(e, key) for e in rows) or 1.0
-    rows.sort(key=lambda e: -getattr(e, key))
-    top = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
-            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:20]]
-    return top, table
 
 
 def extras(out: dict, step, args, device, title: str) -> str:
