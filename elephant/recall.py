@@ -88,13 +88,18 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     n_chunks = math.ceil((L - 1) / chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
     query = np.full((lanes, n_chunks * chunk_len + 1), -1, dtype=np.int64)  # query index of a target
+    digit = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)     # its place in the answer
     for b, d in enumerate(docs):
         tokens[b, :len(d.tokens)] = d.tokens
         for j, q in enumerate(d.queries):
             query[b, q.answer_start:q.answer_start + q.answer_len] = j
+            digit[b, q.answer_start:q.answer_start + q.answer_len] = np.arange(q.answer_len)
     n_q = len(distances)
     correct = np.zeros((lanes, n_q))
     total = np.zeros((lanes, n_q))
+    n_digits = max(q.answer_len for d in docs for q in d.queries)
+    correct_at = np.zeros((n_q, n_digits))     # by the answer token's place in the answer
+    total_at = np.zeros((n_q, n_digits))
     all_right = np.ones((lanes, n_q), dtype=bool)
     actual = np.array([[q.distance for q in d.queries] for d in docs])      # (lanes, n_q)
 
@@ -123,9 +128,11 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
             pred = logits.argmax(-1).cpu().numpy()
             hit = pred == tokens[:, a + 1:a + chunk_len + 1]
             for b, t in zip(*np.nonzero(targets_q >= 0)):
-                j = targets_q[b, t]
+                j, i = targets_q[b, t], digit[b, a + 1 + t]
                 correct[b, j] += hit[b, t]
                 total[b, j] += 1
+                correct_at[j, i] += hit[b, t]
+                total_at[j, i] += 1
                 all_right[b, j] &= bool(hit[b, t])
         gate = getattr(model, "last_mem_gate", None)
         if gate is not None and c > 0:
@@ -149,7 +156,9 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
         by_distance[label(d)] = {
             "distance": d, "accuracy": float(correct[:, j].sum() / max(total[:, j].sum(), 1)),
             "exact": float(all_right[:, j].mean()), "answers": int(lanes),
-            "mean_actual_distance": float(actual[:, j].mean())}
+            "mean_actual_distance": float(actual[:, j].mean()),
+            # accuracy of the answer's first, second, ... token: where in a value recall fails
+            "by_place": [float(c / max(n, 1)) for c, n in zip(correct_at[j], total_at[j])]}
     out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "offset": offset,
            "lanes": lanes,
            "chunk_len": chunk_len,
