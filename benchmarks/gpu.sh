@@ -99,37 +99,41 @@ for stage in $stages; do
           split -b 15m - $OUT/ckpt/part.
       fi ;;
     recall-seeds)
-      # several seeds of the recall recipe trained side by side (a 5M-parameter model leaves most
-      # of the GPU idle), each in runs/recall-seed<S>: resumed from there while the machine is
-      # still warm, else from the checkpoint parts carried in runs/recall-seed<S>-parts, or as a
-      # new stage from the weights in runs/recall-init<S>-parts (train.init_from). Each
-      # trains RECALL_LONG_S seconds of the schedule and is scored at RECALL_LONG_DIST; the
+      # several seeds of a recall recipe trained side by side (a 5M-parameter model leaves most of
+      # the GPU idle): RECALL_CONFIG=recall (configs/recall.toml, the default) or recall-stage2,
+      # each seed in runs/<config>-seed<S>, resumed from there while the machine is still warm,
+      # else from the checkpoint parts carried in runs/<config>-seed<S>-parts. A run that does
+      # not resume starts from the weights carried in runs/recall-init<S>-parts if there are any,
+      # and the second stage else from runs/recall-seed<S> (the first stage, machine still warm).
+      # Each trains RECALL_LONG_S seconds of the schedule and is scored at RECALL_LONG_DIST; the
       # newest checkpoint of the first seed comes back whole in $OUT/ckpt<S>/ (parts of 15 MiB),
       # the weights of the others in $OUT/w<S>/ (RECALL_SEEDS, RECALL_LONG_ARGS)
       SEEDS=${RECALL_SEEDS:-7 1337}
+      NAME=${RECALL_CONFIG:-recall}
       for s in $SEEDS; do
-        RUN=runs/recall-seed$s
+        RUN=runs/$NAME-seed$s
         if [ ! -f $RUN/checkpoints/latest ] && ls $RUN-parts/part.* > /dev/null 2>&1; then
           mkdir -p $RUN && cat $RUN-parts/part.* | tar xzf - -C $RUN
         fi
         RESUME=$([ -f $RUN/checkpoints/latest ] && echo --resume)
         INIT=""
         if [ -z "$RESUME" ] && ls runs/recall-init$s-parts/part.* > /dev/null 2>&1; then
-          # a new stage from that seed's earlier weights (carried in runs/recall-init<S>-parts)
           mkdir -p runs/recall-init$s && cat runs/recall-init$s-parts/part.* | tar xzf - -C runs/recall-init$s
           INIT=train.init_from=runs/recall-init$s
+        elif [ -z "$RESUME" ] && [ $NAME != recall ] && [ -f runs/recall-seed$s/checkpoints/latest ]; then
+          INIT=train.init_from=runs/recall-seed$s
         fi
-        timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/recall.toml \
+        timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/$NAME.toml \
           $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 \
-          --distances ${RECALL_LONG_DIST:-128,4K,64K} --json $RES/recall_seed$s.json \
-          train.run_dir=$RUN train.seed=$s $INIT ${RECALL_LONG_ARGS:-} > "$LOGS/recall_seed$s.log" 2>&1 &
+          --distances ${RECALL_LONG_DIST:-128,4K,64K} --json $RES/${NAME}_seed$s.json \
+          train.run_dir=$RUN train.seed=$s $INIT ${RECALL_LONG_ARGS:-} > "$LOGS/${NAME}_seed$s.log" 2>&1 &
       done
       wait
       first=1
       for s in $SEEDS; do
-        RUN=runs/recall-seed$s
-        echo "--- seed $s"; grep -v "answer loss" "$LOGS/recall_seed$s.log" | tail -12
-        grep "answer loss" "$LOGS/recall_seed$s.log" | tail -3
+        RUN=runs/$NAME-seed$s
+        echo "--- seed $s"; grep -v "answer loss" "$LOGS/${NAME}_seed$s.log" | tail -12
+        grep "answer loss" "$LOGS/${NAME}_seed$s.log" | tail -3
         [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ] || continue
         last=checkpoints/$(cat $RUN/checkpoints/latest)
         if [ $first = 1 ]; then
@@ -141,22 +145,23 @@ for stage in $stages; do
         first=0
       done ;;
     recall-seeds-eval)
-      # the runs of recall-seeds scored side by side: one fact to 1M (RECALL_EVAL_LANES documents),
-      # with the kept tokens or the memory dropped, from rotary position 1,014,000, two facts
-      # (RECALL_EVAL_FULL= empty: the first alone)
+      # the runs of recall-seeds (RECALL_CONFIG, RECALL_SEEDS) scored side by side: one fact to 1M
+      # (RECALL_EVAL_LANES documents), with the kept tokens or the memory dropped, from rotary
+      # position 1,014,000, two facts (RECALL_EVAL_FULL= empty: the first alone)
+      NAME=${RECALL_CONFIG:-recall}
       for s in ${RECALL_SEEDS:-7 1337}; do
-        EV="python -m elephant.recall eval --checkpoint runs/recall-seed$s --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
-        J=$RES/recall_seed${s}_eval
+        EV="python -m elephant.recall eval --checkpoint runs/$NAME-seed$s --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
+        J=$RES/${NAME}_seed${s}_eval
         { $EV --distances 128,512,1K,4K,16K,64K,1M --json ${J}.json
           [ -n "${RECALL_EVAL_FULL:-1}" ] || exit 0
           for a in keep memory; do $EV --distances 4K,64K,1M --ablate $a --json ${J}_ablate_$a.json; done
           $EV --distances 4K,64K,1M --offset 1014000 --json ${J}_offset1M.json
           $EV --distances 128,4K,64K,1M --pairs 2 --json ${J}_pairs2.json
-        } > "$LOGS/recall_seed${s}_eval.log" 2>&1 &
+        } > "$LOGS/${NAME}_seed${s}_eval.log" 2>&1 &
       done
       wait
       for s in ${RECALL_SEEDS:-7 1337}; do
-        echo "--- seed $s"; grep -E "^\| (dist|digit)|recall of|chance" "$LOGS/recall_seed${s}_eval.log"
+        echo "--- seed $s"; grep -E "^\| (dist|digit)|recall of|chance" "$LOGS/${NAME}_seed${s}_eval.log"
       done ;;
     recall-long-eval)
       # the checkpoint in runs/recall-long-parts scored by distance: one fact, several facts,

@@ -275,12 +275,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     raw: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        raw = _read_recipe(path)
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.strip().partition(".")
@@ -296,6 +291,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         raw.setdefault(section, {})[name] = _parse(value.strip(), _hint(SECTIONS[section], name),
                                                    f"{section}.{name}")
     return Config.from_dict(raw, where=str(path) if path else "config")
+
+
+def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A TOML recipe as a dict of sections. `base = "other.toml"` (a path relative to the file)
+    starts from that recipe: every key the file sets replaces the base's, section by section (a
+    second stage that changes a few settings of the first, e.g. configs/recall-stage2.toml)."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}"
+                          + (f" (the base of {seen[-1]})" if seen else ""))
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of another recipe, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen or base_path == path.resolve():
+        raise ConfigError(f"{path}: base {base!r} leads back to itself")
+    merged = _read_recipe(base_path, seen + (path.resolve(),))
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = merged[section] | values
+        else:
+            merged[section] = values
+    return merged
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,6 +77,29 @@ def test_recipes_load_and_validate():
         assert cfg.model.d_model > 0, recipe
 
 
+def test_a_recipe_starts_from_its_base_and_replaces_what_it_sets(tmp_path):
+    from elephant.config import ConfigError
+    stage2 = load_config(ROOT / "configs/recall-stage2.toml")
+    first = load_config(ROOT / "configs/recall.toml")
+    assert stage2.model == first.model and stage2.data == first.data       # the base's, untouched
+    assert (stage2.optim.muon_lr, stage2.train.max_steps) == (first.optim.muon_lr / 2, 180)
+    assert stage2.train.lanes == first.train.lanes and stage2.train.init_from == "runs/recall"
+    # a base in another folder, chained, then overridden on the command line
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.toml").write_text(f'base = "{ROOT / "configs/tiny.toml"}"\n[train]\nlanes = 3\n')
+    (tmp_path / "c.toml").write_text('base = "sub/b.toml"\n[train]\nmax_steps = 7\n')
+    c = load_config(tmp_path / "c.toml", ["train.lanes=5"])
+    assert (c.train.lanes, c.train.max_steps) == (5, 7)
+    assert load_config(tmp_path / "sub" / "b.toml").train.lanes == 3
+    (tmp_path / "loop.toml").write_text('base = "loop2.toml"\n')
+    (tmp_path / "loop2.toml").write_text('base = "loop.toml"\n')
+    with pytest.raises(ConfigError, match="leads back to itself"):
+        load_config(tmp_path / "loop.toml")
+    (tmp_path / "orphan.toml").write_text('base = "gone.toml"\n')
+    with pytest.raises(ConfigError, match=r"config file not found: .*gone.toml \(the base of .*orphan.toml\)"):
+        load_config(tmp_path / "orphan.toml")
+
+
 def test_missing_config_file_is_one_line_error(capsys):
     assert train_cli.main(["--config", "configs/nope.toml"]) == 2
     assert capsys.readouterr().err.strip() == "error: config file not found: configs/nope.toml"
