@@ -266,17 +266,17 @@ class Decoder:
             buf["read_valid"].copy_(valid)
 
     def _choose_kept(self) -> None:
-        """At a chunk's end: every layer keeps the best of its kept tokens and the chunk's tokens
-        (KVCache.with_kept, no noise: the model is evaluating)."""
+        """At a chunk's end: every layer keeps the best of its kept tokens and the chunk's tokens,
+        as the chunked forward does (ElephantLM._keep_tokens), never with exploration noise."""
         M, T = self.M, self.T
         pos = self.pos[:, None] - T + torch.arange(T, device=self.device)      # the chunk's tokens
         for i, buf in self.kept.items():
-            mixer, cache = self.model.blocks[i].mixer, self._kept_cache(buf)
-            x = buf["raw_x"][:, M:M + T]
-            score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
+            cache = self._kept_cache(buf)
             v = self.kv[i][1][:, :, self.W + M:self.W + M + T]                # the chunk's values
-            chosen = cache.with_kept(buf["raw_k"][:, :, M:M + T], v, x, pos,
-                                     torch.ones_like(pos, dtype=torch.bool), score)
+            chosen = self.model._keep_tokens(self.model.blocks[i].mixer, cache, cache,
+                                             buf["raw_k"][:, :, M:M + T], v,
+                                             buf["raw_x"][:, M:M + T], pos, None, None,
+                                             explore=False)
             for n, t in chosen.fields().items():
                 buf[n].copy_(t)
 

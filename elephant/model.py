@@ -423,15 +423,17 @@ class ElephantLM(nn.Module):
         return free
 
     def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
-                     x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None) -> KVCache:
+                     x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None,
+                     explore: bool | None = None) -> KVCache:
         """The layer's kept tokens after the chunk (`KVCache.with_kept`): the kv_keep best by keep
         score among those kept so far and the chunk's tokens (of the lane's last document), with
-        Gumbel noise on the scores while training (kv_keep_noise) so that tokens the score does
-        not favour yet are sometimes kept and can show what keeping them is worth."""
+        Gumbel noise on the scores while training (kv_keep_noise; `explore` False: never, as the
+        decoder wants) so that tokens the score does not favour yet are sometimes kept and can
+        show what keeping them is worth."""
         with torch.no_grad():
             score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
             noise = self.cfg.kv_keep_noise
-            if self.training and noise:
+            if (self.training if explore is None else explore) and noise:
                 u = torch.rand_like(score).clamp(1e-10, 1 - 1e-7)
                 score = score - noise * torch.log(-torch.log(u))
         valid = torch.ones_like(pos, dtype=torch.bool) if last_doc is None else last_doc
