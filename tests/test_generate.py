@@ -114,6 +114,21 @@ def test_greedy_is_deterministic_and_follows_the_forward_argmax():
     assert logits[0, len(prompt) - 1:-1].argmax(-1).tolist() == out
 
 
+def test_a_model_left_in_training_mode_generates_as_in_evaluation():
+    # exploration noise and dropped kept tokens are training-only: generation is inference, in
+    # the prompt's chunked forward as in the token steps, and the model's mode is given back
+    T = 4
+    model = make(n_mem=2, kv_window=4, kv_keep=3, kv_keep_noise=5.0, kv_keep_drop=0.9)
+    prompt = torch.randint(0, V, (4 * T + 1,)).tolist()
+    want = generate(model, prompt, max_new_tokens=10, temperature=0, chunk_len=T)
+    model.train()
+    modes = []                                   # the mode of every chunked forward it runs
+    model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    torch.manual_seed(1)
+    assert generate(model, prompt, max_new_tokens=10, temperature=0, chunk_len=T) == want
+    assert modes and not any(modes) and model.training
+
+
 def test_prompts_of_different_lengths_generate_as_if_alone():
     model = make(n_mem=2, kv_window=8)
     prompts = [torch.randint(0, V, (n,)).tolist() for n in (3, 11, 7)]
