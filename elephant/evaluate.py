@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .metrics import BUCKET_EDGES, NLLMeter
+from .model import in_eval_mode
 
 
 def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
@@ -143,6 +144,7 @@ class StaticChunkStep:
         return self._step()
 
 
+@in_eval_mode
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
@@ -161,8 +163,6 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     corpus = subset(corpus, max_docs)
     n_docs = len(corpus)
     device = torch.device(device)
-    was_training = model.training
-    model.eval()
     batcher = _batcher(corpus, lanes, chunk_len, rank, world, pack,
                        longest_first(corpus, rank, world) if order == "longest" else None)
     doc_nll = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)  # last slot: idle lanes
@@ -224,5 +224,4 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     nll_docs, tok_docs = doc_nll[:n_docs].cpu().numpy(), doc_tok[:n_docs].cpu().numpy()
     for i in range(n_docs):
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
-    model.train(was_training)
     return meter.result() | {"chunk_steps": chunk_steps}

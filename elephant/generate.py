@@ -28,7 +28,6 @@ boundary runs for it alone (the other lanes' state is restored).
 from __future__ import annotations
 
 import codecs
-import functools
 import math
 import numbers
 from typing import Callable, Sequence
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layers.attention import free_scores, pad_sequence_keys
+from .model import in_eval_mode
 from .state import KVCache, RecurrentState
 
 
@@ -428,23 +428,7 @@ def _prompts(prompt_ids, vocab: int) -> tuple[list[list[int]], bool]:
     return prompts, single
 
 
-def _inference(fn):
-    """Run `fn(model, ...)` with the model in evaluation mode, its mode given back after:
-    generation is inference, so no training-only randomness (the kept tokens' exploration noise
-    and drops) reaches the prompt's chunked forward, even for a model sampled during training."""
-    @functools.wraps(fn)
-    def run(model, *args, **kwargs):
-        module = getattr(model, "_orig_mod", model)
-        was_training = module.training
-        module.eval()
-        try:
-            return fn(model, *args, **kwargs)
-        finally:
-            module.train(was_training)
-    return run
-
-
-@_inference
+@in_eval_mode
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens: int = 256, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,

@@ -26,6 +26,7 @@ tensors per chunk, not of the chunks' activations.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -89,6 +90,23 @@ class Block(nn.Module):
 
 
 COMPILE_BACKEND = "inductor"
+
+
+def in_eval_mode(fn):
+    """Decorate `fn(model, ...)` to run with the model in evaluation mode and give its mode back
+    after, also on an error: evaluation and generation are inference, so no training-only
+    randomness (the kept tokens' exploration noise and drops) reaches them, even for a model
+    scored or sampled in the middle of training. A compiled model's own module is switched."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        module = getattr(model, "_orig_mod", model)
+        was_training = module.training
+        module.eval()
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            module.train(was_training)
+    return run
 
 
 class ElephantLM(nn.Module):

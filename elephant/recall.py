@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elephant.model import in_eval_mode
+
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
 
@@ -72,6 +74,7 @@ def ablate(model, state, part: str):
     return state
 
 
+@in_eval_mode
 @torch.no_grad()
 def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
                     n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
@@ -103,8 +106,6 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     all_right = np.ones((lanes, n_q), dtype=bool)
     actual = np.array([[q.distance for q in d.queries] for d in docs])      # (lanes, n_q)
 
-    was_training = model.training
-    model.eval()
     state = model.init_state(lanes, device=device)
     state.pos += offset
     reset = None if offset else torch.ones(lanes, dtype=torch.bool, device=device)
@@ -150,7 +151,6 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    model.train(was_training)
     by_distance = {}
     for j, d in enumerate(distances):
         by_distance[label(d)] = {

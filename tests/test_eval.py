@@ -207,6 +207,20 @@ def test_longest_first_order_gives_the_same_metrics_in_fewer_chunks():
         evaluate(model, corpus, lanes=2, chunk_len=10, device="cpu", order="shortest")
 
 
+def test_evaluation_runs_in_eval_mode_and_gives_a_training_model_its_mode_back():
+    # scoring in the middle of training: no training-only randomness reaches the scores (the
+    # model is in evaluation mode for every chunk), and training goes on in training mode after,
+    # also when evaluation fails
+    model = mama_model().train()
+    modes = []
+    model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    evaluate(model, corpus_of([20, 9]), lanes=2, chunk_len=8, device="cpu")
+    assert modes and not any(modes) and model.training
+    with pytest.raises(ValueError, match="order"):
+        evaluate(model, corpus_of([20, 9]), lanes=2, chunk_len=8, device="cpu", order="random")
+    assert model.training
+
+
 def test_longest_first_deals_documents_over_ranks():
     from elephant.evaluate import longest_first
     corpus = corpus_of([5, 1, 30, 7, 30, 2])
