@@ -371,9 +371,12 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
         free = self._free_tokens(M, T, x.device)
-        # the kept tokens each lane carries on (all layers alike): not those of a document that
-        # ended (packed), nor, while training with kv_keep_drop, of a lane whose set is dropped
-        keep_kept = None if starts is None else ~started
+        # packed: the window and the kept tokens hold only each lane's last document (all layers)
+        last_doc = None if starts is None else tok_seg == tok_seg[:, -1:]      # (B, T)
+        keep = None if starts is None else ~started                            # (B,)
+        # the kept tokens each lane carries on: not those of a document that ended, nor, while
+        # training with kv_keep_drop, those of a lane whose set is dropped
+        keep_kept = keep
         if cfg.kv_keep and cfg.kv_keep_drop and self.training:
             survive = torch.rand(B, device=tokens.device) >= cfg.kv_keep_drop
             keep_kept = survive if keep_kept is None else keep_kept & survive
@@ -395,9 +398,6 @@ class ElephantLM(nn.Module):
                 if cache is None:
                     new.kv.append(None)
                     continue
-                # packed: keep only the keys of each lane's last document
-                last_doc = None if starts is None else tok_seg == tok_seg[:, -1:]
-                keep = None if starts is None else ~started
                 window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc, keep=keep)
                 if kept:
                     window = self._keep_tokens(block.mixer, cache, window, kept[0][:, :, M:M + T],
