@@ -271,16 +271,18 @@ def load_weights(ckpt: str | Path, model: torch.nn.Module, verify: bool = True) 
     return meta
 
 
-def check_model_config(meta: dict, model_config: dict, what: str, hint: str) -> None:
+def check_model_config(meta: dict, model_config: dict, what: str, hint: str,
+                       free: frozenset[str] = frozenset()) -> None:
     """Raise unless the checkpoint whose `meta` is given was written by a model of `model_config`
-    (a ModelConfig's dict). A setting the checkpoint does not name is taken at its default: a key
-    added later keeps the behaviour the checkpoint was trained with by default. The message
-    names `what` (the checkpoint or the option that points at it) and the differing keys."""
+    (a ModelConfig's dict), keys in `free` aside. A setting the checkpoint does not name is taken
+    at its default: a key added later keeps the behaviour the checkpoint was trained with by
+    default. The message names `what` (the checkpoint or the option that points at it) and the
+    differing keys."""
     from .config import ModelConfig
 
     saved = ModelConfig().to_dict() | meta.get("config", {}).get("model", {})
     wrong = sorted(k for k in saved.keys() | model_config.keys()
-                   if saved.get(k) != model_config.get(k))
+                   if k not in free and saved.get(k) != model_config.get(k))
     if wrong:
         shown = ", ".join(f"model.{k}={saved.get(k)!r} there, {model_config.get(k)!r} here"
                           for k in wrong[:3])
@@ -291,10 +293,14 @@ def check_model_config(meta: dict, model_config: dict, what: str, hint: str) -> 
 def init_from(path: str | Path, model: torch.nn.Module, model_config: dict) -> Path:
     """Load the weights of the checkpoint at `path` (itself or a run dir) into `model`, a model
     built from `model_config` (train.init_from: a new stage from another run's weights); the
-    checkpoint's model settings must be the same. Returns the checkpoint's folder."""
+    checkpoint's model settings must be the same, those that only shape training aside
+    (TRAINING_ONLY_MODEL_KEYS: a stage may, say, drop kept tokens less often or backpropagate
+    through more chunks). Returns the checkpoint's folder."""
+    from .config import TRAINING_ONLY_MODEL_KEYS
+
     ckpt = find_checkpoint(path)
     check_model_config(read_meta(ckpt), model_config, f"train.init_from={path}",
-                       "start from it with the same model.* settings")
+                       "start from it with the same model.* settings", TRAINING_ONLY_MODEL_KEYS)
     load_weights(ckpt, model)
     return ckpt
 

@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A bad recipe, key or value; the message is meant for the user as it is."""
 
 
+# Model settings that shape how a model is trained or initialised, not what its weights compute: a
+# new stage (train.init_from) may change them.
+TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "bptt_chunks",
+                                      "mem_write_cost", "mem_gate_init", "init_std"})
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50304

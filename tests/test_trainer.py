@@ -282,6 +282,13 @@ def test_a_model_setting_added_later_is_taken_at_its_default_from_an_older_check
         check_model_config({"config": {"model": older}}, cfg | {"kv_keep_drop": 0.1}, "ckpt", "hint")
     with pytest.raises(CheckpointError, match=r"^ckpt: .*d_model=512 there, 96 here.*; hint$"):
         check_model_config({"config": {"model": cfg}}, cfg | {"d_model": 96}, "ckpt", "hint")
+    # a new stage may change how the model trains, not what it computes
+    free = frozenset({"kv_keep_drop", "bptt_chunks"})
+    check_model_config({"config": {"model": cfg}}, cfg | {"kv_keep_drop": 0.1, "bptt_chunks": 4},
+                       "ckpt", "hint", free)
+    with pytest.raises(CheckpointError, match=r"kv_keep=4 there, 8 here"):
+        check_model_config({"config": {"model": cfg}}, cfg | {"kv_keep_drop": 0.1, "kv_keep": 8},
+                           "ckpt", "hint", free)
 
 
 def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus_dir, capsys):
@@ -291,9 +298,9 @@ def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus
     a = Trainer(load_config(ROOT / "configs/tiny.toml", over), progress=False)
     a.fit()
     second = tmp_path / "b"
-    b = Trainer(load_config(ROOT / "configs/tiny.toml", overrides(
+    b = Trainer(load_config(ROOT / "configs/tiny.toml", overrides(   # training-only keys may change
         second, corpus_dir, **{"train.max_steps": 3, "train.init_from": str(first),
-                               "data.pack": True})), progress=False)
+                               "data.pack": True, "model.bptt_chunks": 3})), progress=False)
     assert b.step == 0 and all(torch.equal(p, q) for p, q in zip(a.model.parameters(),
                                                                  b.model.parameters()))
     b.fit()
