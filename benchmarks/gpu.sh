@@ -104,7 +104,8 @@ for stage in $stages; do
       # each seed in runs/<config>-seed<S>, resumed from there while the machine is still warm,
       # else from the checkpoint parts carried in runs/<config>-seed<S>-parts. A run that does
       # not resume starts from the weights carried in runs/recall-init<S>-parts if there are any,
-      # and the second stage else from runs/recall-seed<S> (the first stage, machine still warm).
+      # and a later stage else from runs/<RECALL_FROM>-seed<S> (default recall: the first stage,
+      # machine still warm).
       # Each trains RECALL_LONG_S seconds of the schedule and is scored at RECALL_LONG_DIST; the
       # newest checkpoint of the first seed comes back whole in $OUT/ckpt<S>/ (parts of 15 MiB),
       # the weights of the others in $OUT/w<S>/ (RECALL_SEEDS, RECALL_LONG_ARGS)
@@ -120,8 +121,8 @@ for stage in $stages; do
         if [ -z "$RESUME" ] && ls runs/recall-init$s-parts/part.* > /dev/null 2>&1; then
           mkdir -p runs/recall-init$s && cat runs/recall-init$s-parts/part.* | tar xzf - -C runs/recall-init$s
           INIT=train.init_from=runs/recall-init$s
-        elif [ -z "$RESUME" ] && [ $NAME != recall ] && [ -f runs/recall-seed$s/checkpoints/latest ]; then
-          INIT=train.init_from=runs/recall-seed$s
+        elif [ -z "$RESUME" ] && [ $NAME != recall ] && [ -f runs/${RECALL_FROM:-recall}-seed$s/checkpoints/latest ]; then
+          INIT=train.init_from=runs/${RECALL_FROM:-recall}-seed$s
         fi
         timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/$NAME.toml \
           $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 \
@@ -153,7 +154,7 @@ for stage in $stages; do
         EV="python -m elephant.recall eval --checkpoint runs/$NAME-seed$s --no-progress --lanes ${RECALL_EVAL_LANES:-32}"
         J=$RES/${NAME}_seed${s}_eval
         { $EV --distances 128,512,1K,4K,16K,64K,1M --json ${J}.json
-          [ -n "${RECALL_EVAL_FULL:-1}" ] || exit 0
+          [ -n "${RECALL_EVAL_FULL-1}" ] || exit 0
           for a in keep memory; do $EV --distances 4K,64K,1M --ablate $a --json ${J}_ablate_$a.json; done
           $EV --distances 4K,64K,1M --offset 1014000 --json ${J}_offset1M.json
           $EV --distances 128,4K,64K,1M --pairs 2 --json ${J}_pairs2.json
