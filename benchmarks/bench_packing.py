@@ -51,10 +51,11 @@ from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  
 from elephant.model import ElephantLM  # noqa: E402
 
 MEDIAN, SIGMA = 600, 1.0
-# profiled with --profile: today's path against the packing path with boundaries on the same tokens,
-# and the padded against the packed log-normal batches
-PROFILED = ("fill1_today_path", "fill1_packing_with_boundaries", "lognormal_unpacked",
-            "lognormal_packed")
+# profiled with --profile: today's path against the boundary path on the same tokens (forced on
+# chunks without an inner start, and with real boundaries), and the padded against the packed
+# log-normal batches; every kernel is kept, so that two paths' tables can be subtracted
+PROFILED = ("fill1_today_path", "fill1_boundary_path_forced_no_inner_starts",
+            "fill1_packing_with_boundaries", "lognormal_unpacked", "lognormal_packed")
 
 
 def make_config(smoke: bool) -> ModelConfig:
@@ -96,7 +97,11 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device)
-    times, real, boundary_chunks = [], 0, 0
+    # the real tokens are counted on the device and read once at the end: reading them per chunk
+    # would wait for the GPU in every chunk, which the trainer never does (its masks are on the
+    # host), and time the host's launches as if they could not overlap the GPU's work
+    times, boundary_chunks = [], 0
+    real = torch.zeros((), dtype=torch.long, device=device)
     for i in range(len(batches) // k):
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -112,7 +117,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
                                    loss_mask=mask, reduction="sum", starts=starts, prefix=prefix)
                 loss = loss + nll
                 if i >= warmup:
-                    real += int(mask.sum())
+                    real += mask.sum()
                     boundary_chunks += starts is not None
         loss.backward()
         state = state.detach()
@@ -121,7 +126,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
-    return {"times": times, "real": real, "tokens_per_step": k * B * T, "chunks_per_step": k,
+    return {"times": times, "real": int(real), "tokens_per_step": k * B * T, "chunks_per_step": k,
             "boundary_path_chunks": boundary_chunks}
 
 
@@ -278,6 +283,8 @@ def main() -> None:
                     help="each block compiled (default) or the whole chunk step (train.compile=model)")
     ap.add_argument("--profile", action="store_true",
                     help="the top kernels of a few steps of the PROFILED paths (JSON, _profile.txt)")
+    ap.add_argument("--paths", default="",
+                    help="comma-separated: time (and profile) only these paths (default: all)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()
@@ -300,6 +307,7 @@ def main() -> None:
                + (f" --only {args.only}" if args.only else "")
                + (f" --compile {args.compile}" if args.compile != "blocks" else "")
                + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
+               + (f" --paths {args.paths}" if args.paths else "")
                + (" --profile" if args.profile else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
@@ -331,6 +339,12 @@ def main() -> None:
             "lognormal_unpacked": (unpacked, {}),
             "lognormal_packed": (packed, {}),
         }
+        if args.paths:
+            wanted = args.paths.split(",")
+            unknown = sorted(set(wanted) - variants.keys())
+            if unknown:
+                ap.error(f"--paths: no path named {', '.join(unknown)} (paths: {', '.join(variants)})")
+            variants = {name: v for name, v in variants.items() if name in wanted}
         # the paths take turns, round after round (the first round warms each up, and compiles):
         # a drift of the clock or an effect of order then falls on every path alike
         runs = {name: [] for name in variants}
@@ -352,12 +366,13 @@ def main() -> None:
             # where the time of a step goes, by kernel: the paths whose gaps are not explained
             tables = []
             for name in PROFILED:
-                if "error" in results["paths"][name]:
+                if name not in variants or "error" in results["paths"][name]:
                     continue
                 batches, opts = variants[name]
                 step = (lambda b=batches[:k], o=opts:           # one trainer step
                         measure(model, b, device, autocast, 0, **o))
-                results["paths"][name]["top_kernels"], table = profile(step, 3, device, name)
+                results["paths"][name]["top_kernels"], table = profile(step, 3, device, name,
+                                                                       top=200)
                 tables.append(table)
             out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
         if not smoke:

@@ -119,8 +119,8 @@ def bf16_autocast(device):
     return nullcontext
 
 
-def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
-    """Top kernels by device time over `steps` calls of `step()` and the profiler's table."""
+def profile(step, steps: int, device, title: str, top: int = 20) -> tuple[list[dict], str]:
+    """The `top` kernels by device time over `steps` calls of `step()`, and the profiler's table."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     cuda = torch.device(device).type == "cuda"
@@ -139,5 +139,5 @@ def profile(step, steps: int, device, title: str) -> tuple[list[dict], str]:
     total = sum(getattr(e, key) for e in rows) or 1.0
     rows.sort(key=lambda e: -getattr(e, key))
     top = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
-            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:20]]
+            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:top]]
     return top, table
