@@ -103,3 +103,41 @@ def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
     assert rel(l1, l2) < 1e-5 and "mem_init" in g1 and g1.keys() == g2.keys()
     for name, g in g2.items():
         assert rel(g1[name], g) < 1e-3, name
+
+
+def test_compiled_prefix_takes_the_plain_paths_and_equals_the_custom_ops_on_cuda():
+    # the initial memory's prefix (n_mem tokens, one lane) compiled: its Mamba scans and elephant
+    # MLPs are inlined into the graph (no custom op call at run time, forward or backward), and
+    # it equals the eager prefix through the custom ops (values and parameter gradients; float32,
+    # so that the two paths' difference is not buried under bf16 rounding)
+    from torch.profiler import ProfilerActivity, profile
+    from elephant.layers import INLINE_MAX_TOKENS
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=256, n_heads=4, layers="MAMA", d_mlp=512, d_state=32,
+                      mamba_head_dim=64, ssd_chunk=64, n_mem=8, kv_window=64)
+    assert cfg.n_mem <= INLINE_MAX_TOKENS
+    model = ElephantLM(cfg).cuda()
+    model.set_fast_paths(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def prefix_and_grads(fn):
+        out = fn()
+        flat = [t for entry in out for t in entry]
+        loss = sum((t.float() ** 2).sum() for t in flat)
+        return flat, torch.autograd.grad(loss, params, allow_unused=True)
+
+    want, want_g = prefix_and_grads(model.init_prefix)
+    compiled = torch.compile(model.init_prefix, dynamic=False)
+    prefix_and_grads(compiled)                                       # compile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got, got_g = prefix_and_grads(compiled)
+    custom = sorted({e.key for e in prof.key_averages() if e.key.startswith("elephant::")})
+    assert not custom, f"custom ops called by the compiled prefix: {custom}"
+    for a, b in zip(got, want):
+        assert rel(a, b) < 1e-3
+    for (name, _), a, b in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                               got_g, want_g):
+        if b is None:
+            assert a is None or not a.any(), name
+            continue
+        assert rel(a, b) < 1e-3, name

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from elephant.layers import inline_in_graph
+
 try:
     import triton
     import triton.language as tl
@@ -298,10 +300,11 @@ def glu_down(u: Tensor, g: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.
 class ElephantMLP(nn.Module):
     """down(up(h) * f(gate(h))), no biases.
 
-    `fused=True` (default) uses `glu_down` (keeps h, u, g per layer); `fused=False` is the plain
-    autograd reference. Initialization: normal(cfg.init_std) for every weight here; the model's
-    own `reset_parameters` rescales `down` (a residual output) by name. `reset_parameters(std,
-    out_std)` does both explicitly.
+    `fused=True` (default) uses `glu_down` (keeps h, u, g per layer), except for a few tokens inside
+    a compiled graph (`inline_in_graph`); `fused=False` is the plain autograd reference.
+    Initialization: normal(cfg.init_std) for every weight here; the model's own `reset_parameters`
+    rescales `down` (a residual output) by name. `reset_parameters(std, out_std)` does both
+    explicitly.
     """
 
     def __init__(self, cfg, fused: bool = True):
@@ -321,6 +324,6 @@ class ElephantMLP(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         u, g = self.up(h), self.gate(h)                                # (B, T, d_mlp) each
-        if self.fused:
+        if self.fused and not inline_in_graph(h, h.numel() // h.shape[-1]):
             return glu_down(u, g, self.down.weight, self.a, self.d)
         return self.down(elephant_glu_ref(u, g, self.a, self.d))

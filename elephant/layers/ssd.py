@@ -64,14 +64,16 @@ def _check_backend(name: str) -> str:
 
 def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
              segment_init=None):
-    """The SSD scan through the path chosen by the backend switch (see module docstring)."""
+    """The SSD scan through the path chosen by the backend switch (see module docstring); "auto"
+    also takes the PyTorch path for a few tokens inside a compiled graph (`inline_in_graph`)."""
     backend = get_backend()
     args = (x, dt, A, B, C, D, initial_state, chunk_size, seg, segment_init)
     if backend == "ref":
         return ssd_chunked(*args)
     if backend == "triton":
         return ssd_triton.ssd_triton(*args)
-    if x.is_cuda and ssd_triton.supports(x, B, chunk_size):
+    if (x.is_cuda and ssd_triton.supports(x, B, chunk_size)
+            and not inline_in_graph(x, x.shape[0] * x.shape[1])):
         return ssd_triton.ssd_triton(*args)
     return ssd_chunked(*args)
 
@@ -301,4 +303,4 @@ def add_segment_init(y, final, dt, A, C, seg, segment_init, chunk_size: int = 64
 
 
 # at the end: ssd_triton imports check_shapes from this module (and imports without Triton or CUDA)
-from elephant.layers import ssd_triton  # noqa: E402
+from elephant.layers import inline_in_graph, ssd_triton  # noqa: E402
