@@ -1,0 +1,28 @@
+"""benchmarks/bench_packing.py's timing loop on the CPU at tiny shapes: what it counts (real tokens,
+boundary-path chunks) is what the batches hold, for the padded and the packed paths alike."""
+import torch
+
+from benchmarks import bench_packing
+from benchmarks.common import bf16_autocast
+from elephant.model import ElephantLM
+
+
+def test_measure_counts_the_real_tokens_and_boundary_chunks_of_the_timed_steps():
+    cfg = bench_packing.make_config(smoke=True)
+    torch.manual_seed(0)
+    model = ElephantLM(cfg)
+    corpus = bench_packing.lognormal_corpus(200, cfg.vocab_size, 40)
+    device = torch.device("cpu")
+    k, B, T, warmup = cfg.bptt_chunks, 2, 32, 1
+    n = 3 * k
+    fills = {}
+    for pack in (False, True):
+        batches, fill, _ = bench_packing.batches_from(corpus, B, T, n, pack, device)
+        timed = batches[warmup * k:]
+        out = bench_packing.measure(model, batches, device, bf16_autocast(device), warmup)
+        assert len(out["times"]) == n // k - warmup and out["tokens_per_step"] == k * B * T
+        assert out["real"] == sum(int(mask.sum()) for _, _, mask, _, _ in timed)
+        # the boundary path only for chunks with a document starting inside (host_skip)
+        assert out["boundary_path_chunks"] == (sum(bool(inner) for *_, inner in timed) if pack else 0)
+        fills[pack] = out["real"] / (len(timed) * B * T)
+    assert fills[True] > 0.95 and fills[False] < fills[True]   # packing fills what padding wastes
