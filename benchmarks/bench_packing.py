@@ -57,6 +57,20 @@ MEDIAN, SIGMA = 600, 1.0
 PROFILED = ("fill1_today_path", "fill1_boundary_path_forced_no_inner_starts",
             "fill1_packing_with_boundaries", "lognormal_unpacked", "lognormal_packed")
 
+# the summary's ratios: (path, path it is divided by, field)
+SUMMARY = {
+    "fill1_packing_vs_today_tokens_per_s": ("fill1_packing_with_boundaries", "fill1_today_path",
+                                            "tokens_per_s"),
+    "fill1_packing_no_inner_starts_vs_today": ("fill1_packing_no_inner_starts", "fill1_today_path",
+                                               "tokens_per_s"),
+    "fill1_boundary_path_forced_vs_today": ("fill1_boundary_path_forced_no_inner_starts",
+                                            "fill1_today_path", "tokens_per_s"),
+    "prefix_per_step_vs_per_chunk": ("fill1_packing_with_boundaries",
+                                     "fill1_packing_with_boundaries_prefix_per_chunk", "tokens_per_s"),
+    "fill_gain": ("lognormal_packed", "lognormal_unpacked", "fill"),
+    "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
+}
+
 
 def make_config(smoke: bool) -> ModelConfig:
     if smoke:
@@ -282,7 +296,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=["blocks", "model"], default="blocks",
                     help="each block compiled (default) or the whole chunk step (train.compile=model)")
     ap.add_argument("--profile", action="store_true",
-                    help="the top kernels of a few steps of the PROFILED paths (JSON, _profile.txt)")
+                    help="every kernel of a few steps of the PROFILED paths (JSON, _profile.txt)")
     ap.add_argument("--paths", default="",
                     help="comma-separated: time (and profile) only these paths (default: all)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -377,22 +391,16 @@ def main() -> None:
             out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
         if not smoke:
             results["dynamo"] = dynamo_counts()
-        p = results["paths"]
-        try:
-            today = p["fill1_today_path"]["tokens_per_s"]
-            results["summary"] = {
-                "fill1_packing_vs_today_tokens_per_s": p["fill1_packing_with_boundaries"]["tokens_per_s"] / today,
-                "fill1_packing_no_inner_starts_vs_today": p["fill1_packing_no_inner_starts"]["tokens_per_s"] / today,
-                "fill1_boundary_path_forced_vs_today": p["fill1_boundary_path_forced_no_inner_starts"]["tokens_per_s"] / today,
-                "prefix_per_step_vs_per_chunk": p["fill1_packing_with_boundaries"]["tokens_per_s"]
-                / p["fill1_packing_with_boundaries_prefix_per_chunk"]["tokens_per_s"],
-                "fill_gain": p["lognormal_packed"]["fill"] / p["lognormal_unpacked"]["fill"],
-                "real_tokens_per_s_gain": p["lognormal_packed"]["real_tokens_per_s"]
-                / p["lognormal_unpacked"]["real_tokens_per_s"],
-            }
-            print("summary", json.dumps(results["summary"]), flush=True)
-        except (KeyError, ZeroDivisionError, TypeError):
-            pass
+        # each ratio whose two paths ran (--paths may leave some out, a path may have failed)
+        p, summary = results["paths"], {}
+        for key, (num, den, field) in SUMMARY.items():
+            try:
+                summary[key] = p[num][field] / p[den][field]
+            except (KeyError, ZeroDivisionError, TypeError):
+                pass
+        if summary:
+            results["summary"] = summary
+            print("summary", json.dumps(summary), flush=True)
         out_path.write_text(json.dumps(results, indent=1))
     if args.only != "paths":
         with_inner = [s for *_, s, inner in packed if inner] or [packed[-1][3]]

@@ -23,7 +23,7 @@
 #           and compiled-model GPU tests, then train_speed with train.compile=model and the
 #           CUDA-graph evaluation beside the defaults (~4 min)
 #   packing-model  bench_packing.py --only paths --compile model --profile: packing with the whole
-#           chunk step compiled, the paths timed in turns, the top kernels of the unexplained ones
+#           chunk step compiled, the paths timed in turns, every kernel of five of them
 #           (with one round and no profile it took about 6 minutes on the H100, compiling included)
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
