@@ -104,10 +104,12 @@ def batches_from(corpus, B, T, n, pack, device):
 
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
-            prefix_per_step: bool = True) -> dict:
+            prefix_per_step: bool = True, graphs: bool = False) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
-    choice); prefix_per_step: the initial-memory prefix once per step (else in every chunk)."""
+    choice); prefix_per_step: the initial-memory prefix once per step (else in every chunk);
+    graphs: the model replays CUDA graphs (compile_for("graphs")): each step is marked, and the
+    state carried past it is cloned out of the graphs' memory."""
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device)
@@ -120,6 +122,8 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss, prefix = 0.0, None
         with autocast():
             for tokens, reset, mask, starts, inner in batches[i * k:(i + 1) * k]:
@@ -135,6 +139,8 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
                     boundary_chunks += starts is not None
         loss.backward()
         state = state.detach()
+        if graphs:
+            state = state._map(torch.clone)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
@@ -293,8 +299,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--only", choices=["paths", "breakdown"], default=None)
-    ap.add_argument("--compile", choices=["blocks", "model"], default="blocks",
-                    help="each block compiled (default) or the whole chunk step (train.compile=model)")
+    ap.add_argument("--compile", choices=["blocks", "model", "graphs"], default="blocks",
+                    help="each block compiled (default), the whole chunk step (train.compile=model), "
+                         "or that step replayed as CUDA graphs (reduce-overhead)")
     ap.add_argument("--profile", action="store_true",
                     help="every kernel of a few steps of the PROFILED paths (JSON, _profile.txt)")
     ap.add_argument("--paths", default="",
@@ -314,8 +321,12 @@ def main() -> None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         model.compile_for(args.compile)
+        if args.compile == "graphs":  # say why a graph is not replayed, if one is not
+            torch._logging.set_logs(perf_hints=True)
     autocast = bf16_autocast(device)
-    out_path = result_path("packing" if args.compile == "blocks" else "packing_compile_model", smoke)
+    graphs = args.compile == "graphs" and not smoke
+    out_path = result_path("packing" if args.compile == "blocks" else f"packing_compile_{args.compile}",
+                           smoke)
     results = {**environment(device),
                "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else "")
                + (f" --only {args.only}" if args.only else "")
@@ -368,7 +379,7 @@ def main() -> None:
                     continue   # failed in an earlier round
                 try:
                     runs[name].append(measure(model, batches, device, autocast,
-                                              warmup if r == 0 else 1, **opts))
+                                              warmup if r == 0 else 1, graphs=graphs, **opts))
                 except Exception as e:  # record and go on with the other paths
                     results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                               "trace": traceback.format_exc()[-1500:]}
@@ -384,7 +395,7 @@ def main() -> None:
                     continue
                 batches, opts = variants[name]
                 step = (lambda b=batches[:k], o=opts:           # one trainer step
-                        measure(model, b, device, autocast, 0, **o))
+                        measure(model, b, device, autocast, 0, graphs=graphs, **o))
                 results["paths"][name]["top_kernels"], table = profile(step, 3, device, name,
                                                                        top=200)
                 tables.append(table)

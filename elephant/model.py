@@ -189,20 +189,26 @@ class ElephantLM(nn.Module):
         on its own graph (the model's glue between them runs eagerly: state, memory update, KV
         append, loss); "model", the whole chunk (`_chunk`: reset, blocks, glue and loss) as one
         graph (fewer launches and less Python per chunk; a graph per distinct state structure,
-        e.g. the first chunk after a detach and the next); "off" leaves it eager. Static shapes.
+        e.g. the first chunk after a detach and the next); "graphs", the same, replayed as CUDA
+        graphs (torch.compile's reduce-overhead: no host launches at all, custom ops included;
+        the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and clones
+        the state it carries past a step, whose tensors the next replay may overwrite); "off"
+        leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
         backend = backend or COMPILE_BACKEND
         if how == "blocks":
             for block in self.blocks:
                 block.compile(dynamic=False, backend=backend)
-        elif how == "model":
+        elif how in ("model", "graphs"):
             # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
             # the graph (see forward); the initial memory's prefix (packed documents) runs the
             # blocks outside forward
-            self._chunk = torch.compile(self._chunk, dynamic=False, backend=backend)
-            self.init_prefix = torch.compile(self.init_prefix, dynamic=False, backend=backend)
+            mode = "reduce-overhead" if how == "graphs" else None
+            self._chunk = torch.compile(self._chunk, dynamic=False, backend=backend, mode=mode)
+            self.init_prefix = torch.compile(self.init_prefix, dynamic=False, backend=backend,
+                                             mode=mode)
         elif how != "off":
-            raise ValueError(f"compile_for: expected blocks, model or off, got {how!r}")
+            raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")
 
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD on CUDA, SDPA, fused elephant MLP) or the reference paths

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from elephant.config import ModelConfig
 from elephant.layers.attention import (Attention, apply_rotary, attend, attend_flex,
-                                       attend_reference, attention_mask, rotary_cos_sin)
+                                       attend_reference, attention_mask, masked_sdpa,
+                                       rotary_cos_sin)
 
 B, D, H = 3, 32, 4
 HD = D // H
@@ -211,6 +212,24 @@ def test_paths_match_naive_softmax():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     want = naive_attention(q, k, v, attention_mask(S, None))
     torch.testing.assert_close(attend(q, k, v), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [7, 16, 21])
+def test_keys_padded_to_an_alignment_change_nothing(n):
+    """masked_sdpa's padding (zero keys no query sees, what CUDA gets) gives the unpadded result,
+    values and gradients, also with a mask broadcast over lanes."""
+    S = 5
+    q, k, v = (garbage(B, H, S if s == 30 else n, HD, seed=s).requires_grad_() for s in (30, 31, 32))
+    mask = torch.rand(B, 1, S, n, generator=torch.Generator().manual_seed(2)) < 0.5
+    mask[..., 0] = True                                              # no empty row
+    for m in (mask, mask[:1]):
+        want = masked_sdpa(q, k, v, m, align=0)
+        grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+        got = masked_sdpa(q, k, v, m, align=16)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, naive_attention(q, k, v, m), rtol=1e-12, atol=1e-12)
+        for g, w in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore")

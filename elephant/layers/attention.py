@@ -15,8 +15,9 @@ doubled head dims).
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which flash kernels cannot take. So:
   * no cache:     SDPA with is_causal=True (flash / cuDNN on GPU);
-  * with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (memory-efficient kernel on
-                  GPU; also the reference path, forward and backward on CPU), or FlexAttention
+  * with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`: on GPU the
+                  keys padded to a multiple of KEY_ALIGN; also the reference path, forward and
+                  backward on CPU), or FlexAttention
                   with a block mask (`backend="flex"`, CUDA + torch.compile; no CPU backward).
 Shapes depend only on (B, S, W), never on how many cache slots are valid, so torch.compile
 compiles once.
@@ -97,6 +98,28 @@ def attention_mask(S: int, cache_valid: Tensor | None, device=None) -> Tensor:
                       causal.expand(B, 1, S, S)], dim=-1)
 
 
+# On CUDA, a masked SDPA call gets its keys padded to a multiple of this many (masked-out zero keys):
+# the fused kernels read the mask as an additive bias whose rows must be aligned, and an unaligned
+# bias is copied out per call (inside a compiled graph, per head). 0: no padding (ELEPHANT_KEY_ALIGN
+# from the environment, for the benchmarks' before/after).
+KEY_ALIGN = int(os.environ.get("ELEPHANT_KEY_ALIGN", 16))
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None = None) -> Tensor:
+    """SDPA of q (B, H, S, hd) over k, v (B, H, n, hd) under the boolean mask (B or 1, 1, S, n).
+    `align` (default: KEY_ALIGN on CUDA, none elsewhere): the keys are padded with zero keys that
+    no query sees up to a multiple of it. The result is the same: a masked key adds exp(-inf) = 0."""
+    n = k.shape[2]
+    align = (KEY_ALIGN if q.is_cuda else 0) if align is None else align
+    pad = -n % align if align else 0
+    if pad:
+        zeros = k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3])
+        k = torch.cat([k, zeros], dim=2)
+        v = torch.cat([v, zeros.to(v.dtype)], dim=2)
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], pad)], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _with_cache(k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> tuple[Tensor, Tensor]:
     # (B, H, W + S, hd); Attention.forward has detached the window (the kept tokens' values keep
     # the gradient of their keep score)
@@ -111,7 +134,7 @@ def attend_reference(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = N
     mask = attention_mask(q.shape[2], cache_valid, q.device)
     if cache_k is not None:
         k, v = _with_cache(k, v, cache_k, cache_v)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return masked_sdpa(q, k, v, mask)
 
 
 _compiled_flex = None
@@ -173,7 +196,7 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tenso
         masks.insert(0, (seg > 0)[:, :, None].expand(B, S, prefix_k.shape[2]))  # (B, S, M)
     mask = torch.cat(masks, dim=-1)[:, None]                               # (B, 1, S, M + W + S)
     K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+    return masked_sdpa(q, K, V, mask)
 
 
 # ------------------------------------------------------------------------------- free memory
