@@ -17,7 +17,8 @@ computes the initial-memory prefix once per step.
               fill gained, less its own overhead.
   breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
               (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
-              kernel / the masked sum / its indexing reference), the scan (without / with `seg` /
+              kernel, alone and with the model's transpose and concatenation / the Triton conv
+              without and with boundaries / the masked sum / its indexing reference), the scan (without / with `seg` /
               with `seg` and the initial state of later segments taken by the scan itself), the
               initial state added outside the scan (add_segment_init, the older path), attention
               (today's masked SDPA over [cache | chunk] / masked by document with the prefix), whole
@@ -47,6 +48,7 @@ from elephant.config import ModelConfig  # noqa: E402
 from benchmarks.common import bf16_autocast, environment, profile, result_path, timer  # noqa: E402
 from elephant.layers import ssd  # noqa: E402
 from elephant.layers.attention import Attention, attend, attend_segments  # noqa: E402
+from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
 
@@ -212,6 +214,7 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
     w, bias = mamba.conv1d.weight, mamba.conv1d.bias
     window = rand(B, C, K - 1 + S, dtype=dt16)
     tail = rand(C, K - 1)
+    x_conv, state_conv = rand(B, S, C, dtype=dt16), rand(B, C, K - 1, dtype=dt16)  # channels last
     attn = Attention(cfg).to(device)
     hd, W = cfg.head_dim, cfg.kv_window
     q, k, v = (rand(B, cfg.n_heads, S, hd, dtype=dt16) for _ in range(3))
@@ -239,6 +242,12 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
     pieces = {
         "conv_kernel_no_boundaries": (lambda x: F.conv1d(x, w.to(x.dtype), bias.to(x.dtype), groups=C),
                                       (window,)),
+        "conv_kernel_as_the_model_calls_it": (lambda x, s0: F.conv1d(
+            torch.cat([s0, x.transpose(1, 2)], dim=2), w.to(x.dtype), bias.to(x.dtype),
+            groups=C).transpose(1, 2), (x_conv, state_conv)),
+        "conv_triton_no_boundaries": (lambda x, s0: depthwise_conv(x, s0, w, bias), (x_conv, state_conv)),
+        "conv_triton_with_tail": (lambda x, s0, t: depthwise_conv(x, s0, w, bias, seg, t),
+                                  (x_conv, state_conv, tail)),
         "conv_masked_sum_with_tail": (lambda x, t: segment_conv(x, seg, w, bias, t), (window, tail)),
         "conv_masked_sum_no_boundaries": (lambda x, t: segment_conv(x, zero_seg, w, bias, t), (window, tail)),
         "conv_indexing_reference_with_tail": (lambda x, t: segment_conv_reference(x, seg, w, bias, t),
@@ -265,8 +274,10 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
     for mode in ("eager",) if smoke else ("eager", "compiled"):
         res = out.setdefault(mode, {})
         for name, (fn, inputs) in pieces.items():
-            if mode == "compiled" and name.startswith(("scan_", "attention_cache", "attention_by")):
-                continue  # kernels already (Triton, SDPA): compiling them changes nothing
+            if mode == "compiled" and name.startswith("scan_"):
+                continue  # kernels already (Triton): compiling them changes nothing
+            if smoke and name.startswith("conv_triton"):
+                continue  # CUDA (the CPU smoke run has no interpreter)
             try:
                 f = fn if mode == "eager" else torch.compile(fn, dynamic=False)
                 with autocast():

@@ -211,8 +211,8 @@ class ElephantLM(nn.Module):
             raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")
 
     def set_fast_paths(self, fast: bool = True) -> None:
-        """Fast paths (Triton SSD on CUDA, SDPA, fused elephant MLP) or the reference paths
-        (PyTorch SSD, explicit-mask attention, autograd MLP): the equivalence tests and the
+        """Fast paths (Triton SSD and conv on CUDA, SDPA, fused elephant MLP) or the reference paths
+        (PyTorch SSD and conv, explicit-mask attention, autograd MLP): the equivalence tests and the
         benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend).
         The loss takes the blocked linear + cross-entropy (layers/head.py) or the whole logits."""
         from .layers import ssd
@@ -221,6 +221,8 @@ class ElephantLM(nn.Module):
         for block in self.blocks:
             if block.kind == "A":
                 block.mixer.backend = "sdpa" if fast else "reference"
+            else:
+                block.mixer.fast_conv = fast
             if block.mlp is not None:
                 block.mlp.fused = fast
 

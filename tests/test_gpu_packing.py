@@ -7,6 +7,7 @@ Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_packing.py`.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 from elephant.config import ModelConfig
 from elephant.layers.mamba import segment_conv, segment_conv_reference
@@ -44,6 +45,53 @@ def test_packed_conv_equals_indexing_reference_on_cuda(dtype, compiled):
     (o1, s1, g1), (o2, s2, g2) = res
     assert o1.dtype == dtype and rel(o1, o2) < tol and rel(s1, s2) < tol
     for name, a, r in zip(("window", "weight", "bias", "tail"), g1, g2):
+        assert rel(a, r) < tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("with_seg", [False, True])
+def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
+    # layers/conv_triton.py on CUDA, eager and inside a compiled graph (triton_op), against the
+    # PyTorch forms in float32: values, the state after the chunk and every gradient
+    from elephant.layers.conv_triton import depthwise_conv
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, C, K, L = 4, 200, 4, 300
+    xin = torch.randn(B, L, C + 8, device="cuda", generator=gen).to(dtype).requires_grad_()
+    state = torch.randn(B, C, K - 1, device="cuda", generator=gen).requires_grad_()
+    w = torch.randn(C, 1, K, device="cuda", generator=gen, requires_grad=True)
+    b = torch.randn(C, device="cuda", generator=gen, requires_grad=True)
+    tail = torch.randn(C, K - 1, device="cuda", generator=gen, requires_grad=True) if with_seg else None
+    seg = None
+    if with_seg:
+        starts = torch.rand(B, L, device="cuda", generator=gen) < 0.05
+        starts[:, 0] = False
+        starts[0, 1] = starts[1, 5] = starts[1, 6] = starts[2, L - 1] = True
+        seg = starts.long().cumsum(1)
+    go = torch.randn(B, L, C, device="cuda", generator=gen)
+    gs = torch.randn(B, C, K - 1, device="cuda", generator=gen)
+    inputs = [xin, state, w, b] + ([tail] if with_seg else [])
+
+    def fast(xin, state, w, b, tail):
+        return depthwise_conv(xin[:, :, 8:], state, w, b, seg, tail)
+
+    def reference(xin, state, w, b, tail):
+        window = torch.cat([state, xin[:, :, 8:].float().transpose(1, 2)], dim=2)
+        if seg is None:
+            return F.conv1d(window, w, b, groups=C).transpose(1, 2), window[:, :, -(K - 1):]
+        out, st = segment_conv_reference(window, seg, w, b, tail)
+        return out.transpose(1, 2), st
+
+    fn = torch.compile(fast, dynamic=False) if compiled else fast
+    res = []
+    for f in (fn, reference):
+        out, st = f(xin, state, w, b, tail)
+        loss = (out.float() * go).sum() + (st.float() * gs).sum()
+        res.append((out, st, torch.autograd.grad(loss, inputs)))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    (o1, s1, g1), (o2, s2, g2) = res
+    assert o1.dtype == dtype and rel(o1, o2) < tol and rel(s1, s2) < tol
+    for name, a, r in zip(("x", "state", "weight", "bias", "tail"), g1, g2):
         assert rel(a, r) < tol, name
 
 

@@ -20,6 +20,10 @@ a zero SSM state, or from `init = (conv_tail (conv_dim, d_conv - 1), ssm_init (H
 ssm_init itself (ssd_scan's `segment_init`); `fused_segment_init = False` on a mixer takes the older
 path instead, a zero-restarting scan plus `add_segment_init` (the same result; kept for the
 benchmark's breakdown).
+
+On CUDA the conv is the Triton kernel of `conv_triton` (channels last, reading the carried inputs in
+place, segments and `tail` included; `fast_conv = False` takes the PyTorch forms above, which stay
+the reference).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
+from elephant.layers import conv_triton
 from elephant.layers.ssd import add_segment_init, ssd_scan
 
 
@@ -136,6 +141,7 @@ def segment_conv_reference(window: torch.Tensor, seg: torch.Tensor, weight: torc
 
 class Mamba2(nn.Module):
     fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
+    fast_conv = True           # on CUDA, the Triton conv (conv_triton); False: conv1d / segment_conv
 
     def __init__(self, cfg: ModelConfig, dt_min: float = 1e-3, dt_max: float = 1e-1,
                  dt_floor: float = 1e-4, A_range: tuple[float, float] = (1.0, 16.0)):
@@ -188,6 +194,12 @@ class Mamba2(nn.Module):
         zxbcdt = self.in_proj(x)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
 
+        if self.fast_conv and xBC.is_cuda and conv_triton.supported(xBC):
+            # the Triton conv reads [carried inputs | this chunk] in place, channels last
+            tail = None if seg is None or init is None else init[0]
+            xBC, new_conv_state = conv_triton.depthwise_conv(xBC, conv_state, self.conv1d.weight,
+                                                             self.conv1d.bias, seg, tail)
+            return self._after_conv(F.silu(xBC), z, dt, ssm_state, seg, init, b, l, new_conv_state)
         # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
         if seg is None:
@@ -200,6 +212,11 @@ class Mamba2(nn.Module):
             xBC, new_conv_state = segment_conv(window, seg, self.conv1d.weight, self.conv1d.bias, tail)
             new_conv_state = new_conv_state.to(conv_state.dtype)
         xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)
+        return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
+
+    def _after_conv(self, xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state):
+        """forward from the activated conv output xBC (B, L, conv_dim) on: the scan and the gated
+        norm, the out-projection."""
         xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
 
         fdt = torch.promote_types(dt.dtype, torch.float32)  # float32, or float64 for fp64 models

@@ -1,0 +1,284 @@
+"""The Mamba block's causal depthwise conv as Triton kernels, channels last, with document segments.
+
+    depthwise_conv(x, conv_state, weight, bias, seg=None, tail=None) -> (out (B, L, C), new state)
+
+x (B, L, C) is the conv's input as the in-projection leaves it (any strides: a slice of the
+projection's output, no transpose or copy), conv_state (B, C, K-1) the inputs carried from the
+previous chunk, weight (C, 1, K), bias (C,). Output t reads inputs t-K+1 .. t of [conv_state | x],
+accumulated in float32 and rounded to x's dtype. With `seg` (B, L) nondecreasing segment ids
+(0 = the lane's carried document), a tap that would read another segment's input reads zero, or for
+a segment > 0 the matching input of `tail` (C, K-1), the inputs that segment starts after: exactly
+`mamba.segment_conv` (the reference the tests hold it to), without forming the shifted windows.
+
+Why: the plain path paid a transpose and a concatenation of the whole input to put the carried
+state in front (one full copy), then a cuDNN depthwise conv at a fraction of the memory bandwidth;
+the segment path paid a chain of masked sums whose weight gradient compiled into a slow reduction.
+Here the forward reads each input K times from cache and writes the output once; the backward
+writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
+summed by torch, no atomics). The state after the chunk is formed by the caller's small tensors
+(`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
+kernels from its own code (no custom-op host glue) and eager mode calls them directly.
+
+Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supported(x: Tensor) -> bool:
+    """Whether `depthwise_conv` runs on x (CUDA, or CPU under the interpreter; float dtypes)."""
+    return HAS_TRITON and (x.is_cuda or _INTERPRET) and x.dtype in _DTYPES
+
+
+def segment_since(seg: Tensor) -> Tensor:
+    """(B, L) int32: how many tokens each token is into its segment (0 at a segment's first)."""
+    L = seg.shape[1]
+    idx = torch.arange(L, device=seg.device)
+    is_start = seg != torch.cat([seg.new_zeros(seg.shape[0], 1), seg[:, :-1]], dim=1)
+    return (idx - torch.where(is_start, idx, 0).cummax(1).values).to(torch.int32)
+
+
+def state_after(x: Tensor, conv_state: Tensor, seg: Tensor | None = None, since: Tensor | None = None,
+                tail: Tensor | None = None) -> Tensor:
+    """The conv state (B, C, K-1) after the chunk, in conv_state's dtype: the last K-1 inputs of
+    [conv_state | x] as the last segment sees them (an input of an earlier segment is zero, or the
+    tail's input that the last segment starts after). Only K-1 + K-1 tokens are touched."""
+    B, L, C = x.shape
+    K1 = conv_state.shape[-1]
+    last = torch.cat([conv_state.to(x.dtype), x[:, max(0, L - K1):].transpose(1, 2)], dim=2)[:, :, -K1:]
+    if seg is None:
+        return last.to(conv_state.dtype)
+    seg_w = torch.cat([seg.new_zeros(B, K1), seg[:, max(0, L - K1):]], dim=1)[:, -K1:]
+    same = (seg_w == seg[:, -1:])[:, None]                                  # (B, 1, K-1)
+    if tail is None:
+        return torch.where(same, last, 0.0).to(conv_state.dtype)
+    j = torch.arange(K1, device=x.device) + since[:, -1:].long() + 1         # (B, K-1) tail index
+    before = torch.zeros_like(last)
+    for i in range(K1):
+        before = torch.where((j == i)[:, None], tail[:, i, None].to(last.dtype), before)
+    return torch.where(same, last, before).to(conv_state.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
+             sxb, sxl, sxc, ssb, ssc, ssk, s: tl.constexpr, K: tl.constexpr,
+             HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr):
+        """The input that tap s (s tokens back) of outputs t reads, float32 (BL, BC)."""
+        src = t - s
+        inx = src >= 0
+        m2 = cm[None, :]
+        xv = tl.load(x_ptr + b * sxb + src[:, None] * sxl + c[None, :] * sxc,
+                     mask=(tm & inx)[:, None] & m2, other=0.0)
+        sv = tl.load(st_ptr + b * ssb + c[None, :] * ssc + (K - 1 + src)[:, None] * ssk,
+                     mask=(tm & (src < 0))[:, None] & m2, other=0.0)
+        v = tl.where(inx[:, None], xv.to(tl.float32), sv.to(xv.dtype).to(tl.float32))
+        if HAS_SEG:
+            sseg = tl.load(seg_ptr + b * L + src, mask=tm & inx, other=0)
+            same = sseg == sg
+            if HAS_TAIL:
+                inner = (~same) & (sg > 0) & tm
+                tv = tl.load(tail_ptr + c[None, :] * (K - 1) + (K - 1 - s + sn)[:, None],
+                             mask=inner[:, None] & m2, other=0.0)
+                v = tl.where(same[:, None], v, tv.to(xv.dtype).to(tl.float32))
+            else:
+                v = tl.where(same[:, None], v, 0.0)
+        return v
+
+    @triton.jit
+    def _conv_fwd_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                         L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
+                         K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         BL: tl.constexpr, BC: tl.constexpr):
+        b = tl.program_id(0)
+        t = tl.program_id(1) * BL + tl.arange(0, BL)
+        c = tl.program_id(2) * BC + tl.arange(0, BC)
+        tm, cm = t < L, c < C
+        sg = t * 0
+        sn = t * 0
+        if HAS_SEG:
+            sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
+        if HAS_TAIL:
+            sn = tl.load(since_ptr + b * L + t, mask=tm, other=0)
+        acc = tl.zeros((BL, BC), dtype=tl.float32) + tl.load(bias_ptr + c, mask=cm, other=0.0).to(
+            tl.float32)[None, :]
+        for s in tl.static_range(K):
+            w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+            v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
+                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL)
+            acc += w[None, :] * v
+        tl.store(out_ptr + b * sob + t[:, None] * sol + c[None, :] * soc,
+                 acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+    @triton.jit
+    def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                         dw_ptr, db_ptr, dtail_ptr,
+                         L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                         K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         BL: tl.constexpr, BC: tl.constexpr):
+        """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
+        and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1)."""
+        b = tl.program_id(0)
+        lb = tl.program_id(1)
+        t = lb * BL + tl.arange(0, BL)
+        c = tl.program_id(2) * BC + tl.arange(0, BC)
+        tm, cm = t < L, c < C
+        m2 = tm[:, None] & cm[None, :]
+        sg = t * 0
+        sn = t * 0
+        if HAS_SEG:
+            sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
+        if HAS_TAIL:
+            sn = tl.load(since_ptr + b * L + t, mask=tm, other=0)
+        g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc, mask=m2, other=0.0).to(
+            tl.float32)
+        part = (b * NL + lb).to(tl.int64)
+        tl.store(db_ptr + part * C + c, tl.sum(g, axis=0), mask=cm)
+        dx = tl.zeros((BL, BC), dtype=tl.float32)
+        for s in tl.static_range(K):
+            w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+            # the weight: what tap s read, times the output's gradient
+            v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
+                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL)
+            tl.store(dw_ptr + (part * C + c) * K + (K - 1 - s), tl.sum(g * v, axis=0), mask=cm)
+            # the input at t: read by output t + s through tap s, if in the same segment
+            ts = t + s
+            tsm = ts < L
+            gs = tl.load(g_ptr + b * sgb + ts[:, None] * sgl + c[None, :] * sgc,
+                         mask=(tm & tsm)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            if HAS_SEG:
+                same = tl.load(seg_ptr + b * L + ts, mask=tm & tsm, other=-1) == sg
+                gs = tl.where(same[:, None], gs, 0.0)
+            dx += w[None, :] * gs
+        tl.store(dx_ptr + b * sdb + t[:, None] * sdl + c[None, :] * sdc,
+                 dx.to(dx_ptr.dtype.element_ty), mask=m2)
+        if HAS_TAIL:
+            # tail input i is read by the outputs d = since < K-1 tokens into a segment > 0,
+            # through the taps s > d with K-1-s+d = i
+            for i in tl.static_range(K - 1):
+                acc = tl.zeros((BC,), dtype=tl.float32)
+                for s in tl.static_range(1, K):
+                    w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+                    hit = tm & (sg > 0) & (sn < s) & (K - 1 - s + sn == i)
+                    acc += tl.sum(tl.where(hit[:, None], g, 0.0), axis=0) * w
+                tl.store(dtail_ptr + (part * C + c) * (K - 1) + i, acc, mask=cm)
+
+
+def _blocks(L: int, C: int) -> tuple[int, int]:
+    if _INTERPRET:
+        return 16, 16
+    return 32, 128
+
+
+def _args(x, conv_state, seg, since, tail):
+    has_seg, has_tail = seg is not None, tail is not None
+    dummy = x.new_zeros(1, dtype=torch.int32)
+    return (seg if has_seg else dummy, since if has_tail else dummy,
+            tail if has_tail else x.new_zeros(1), has_seg, has_tail)
+
+
+@torch.library.triton_op("elephant::depthwise_conv", mutates_args=())
+def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
+             since: Tensor | None, tail: Tensor | None) -> Tensor:
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
+    seg_, since_, tail_, has_seg, has_tail = _args(x, conv_state, seg, since, tail)
+    BL, BC = _blocks(L, C)
+    grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
+    torch.library.wrap_triton(_conv_fwd_kernel)[grid](
+        x, conv_state, weight, bias, seg_, since_, tail_, out, L, C,
+        x.stride(0), x.stride(1), x.stride(2),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC)
+    return out
+
+
+@torch.library.triton_op("elephant::depthwise_conv_backward", mutates_args=())
+def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: Tensor | None,
+                 since: Tensor | None, tail: Tensor | None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, L, C = x.shape
+    K = weight.shape[-1]
+    BL, BC = _blocks(L, C)
+    NL = triton.cdiv(L, BL)
+    P = B * NL
+    dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
+    dw = torch.empty(P, C, K, device=x.device, dtype=torch.float32)
+    db = torch.empty(P, C, device=x.device, dtype=torch.float32)
+    dtail = torch.zeros(P if tail is not None else 1, C, K - 1, device=x.device, dtype=torch.float32)
+    seg_, since_, tail_, has_seg, has_tail = _args(x, conv_state, seg, since, tail)
+    grid = (B, NL, triton.cdiv(C, BC))
+    torch.library.wrap_triton(_conv_bwd_kernel)[grid](
+        x, conv_state, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
+        x.stride(0), x.stride(1), x.stride(2),
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC)
+    # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
+    # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
+    K1 = K - 1
+    gh = g[:, :K1].float()                                                  # (B, <=K-1, C)
+    if seg is not None:
+        gh = torch.where((seg[:, :gh.shape[1]] == 0)[:, :, None], gh, 0.0)
+    w = weight.float().view(C, K)
+    dstate = torch.zeros(B, C, K1, device=x.device, dtype=torch.float32)
+    for i in range(K1):
+        for s in range(K1 - i, K):
+            t = i - K1 + s
+            if t < gh.shape[1]:
+                dstate[:, :, i] += gh[:, t] * w[:, K - 1 - s]
+    return dx, dstate, dw.sum(0), db.sum(0), dtail.sum(0)
+
+
+def _conv_setup(ctx, inputs, output):
+    x, conv_state, weight, bias, seg, since, tail = inputs
+    ctx.save_for_backward(x, conv_state, weight, seg, since, tail)
+    ctx.dtypes = (conv_state.dtype, weight.dtype, bias.dtype,
+                  None if tail is None else tail.dtype)
+
+
+def _conv_grad(ctx, g):
+    x, conv_state, weight, seg, since, tail = ctx.saved_tensors
+    dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail)
+    st, wt, bt, tt = ctx.dtypes
+    return (dx, dstate.to(st), dw.view(weight.shape).to(wt), db.to(bt), None, None,
+            None if tail is None else dtail.to(tt))
+
+
+torch.library.register_autograd("elephant::depthwise_conv", _conv_grad, setup_context=_conv_setup)
+
+
+def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
+                   seg: Tensor | None = None, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The conv's output (B, L, C) in x's dtype and the state after the chunk (B, C, K-1) in
+    conv_state's dtype (see the module docstring)."""
+    if not supported(x):
+        raise RuntimeError(f"depthwise_conv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1) "
+                           f"of float32/bfloat16/float16, got {x.device} {x.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("depthwise_conv: weight must be contiguous (C, 1, K)")
+    tail = None if tail is None else tail.contiguous()
+    since = None
+    if seg is not None:
+        seg = seg.to(torch.int32).contiguous()
+        if tail is not None:
+            since = segment_since(seg)
+    out = _conv_op(x, conv_state, weight, bias, seg, since, tail)
+    return out, state_after(x, conv_state, seg, since, tail)

@@ -1,0 +1,89 @@
+"""The Triton depthwise conv (layers/conv_triton.py) held equal to the PyTorch forms it replaces on
+CUDA: F.conv1d over [carried inputs | chunk] without segments, `segment_conv` with them (and with the
+initial memory's tail), values, the state after the chunk, and every gradient. On CPU tensors under
+TRITON_INTERPRET=1 (tests/conftest.py), float32, small shapes; tests/test_gpu_packing.py runs the same
+on CUDA, compiled too."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elephant.layers import conv_triton
+from elephant.layers.mamba import segment_conv, segment_conv_reference
+
+pytestmark = pytest.mark.skipif(
+    not (conv_triton.HAS_TRITON and (torch.cuda.is_available()
+                                     or os.environ.get("TRITON_INTERPRET") == "1")),
+    reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
+    gen = torch.Generator().manual_seed(seed)
+    xin = torch.randn(B, L, 2 * C + 3, generator=gen).requires_grad_()
+    x = xin[:, :, 3:3 + C]                      # a strided slice, as of the in-projection's output
+    state = torch.randn(B, C, K - 1, generator=gen).requires_grad_()
+    w = torch.randn(C, 1, K, generator=gen).requires_grad_()
+    b = torch.randn(C, generator=gen).requires_grad_()
+    tail = torch.randn(C, K - 1, generator=gen).requires_grad_() if with_tail else None
+    seg = None
+    if with_seg:
+        starts = torch.rand(B, L, generator=gen) < p
+        starts[:, 0] = False                    # as the model forms them: 0 is the carried document
+        starts[0, 1] = starts[-1, L - 1] = True  # a 1-token carried part, a start at the last token
+        if B > 1 and L > 3:
+            starts[1, 2] = starts[1, 3] = True   # a 1-token segment
+        seg = starts.long().cumsum(1)
+    return xin, x, state, w, b, tail, seg
+
+
+@pytest.mark.parametrize("with_seg,with_tail", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("L", [37, 2])
+def test_conv_equals_the_pytorch_forms(with_seg, with_tail, L):
+    K = 4
+    xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
+    out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail)
+    window = torch.cat([state, x.transpose(1, 2)], dim=2)
+    if with_seg:
+        want, want_state = segment_conv(window, seg, w, b, tail)
+        ref, ref_state = segment_conv_reference(window, seg, w, b, tail)
+        assert rel(want, ref) < 1e-6 and rel(want_state, ref_state) < 1e-6
+    else:
+        want, want_state = F.conv1d(window, w, b, groups=20), window[:, :, -(K - 1):]
+    want = want.transpose(1, 2)
+    assert out.shape == want.shape and new_state.shape == want_state.shape
+    assert rel(out, want) < 1e-6 and rel(new_state, want_state) < 1e-6
+    gen = torch.Generator().manual_seed(9)
+    go, gs = torch.randn(want.shape, generator=gen), torch.randn(want_state.shape, generator=gen)
+    inputs = [xin, state, w, b] + ([tail] if with_tail else [])
+    got = torch.autograd.grad((out * go).sum() + (new_state * gs).sum(), inputs)
+    ref = torch.autograd.grad((want * go).sum() + (want_state * gs).sum(), inputs)
+    for name, a, r in zip(("x", "state", "weight", "bias", "tail"), got, ref):
+        assert a.dtype == r.dtype and rel(a, r) < 1e-6, name
+
+
+def test_a_document_inside_the_chunk_never_reads_the_one_before():
+    # every input of the earlier segments changed: the outputs of the last segment, and their
+    # gradients with respect to its own inputs, stay bit for bit
+    xin, x, state, w, b, tail, seg = case(2, 30, 8, 4, 1, True, True, p=0.1)
+    last = seg == seg[:, -1:]                                       # (B, L)
+    x2 = torch.where(last[:, :, None], x.detach(), torch.randn_like(x) * 100).requires_grad_()
+    x1 = x.detach().requires_grad_()
+    outs = []
+    for xx, st in ((x1, state.detach()), (x2, torch.randn_like(state) * 100)):
+        out, new_state = conv_triton.depthwise_conv(xx, st, w, b, seg, tail)
+        g, = torch.autograd.grad((out * last[:, :, None]).sum(), xx)
+        outs.append((out[last], new_state, g[last]))
+    for a, r in zip(*outs):
+        assert torch.equal(a, r)
+
+
+def test_unsupported_input_is_a_clear_error():
+    x = torch.zeros(1, 4, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="depthwise_conv needs"):
+        conv_triton.depthwise_conv(x, torch.zeros(1, 3, 3, dtype=torch.float64),
+                                   torch.zeros(3, 1, 4), torch.zeros(3))
