@@ -188,7 +188,7 @@ def time_fwd_bwd(fn, inputs, device, reps: int, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
+def breakdown(model, cfg, starts, device, autocast, smoke: bool, only: str = "") -> dict:
     """Each piece of the boundary path alone, eager and compiled (forward + backward ms)."""
     B, T = starts.shape
     M, S = cfg.n_mem, cfg.n_mem + T + cfg.n_mem
@@ -271,6 +271,8 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool) -> dict:
         "attention_layer_by_document": (lambda x, a, b: attn(x, pos, ck, cv, valid, seg=seg, prefix_k=a,
                                                              prefix_v=b), (x_layer, pk, pv)),
     }
+    if only:  # --pieces: the pieces whose names start with one of these
+        pieces = {n: p for n, p in pieces.items() if n.startswith(tuple(only.split(",")))}
     for mode in ("eager",) if smoke else ("eager", "compiled"):
         res = out.setdefault(mode, {})
         for name, (fn, inputs) in pieces.items():
@@ -317,6 +319,8 @@ def main() -> None:
                     help="every kernel of a few steps of the PROFILED paths (JSON, _profile.txt)")
     ap.add_argument("--paths", default="",
                     help="comma-separated: time (and profile) only these paths (default: all)")
+    ap.add_argument("--pieces", default="",
+                    help="comma-separated name prefixes: time only these breakdown pieces")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()
@@ -344,6 +348,7 @@ def main() -> None:
                + (f" --compile {args.compile}" if args.compile != "blocks" else "")
                + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
                + (f" --paths {args.paths}" if args.paths else "")
+               + (f" --pieces {args.pieces}" if args.pieces else "")
                + (" --profile" if args.profile else ""),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
@@ -427,7 +432,8 @@ def main() -> None:
     if args.only != "paths":
         with_inner = [s for *_, s, inner in packed if inner] or [packed[-1][3]]
         try:
-            results["breakdown"] = breakdown(model, cfg, with_inner[0], device, autocast, smoke)
+            results["breakdown"] = breakdown(model, cfg, with_inner[0], device, autocast, smoke,
+                                             args.pieces)
         except Exception as e:
             results["breakdown"] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                     "trace": traceback.format_exc()[-1500:]}
