@@ -25,6 +25,8 @@
 #   packing-model  bench_packing.py --only paths --compile model --profile: packing with the whole
 #           chunk step compiled, the paths timed in turns, every kernel of five of them
 #           (with one round and no profile it took about 6 minutes on the H100, compiling included)
+#   packing-verify  the GPU tests of packing and the model, then the packing paths compiled
+#           (PACK_COMPILE="model graphs": also as CUDA graphs)
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -190,6 +192,17 @@ for stage in $stages; do
     packing-model)
       timeout 500 python benchmarks/bench_packing.py --only paths --compile model --profile 2>&1 \
         | tee "$LOGS/bench_packing_model.log" | tail -12 ;;
+    packing-verify)
+      # the GPU tests of the packed path and the model (the Triton conv, the CUDA-graph step, the
+      # fast model against the reference), then the packing paths timed with the whole chunk
+      # compiled (PACK_COMPILE: also graphs, the chunk replayed as CUDA graphs)
+      timeout ${TEST_TIMEOUT:-330} python -m pytest -m gpu -q -p no:cacheprovider --durations=8 \
+        tests/test_gpu_packing.py tests/test_gpu_model.py 2>&1 | tee "$LOGS/gpu_packing_tests.log" | tail -25
+      for c in ${PACK_COMPILE:-model}; do
+        timeout ${PACK_TIMEOUT:-230} python benchmarks/bench_packing.py --only paths --compile $c \
+          --rounds 2 --paths fill1_today_path,fill1_boundary_path_forced_no_inner_starts,lognormal_unpacked,lognormal_packed \
+          2>&1 | tee "$LOGS/bench_packing_$c.log" | grep -E "^summary|^fill1|^lognormal|Error|skipping" | cut -c1-300
+      done ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --variants ${LM_VARIANTS:-hybrid,transformer} \
