@@ -76,6 +76,17 @@ def state_after(x: Tensor, conv_state: Tensor, seg: Tensor | None = None, since:
 if HAS_TRITON:
 
     @triton.jit
+    def _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr):
+        """The segment ids of tokens t and how far each is into its segment (zeros without)."""
+        sg = t * 0
+        sn = t * 0
+        if HAS_SEG:
+            sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
+        if HAS_TAIL:
+            sn = tl.load(since_ptr + b * L + t, mask=tm, other=0)
+        return sg, sn
+
+    @triton.jit
     def _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
              sxb, sxl, sxc, ssb, ssc, ssk, s: tl.constexpr, K: tl.constexpr,
              HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr):
@@ -109,12 +120,7 @@ if HAS_TRITON:
         t = tl.program_id(1) * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
-        sg = t * 0
-        sn = t * 0
-        if HAS_SEG:
-            sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
-        if HAS_TAIL:
-            sn = tl.load(since_ptr + b * L + t, mask=tm, other=0)
+        sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
         acc = tl.zeros((BL, BC), dtype=tl.float32) + tl.load(bias_ptr + c, mask=cm, other=0.0).to(
             tl.float32)[None, :]
         for s in tl.static_range(K):
@@ -139,12 +145,7 @@ if HAS_TRITON:
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
         m2 = tm[:, None] & cm[None, :]
-        sg = t * 0
-        sn = t * 0
-        if HAS_SEG:
-            sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
-        if HAS_TAIL:
-            sn = tl.load(since_ptr + b * L + t, mask=tm, other=0)
+        sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
         g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc, mask=m2, other=0.0).to(
             tl.float32)
         part = (b * NL + lb).to(tl.int64)
