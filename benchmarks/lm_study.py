@@ -9,7 +9,10 @@ hybrid       configs/recall.toml's design at the LM-study size: MAMMAMMA, d_mode
              tokens (gated), KV window 512, chunks of 512, BPTT 2 chunks, 32 lanes.
 hybrid-path  the hybrid, each step 4 BPTT windows with memory-only backpropagation across them.
 hybrid-keep  the hybrid with 128 kept tokens per attention layer past its window (model.kv_keep).
-hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the recall recipe.
+hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the recall recipe
+             before 16 slots.
+hybrid-recall  hybrid-free with 16 memory slots and kept tokens dropped in training
+             (model.kv_keep_drop 0.1): the recall recipe now.
 transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lanes x 2 micro-batches
              = the same tokens per step; its MLP is widened until its parameter count matches.
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
@@ -50,6 +53,11 @@ VARIANTS = {
     "hybrid-free": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                     "model.kv_keep=128", "model.mem_rotary=free", "model.bptt_chunks=2",
                     "train.chunk_len=512", "train.lanes=32"],
+    # the recall recipe's memory as it is now: hybrid-free with 16 memory slots and the kept
+    # tokens dropped after 1 chunk in 10 in training (model.kv_keep_drop)
+    "hybrid-recall": ["model.layers=MAMMAMMA", "model.n_mem=16", "model.kv_window=512",
+                      "model.kv_keep=128", "model.mem_rotary=free", "model.kv_keep_drop=0.1",
+                      "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
