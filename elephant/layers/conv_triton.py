@@ -180,13 +180,15 @@ if HAS_TRITON:
                 tl.store(dtail_ptr + (part * C + c) * (K - 1) + i, acc, mask=cm)
 
 
-def _blocks(L: int, C: int) -> tuple[int, int]:
+def _blocks() -> tuple[int, int]:
+    """(tokens, channels) per program: small under the interpreter, 32 x 128 on the GPU."""
     if _INTERPRET:
         return 16, 16
     return 32, 128
 
 
-def _args(x, conv_state, seg, since, tail):
+def _args(x, seg, since, tail):
+    """The kernels' segment, since and tail pointers (a dummy where absent) and their flags."""
     has_seg, has_tail = seg is not None, tail is not None
     dummy = x.new_zeros(1, dtype=torch.int32)
     return (seg if has_seg else dummy, since if has_tail else dummy,
@@ -199,8 +201,8 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     B, L, C = x.shape
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
-    seg_, since_, tail_, has_seg, has_tail = _args(x, conv_state, seg, since, tail)
-    BL, BC = _blocks(L, C)
+    seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
+    BL, BC = _blocks()
     grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
     torch.library.wrap_triton(_conv_fwd_kernel)[grid](
         x, conv_state, weight, bias, seg_, since_, tail_, out, L, C,
@@ -217,14 +219,14 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, L, C = x.shape
     K = weight.shape[-1]
-    BL, BC = _blocks(L, C)
+    BL, BC = _blocks()
     NL = triton.cdiv(L, BL)
     P = B * NL
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     dw = torch.empty(P, C, K, device=x.device, dtype=torch.float32)
     db = torch.empty(P, C, device=x.device, dtype=torch.float32)
     dtail = torch.zeros(P if tail is not None else 1, C, K - 1, device=x.device, dtype=torch.float32)
-    seg_, since_, tail_, has_seg, has_tail = _args(x, conv_state, seg, since, tail)
+    seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
     grid = (B, NL, triton.cdiv(C, BC))
     torch.library.wrap_triton(_conv_bwd_kernel)[grid](
         x, conv_state, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
