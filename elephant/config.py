@@ -229,7 +229,8 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: str = "auto"            # auto (on CUDA) | on (each block) | model (the whole chunk) | off
+    compile: str = "auto"            # auto (on CUDA) | on (each block) | model (the whole chunk) |
+                                     # graphs (model, replayed as CUDA graphs in training) | off
     log_every: int = 10
     eval_every: int = 250            # 0: only at the end
     eval_docs: int = 0               # documents of the valid split per evaluation (0: all)
@@ -243,7 +244,11 @@ class TrainConfig:
                   "log_every", "keep_ckpts", "max_bad_steps")
         _non_negative(self, "eval_every", "eval_docs", "ckpt_every")
         _choice(self, "dtype", ("auto", "bf16", "fp32"))
-        _choice(self, "compile", ("auto", "on", "model", "off"))
+        _choice(self, "compile", ("auto", "on", "model", "graphs", "off"))
+        if self.compile == "graphs" and self.memory_windows > 1:
+            raise ConfigError("train.compile = \"graphs\" needs train.memory_windows = 1: memory-only "
+                              "backpropagation keeps the memory of earlier windows, which the next "
+                              "CUDA-graph replay would overwrite")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -109,6 +109,21 @@ def in_eval_mode(fn):
     return run
 
 
+class TrainingGraphs:
+    """A compiled function in two forms: `graphs` (CUDA graphs, torch.compile's reduce-overhead)
+    for training steps with gradients, `plain` (compiled without graphs) for everything else. An
+    evaluation or generation pass feeds each chunk the state the last one returned, which a CUDA
+    graph's next replay would overwrite, and it runs between training steps: kept out of the
+    training graphs, it neither needs that bookkeeping nor adds graphs of its own to their pool."""
+
+    def __init__(self, model: nn.Module, graphs, plain):
+        self.model, self.graphs, self.plain = model, graphs, plain
+
+    def __call__(self, *args, **kwargs):
+        training = self.model.training and torch.is_grad_enabled()
+        return (self.graphs if training else self.plain)(*args, **kwargs)
+
+
 class ElephantLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -190,9 +205,10 @@ class ElephantLM(nn.Module):
         append, loss); "model", the whole chunk (`_chunk`: reset, blocks, glue and loss) as one
         graph (fewer launches and less Python per chunk; a graph per distinct state structure,
         e.g. the first chunk after a detach and the next); "graphs", the same, replayed as CUDA
-        graphs (torch.compile's reduce-overhead: no host launches at all, custom ops included;
-        the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and clones
-        the state it carries past a step, whose tensors the next replay may overwrite); "off"
+        graphs in training (torch.compile's reduce-overhead: no host launches at all, custom ops
+        included; the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and
+        clones the state it carries past a step, whose tensors the next replay may overwrite),
+        compiled without graphs in evaluation and without gradients (`TrainingGraphs`); "off"
         leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
         backend = backend or COMPILE_BACKEND
@@ -203,10 +219,13 @@ class ElephantLM(nn.Module):
             # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
             # the graph (see forward); the initial memory's prefix (packed documents) runs the
             # blocks outside forward
-            mode = "reduce-overhead" if how == "graphs" else None
-            self._chunk = torch.compile(self._chunk, dynamic=False, backend=backend, mode=mode)
-            self.init_prefix = torch.compile(self.init_prefix, dynamic=False, backend=backend,
-                                             mode=mode)
+            for name in ("_chunk", "init_prefix"):
+                fn = getattr(self, name)
+                plain = torch.compile(fn, dynamic=False, backend=backend)
+                if how == "graphs":
+                    plain = TrainingGraphs(self, torch.compile(fn, dynamic=False, backend=backend,
+                                                               mode="reduce-overhead"), plain)
+                setattr(self, name, plain)
         elif how != "off":
             raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")
 

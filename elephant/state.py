@@ -130,6 +130,11 @@ class RecurrentState:
             chunks=self.chunks,
         )
 
+    def clone(self) -> "RecurrentState":
+        """A copy of every tensor (the same chunk count; no memory path): for a state carried past
+        a CUDA-graph step, whose outputs the next replay may overwrite."""
+        return self._map(torch.clone)
+
     def detach(self) -> "RecurrentState":
         """Cut the gradient path into earlier chunks (truncated backpropagation through time).
 

@@ -69,7 +69,7 @@ def compile_mode(setting: str, device) -> str:
     """train.compile -> ElephantLM.compile_for's mode: auto compiles each block on CUDA."""
     if setting == "auto":
         return "blocks" if torch.device(device).type == "cuda" else "off"
-    return {"on": "blocks", "model": "model", "off": "off"}[setting]
+    return {"on": "blocks", "model": "model", "graphs": "graphs", "off": "off"}[setting]
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -316,6 +316,9 @@ class Trainer:
         """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
         return (the state after them, the summed loss as a float64 tensor)."""
         rt, cfg = self.rt, self.cfg
+        graphs = cfg.train.compile == "graphs"
+        if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         loss, prefix = 0.0, None
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
@@ -333,6 +336,8 @@ class Trainer:
             loss = loss + nll
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
+        if graphs:  # the state goes on past this step: out of the graphs' memory
+            state = state.clone()
         return state, loss.detach().double()
 
     # ------------------------------------------------------------------ evaluation

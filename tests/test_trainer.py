@@ -403,13 +403,15 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
                                                                            monkeypatch, pack):
     # train.compile=model compiles the whole chunk step (forward, glue, loss) as one graph; traced
     # here with the aot_eager backend: no graph break, a handful of graphs for the whole run (not
-    # one per chunk or step), and the same losses and weights as the eager trainer over 5 steps
+    # one per chunk or step), and the same losses and weights as the eager trainer over 5 steps.
+    # train.compile=graphs, the same with the trainer's CUDA-graph steps (each window marked, the
+    # state cloned past it; the backend here has no graphs, tests/test_gpu_packing.py has them)
     import torch._dynamo
     from torch._dynamo.utils import counters
     from elephant import model as model_mod
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     runs = {}
-    for mode in ("off", "model"):
+    for mode in ("off", "model", "graphs"):
         cfg = load_config(ROOT / "configs/tiny.toml",
                           overrides(tmp_path / mode, corpus_dir, **{"train.compile": mode,
                                                                     "data.pack": pack}))
@@ -421,10 +423,35 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
                           {n: p.detach().clone() for n, p in tr.model.named_parameters()})
         finally:
             tr.close()
-        if mode == "model":
+        if mode != "off":
             assert not counters["graph_break"], dict(counters["graph_break"])
             assert 1 <= counters["stats"]["unique_graphs"] <= 6
-    (eager_losses, eager_w), (losses_, w) = runs["off"], runs["model"]
-    assert torch.allclose(torch.tensor(losses_), torch.tensor(eager_losses), rtol=1e-4), (losses_, eager_losses)
-    for name, p in eager_w.items():
-        assert torch.allclose(w[name], p, rtol=1e-3, atol=1e-5), name
+    eager_losses, eager_w = runs["off"]
+    for mode in ("model", "graphs"):
+        losses_, w = runs[mode]
+        assert torch.allclose(torch.tensor(losses_), torch.tensor(eager_losses), rtol=1e-4), \
+            (mode, losses_, eager_losses)
+        for name, p in eager_w.items():
+            assert torch.allclose(w[name], p, rtol=1e-3, atol=1e-5), (mode, name)
+
+
+def test_cuda_graph_training_refuses_memory_only_backpropagation():
+    from elephant.config import ConfigError, TrainConfig
+    TrainConfig(compile="graphs").validate()
+    with pytest.raises(ConfigError, match="memory_windows"):
+        TrainConfig(compile="graphs", memory_windows=2).validate()
+
+
+def test_training_graphs_serve_training_with_gradients_only():
+    # compile_for("graphs"): the CUDA-graph form for a training step with gradients, the plain
+    # compiled form for evaluation, generation and no-grad calls
+    from elephant.model import TrainingGraphs
+    calls = []
+    model = torch.nn.Linear(2, 2)
+    fn = TrainingGraphs(model, lambda: calls.append("graphs"), lambda: calls.append("plain"))
+    fn()
+    with torch.no_grad():
+        fn()
+    model.eval()
+    fn()
+    assert calls == ["graphs", "plain", "plain"]
