@@ -142,7 +142,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         loss.backward()
         state = state.detach()
         if graphs:
-            state = state._map(torch.clone)
+            state = state.clone()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:

@@ -105,7 +105,7 @@ class StaticChunkStep:
     def __init__(self, model, state, tokens: torch.Tensor, mask: torch.Tensor, autocast=None,
                  graph: bool = False):
         self.model, self.autocast = model, autocast
-        self.state = state._map(torch.clone)          # the static state: read and written in place
+        self.state = state.clone()                     # the static state: read and written in place
         self.tokens = torch.zeros_like(tokens)
         self.mask = torch.zeros_like(mask)
         self.reset = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)

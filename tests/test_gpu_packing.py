@@ -233,7 +233,7 @@ def test_cuda_graph_steps_equal_the_eager_steps():
             loss.backward()
             state = state.detach()
             if cuda_graphs:
-                state = state._map(torch.clone)
+                state = state.clone()
             out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                 if p.grad is not None}))
         return out

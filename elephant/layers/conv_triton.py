@@ -62,15 +62,26 @@ def state_after(x: Tensor, conv_state: Tensor, seg: Tensor | None = None, since:
     last = torch.cat([conv_state.to(x.dtype), x[:, max(0, L - K1):].transpose(1, 2)], dim=2)[:, :, -K1:]
     if seg is None:
         return last.to(conv_state.dtype)
-    seg_w = torch.cat([seg.new_zeros(B, K1), seg[:, max(0, L - K1):]], dim=1)[:, -K1:]
-    same = (seg_w == seg[:, -1:])[:, None]                                  # (B, 1, K-1)
+    seg_last = torch.cat([seg.new_zeros(B, K1), seg[:, max(0, L - K1):]], dim=1)[:, -K1:]
+    return last_segment_state(last, seg_last, seg, since, tail).to(conv_state.dtype)
+
+
+def last_segment_state(last: Tensor, seg_last: Tensor, seg: Tensor, since: Tensor | None,
+                       tail: Tensor | None) -> Tensor:
+    """The conv state after a chunk from its last K-1 inputs `last` (B, C, K-1) (carried inputs
+    first, where the chunk is shorter) and their segment ids `seg_last` (B, K-1), as the chunk's
+    last segment sees them: an input of an earlier segment is zero, or with `tail` (C, K-1) the
+    tail input that segment starts after (slot k reads tail[k + since[-1] + 1]). In last's dtype;
+    shared by `state_after` and `mamba.segment_conv`."""
+    same = (seg_last == seg[:, -1:])[:, None]                               # (B, 1, K-1)
     if tail is None:
-        return torch.where(same, last, 0.0).to(conv_state.dtype)
-    j = torch.arange(K1, device=x.device) + since[:, -1:].long() + 1         # (B, K-1) tail index
+        return torch.where(same, last, 0.0)
+    K1 = last.shape[-1]
+    j = torch.arange(K1, device=last.device) + since[:, -1:].long() + 1     # (B, K-1) tail index
     before = torch.zeros_like(last)
     for i in range(K1):
         before = torch.where((j == i)[:, None], tail[:, i, None].to(last.dtype), before)
-    return torch.where(same, last, before).to(conv_state.dtype)
+    return torch.where(same, last, before)
 
 
 if HAS_TRITON:

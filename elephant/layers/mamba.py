@@ -71,10 +71,8 @@ def segment_conv(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor, 
     L = W - (K - 1)
     acc = torch.promote_types(window.dtype, torch.float32)
     w = weight.to(acc).view(C, K)
-    idx = torch.arange(L, device=seg.device)
     seg_w = torch.cat([seg.new_zeros(B, K - 1), seg], dim=1)                  # (B, K-1+L)
-    is_start = seg != torch.cat([seg.new_zeros(B, 1), seg[:, :-1]], dim=1)    # (B, L)
-    since = idx - torch.where(is_start, idx, 0).cummax(1).values              # tokens into the segment
+    since = conv_triton.segment_since(seg)                                    # tokens into the segment
     out = bias.to(acc)[None, :, None].expand(B, C, L)
     for s in range(K):  # tap K-1-s reads the input s tokens back, if it is in the same segment
         same = (seg_w[:, K - 1 - s: W - s] == seg)[:, None]                   # (B, 1, L)
@@ -88,18 +86,8 @@ def segment_conv(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor, 
             r = sum(w[:, K - 1 - s] * t[:, K - 1 - s + d] for s in range(d + 1, K))   # (C,)
             first = (inner & (since == d))[:, None]                           # (B, 1, L)
             out = out + torch.where(first, r[:, None], 0.0)
-    # the state after the chunk: the last K-1 inputs, as the last segment sees them; an input of an
-    # earlier segment is the tail's input j = k + since[-1] + 1 (k: the state's slot)
-    last = window[:, :, L:]                                                   # (B, C, K-1)
-    same = (seg_w[:, L:] == seg[:, -1:])[:, None]                             # (B, 1, K-1)
-    if tail is None:
-        state = torch.where(same, last, 0.0)
-    else:
-        j = torch.arange(K - 1, device=seg.device) + since[:, -1:] + 1        # (B, K-1)
-        before = torch.zeros_like(last)
-        for i in range(K - 1):
-            before = torch.where((j == i)[:, None], tail[:, i, None].to(last.dtype), before)
-        state = torch.where(same, last, before)
+    # the state after the chunk: the last K-1 inputs, as the last segment sees them
+    state = conv_triton.last_segment_state(window[:, :, L:], seg_w[:, L:], seg, since, tail)
     return out.to(window.dtype), state
 
 
