@@ -333,7 +333,6 @@ def main() -> None:
     model = ElephantLM(cfg).to(device)
     model.set_fast_paths(True)
     if not smoke:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         model.compile_for(args.compile)
         if args.compile == "graphs":  # say why a graph is not replayed, if one is not
