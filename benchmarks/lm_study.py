@@ -20,7 +20,8 @@ to the budget: benchmarks/common.train_for_budget; the first 10 steps, compilati
 counted), then stream the same test documents with
 carried state (elephant.evaluate: no context limit for the hybrid; the transformer restarts its
 context every 2048 tokens, as when it was trained). Written: `<out>/summary.json` (device,
-versions, date, command, loss and bits per byte, loss by position) and `<out>/positions.png`.
+versions, date, command, loss and bits per byte, loss by position, also over the documents of
+over 32K tokens alone) and `<out>/positions.png`, `<out>/positions_long_documents.png`.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def main() -> int:
         target = ElephantLM(load_config(None, configs[hybrids[0]]).model).num_params()
         configs["transformer"].append(f"model.d_mlp={matched_mlp(configs['transformer'], target)}")
     summary = {"benchmark": "lm_study", **environment(), "budget_s": args.budget_s, "variants": {}}
-    curves = {}
+    curves, long_curves = {}, {}
     for name in names:
         cfg = load_config(None, configs[name] + [f"train.run_dir={out / 'runs' / name}"])
         trainer = Trainer(cfg, progress=False)
@@ -124,6 +125,7 @@ def main() -> int:
         ev = evaluate(trainer.model, test, lanes=16, chunk_len=cfg.train.chunk_len,
                       device=trainer.rt.device, autocast=trainer.rt.autocast, max_docs=args.eval_docs)
         curves[name] = ev["position_buckets"]
+        long_curves[name] = ev["position_buckets_long"]
         summary["variants"][name] = {
             "overrides": configs[name], "params": trainer.model.num_params(), "steps": trainer.step,
             "train_seconds": train_s, "warm_seconds": warm_s,
@@ -132,6 +134,11 @@ def main() -> int:
             "eval_documents": ev["documents"], "eval_tokens": ev["tokens"],
             "eval_seconds": time.perf_counter() - t_eval,
             "loss_by_position": {k: v["loss"] for k, v in ev["position_buckets"].items()},
+            # the same curve over the test documents that reach the last band, alone: each band
+            # then averages the same documents
+            "long_documents": ev["long_documents"],
+            "loss_by_position_long_documents": {k: v["loss"]
+                                                for k, v in ev["position_buckets_long"].items()},
             "peak_mem_gb": (torch.cuda.max_memory_allocated() / 2 ** 30
                             if torch.cuda.is_available() else None)}
         print(f"[{name}] eval loss {ev['loss']:.4f} bpb {ev['bits_per_byte']:.4f}", flush=True)
@@ -141,6 +148,8 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
         # written after every variant: a run cut short keeps what it measured
         plot_position_loss(curves, out / "positions.png", "Test loss by position in the document")
+        plot_position_loss(long_curves, out / "positions_long_documents.png",
+                           f"The same, over the {ev['long_documents']} test documents of over 32K tokens")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({n: {k: v[k] for k in ("params", "steps", "eval_loss", "eval_bits_per_byte")}
                       for n, v in summary["variants"].items()}, indent=1))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .metrics import BUCKET_EDGES, NLLMeter
+from .metrics import BUCKET_EDGES, NLLMeter, PositionBuckets
 from .model import in_eval_mode
 
 
@@ -148,10 +148,14 @@ class StaticChunkStep:
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
-             order: str = "longest", cuda_graph: bool = False) -> dict:
+             order: str = "longest", cuda_graph: bool = False,
+             long_docs: int = BUCKET_EDGES[-1]) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
     `chunk_steps`: the chunks of `lanes` rows this rank ran (a pass's lane fill is the tokens
-    over chunk_steps x lanes x chunk_len).
+    over chunk_steps x lanes x chunk_len), and `position_buckets_long`: the loss by position over
+    the `long_documents` longer than `long_docs` tokens alone. By default those reach the last
+    band, so every band of that curve averages the same documents: a fall with position is then
+    what the context gives, not a change in which documents a band holds.
 
     `order`: "longest" (longest documents first, the default) or "corpus" (the corpus's order).
     With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
@@ -170,6 +174,9 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     edges = torch.tensor(BUCKET_EDGES[1:], dtype=torch.long, device=device)
     pos_nll = torch.zeros(len(BUCKET_EDGES), dtype=torch.float64, device=device)
     pos_tok = torch.zeros(len(BUCKET_EDGES), dtype=torch.float64, device=device)
+    long_nll, long_tok = torch.zeros_like(pos_nll), torch.zeros_like(pos_tok)
+    is_long = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)
+    is_long[:n_docs] = torch.as_tensor(corpus.doc_lengths > long_docs, dtype=torch.float64)
     meter = NLLMeter()
     state = model.init_state(lanes, device=device)
     lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
@@ -212,16 +219,22 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         bucket = torch.bucketize(inputs_pos + 1, edges, right=True).flatten()
         pos_nll.index_add_(0, bucket, nll.flatten())
         pos_tok.index_add_(0, bucket, weight.flatten())
+        long = is_long[ids]
+        long_nll.index_add_(0, bucket, nll.flatten() * long)
+        long_tok.index_add_(0, bucket, weight.flatten() * long)
         lane_pos = torch.where(last[:, -1] >= 0, chunk_len - last[:, -1], lane_pos + chunk_len)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     if world > 1:
-        for t in (doc_nll, doc_tok, pos_nll, pos_tok):
+        for t in (doc_nll, doc_tok, pos_nll, pos_tok, long_nll, long_tok):
             dist.all_reduce(t)
     meter.buckets.add_sums(pos_nll.tolist(), [round(n) for n in pos_tok.tolist()])
     nll_docs, tok_docs = doc_nll[:n_docs].cpu().numpy(), doc_tok[:n_docs].cpu().numpy()
     for i in range(n_docs):
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
-    return meter.result() | {"chunk_steps": chunk_steps}
+    long_buckets = PositionBuckets()
+    long_buckets.add_sums(long_nll.tolist(), [round(n) for n in long_tok.tolist()])
+    return meter.result() | {"chunk_steps": chunk_steps, "position_buckets_long": long_buckets.to_dict(),
+                             "long_documents": int(is_long.sum())}

@@ -60,6 +60,28 @@ def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
     assert sum(b["tokens"] for b in buckets.values()) == tokens
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_long_document_curve_holds_those_documents_alone(pack):
+    model = mama_model()
+    lengths = [50, 2, 113, 17, 64, 90]
+    corpus = corpus_of(lengths)
+    got = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", pack=pack, long_docs=60)
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            if n <= 60:
+                continue
+            doc = torch.as_tensor(corpus.doc(i).astype(np.int64))[None]
+            logits, _ = model(doc[:, :-1])
+            nll += torch.nn.functional.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
+            tokens += n - 1
+    assert got["long_documents"] == 3
+    (bucket,) = got["position_buckets_long"].values()          # every position is under 512
+    assert bucket["tokens"] == tokens
+    assert math.isclose(bucket["nll_sum"], nll, rel_tol=1e-10)
+    assert got["position_buckets"]["0-512"]["tokens"] == sum(n - 1 for n in lengths)
+
+
 @pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (2, 64)])
 def test_packed_evaluation_equals_unpacked_evaluation(lanes, chunk_len):
     # memory off, a window covering the documents: where a document sits in the rows does not matter
