@@ -41,10 +41,10 @@ def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
     return xin, x, state, w, b, tail, seg
 
 
-@pytest.mark.parametrize("with_seg,with_tail", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("with_seg,with_tail,K", [(False, False, 4), (True, False, 4), (True, True, 4),
+                                                   (True, True, 2), (True, True, 3), (True, True, 6)])
 @pytest.mark.parametrize("L", [37, 2])
-def test_conv_equals_the_pytorch_forms(with_seg, with_tail, L):
-    K = 4
+def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L):
     xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
     out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail)
     window = torch.cat([state, x.transpose(1, 2)], dim=2)

@@ -147,7 +147,7 @@ if HAS_TRITON:
                          dw_ptr, db_ptr, dtail_ptr,
                          L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr):
+                         BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
         """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
         and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1)."""
         b = tl.program_id(0)
@@ -181,15 +181,19 @@ if HAS_TRITON:
                  dx.to(dx_ptr.dtype.element_ty), mask=m2)
         if HAS_TAIL:
             # tail input i is read by the outputs d = since < K-1 tokens into a segment > 0,
-            # through the taps s > d with K-1-s+d = i
-            for i in tl.static_range(K - 1):
-                acc = tl.zeros((BC,), dtype=tl.float32)
-                for s in tl.static_range(1, K):
-                    w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
-                    hit = tm & (sg > 0) & (sn < s) & (K - 1 - s + sn == i)
-                    acc += tl.sum(tl.where(hit[:, None], g, 0.0), axis=0) * w
-                tl.store(dtail_ptr + (part * C + c) * (K - 1) + i, acc, mask=cm)
-
+            # through tap s = K-1-i+d, i.e. weight i-d, for every d <= i. So with G_d the sum of
+            # those outputs' gradients, dtail_i = sum_{d<=i} w_{i-d} G_d: K-1 reductions of the
+            # tile (not (K-1)^2), each spread over the columns i >= d of a (BC, KP) block
+            inner = tm & (sg > 0)
+            col = tl.arange(0, KP)
+            acc = tl.zeros((BC, KP), dtype=tl.float32)
+            for d in tl.static_range(K - 1):
+                gd = tl.sum(tl.where((inner & (sn == d))[:, None], g, 0.0), axis=0)
+                wm = cm[:, None] & ((col >= d) & (col < K - 1))[None, :]
+                w = tl.load(w_ptr + c[:, None] * K + (col - d)[None, :], mask=wm, other=0.0)
+                acc += w.to(tl.float32) * gd[:, None]
+            tl.store(dtail_ptr + (part * C + c)[:, None] * (K - 1) + col[None, :], acc,
+                     mask=cm[:, None] & (col < K - 1)[None, :])
 
 def _blocks() -> tuple[int, int]:
     """(tokens, channels) per program: small under the interpreter, 32 x 128 on the GPU."""
@@ -244,7 +248,7 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
         x.stride(0), x.stride(1), x.stride(2),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC)
+        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, KP=triton.next_power_of_2(K - 1))
     # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
     # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
     K1 = K - 1
