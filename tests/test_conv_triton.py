@@ -46,6 +46,24 @@ def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
 @pytest.mark.parametrize("L", [37, 2])
 def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L):
     xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
+    check(xin, x, state, w, b, tail, seg, K)
+
+
+def test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not():
+    # the kernels compute a tile that reads one segment (and no tail) as if there were none;
+    # starts on a tile's edge (16 tokens under the interpreter), K-1 before and after it, a row
+    # without a start and one whose first token starts a document, against the PyTorch forms
+    K, L = 4, 80
+    xin, x, state, w, b, tail, _ = case(5, L, 20, K, 3, True, True)
+    starts = torch.zeros(5, L, dtype=torch.bool)
+    for row, at in ((0, [16]), (1, [13, 35]), (2, [18, 64, 79]), (4, [0])):
+        starts[row, at] = True      # row 3: one document; row 4: a new one at 0 reads the tail
+    seg = starts.long().cumsum(1)
+    check(xin, x, state, w, b, tail, seg, K)
+
+
+def check(xin, x, state, w, b, tail, seg, K):
+    with_seg, with_tail = seg is not None, tail is not None
     out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail)
     window = torch.cat([state, x.transpose(1, 2)], dim=2)
     if with_seg:
@@ -53,7 +71,7 @@ def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L):
         ref, ref_state = segment_conv_reference(window, seg, w, b, tail)
         assert rel(want, ref) < 1e-6 and rel(want_state, ref_state) < 1e-6
     else:
-        want, want_state = F.conv1d(window, w, b, groups=20), window[:, :, -(K - 1):]
+        want, want_state = F.conv1d(window, w, b, groups=w.shape[0]), window[:, :, -(K - 1):]
     want = want.transpose(1, 2)
     assert out.shape == want.shape and new_state.shape == want_state.shape
     assert rel(out, want) < 1e-6 and rel(new_state, want_state) < 1e-6

@@ -15,7 +15,9 @@ state in front (one full copy), then a cuDNN depthwise conv at a fraction of the
 the segment path paid a chain of masked sums whose weight gradient compiled into a slow reduction.
 Here the forward reads each input K times from cache and writes the output once; the backward
 writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
-summed by torch, no atomics). The state after the chunk is formed by the caller's small tensors
+summed by torch, no atomics). A tile whose outputs and inputs all lie in one document (most of
+them: documents are hundreds of tokens) takes the form without segments, so only the few tiles
+that hold a boundary pay for the segment and tail reads. The state after the chunk is formed by the caller's small tensors
 (`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
 kernels from its own code (no custom-op host glue) and eager mode calls them directly.
 
@@ -123,12 +125,24 @@ if HAS_TRITON:
         return v
 
     @triton.jit
-    def _conv_fwd_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                         L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
-                         K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr):
-        b = tl.program_id(0)
-        t = tl.program_id(1) * BL + tl.arange(0, BL)
+    def _one_segment(seg_ptr, b, lb, L, K: tl.constexpr, BL: tl.constexpr, REACH: tl.constexpr):
+        """Whether every input tile lb's outputs read (and, with REACH = K-1, every output that
+        reads its inputs) lies in one segment that reads no tail: then the tile is computed as if
+        there were no segments. Most tiles are (a document is hundreds of tokens); segment ids
+        never decrease, so the two ends of the span tell. A span that reaches the carried inputs
+        must be the carried document's (segment 0): a later one reads the tail there."""
+        t0 = lb * BL
+        lo = tl.maximum(t0 - (K - 1), 0)
+        hi = tl.minimum(t0 + BL - 1 + REACH, L - 1)
+        first = tl.load(seg_ptr + b * L + lo)
+        return (first == tl.load(seg_ptr + b * L + hi)) & ((t0 >= K - 1) | (first == 0))
+
+    @triton.jit
+    def _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                       L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                       K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                       BL: tl.constexpr, BC: tl.constexpr):
+        t = lb * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
         sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
@@ -143,15 +157,33 @@ if HAS_TRITON:
                  acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
 
     @triton.jit
-    def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                         dw_ptr, db_ptr, dtail_ptr,
-                         L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+    def _conv_fwd_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                         L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
-        """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
-        and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1)."""
+                         BL: tl.constexpr, BC: tl.constexpr):
         b = tl.program_id(0)
         lb = tl.program_id(1)
+        plain = True
+        if HAS_SEG:
+            plain = _one_segment(seg_ptr, b, lb, L, K, BL, 0)
+        if plain:
+            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                           L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, False, False, BL, BC)
+        else:
+            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                           L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, HAS_SEG, HAS_TAIL, BL, BC)
+
+    @triton.jit
+    def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                       dw_ptr, db_ptr, dtail_ptr,
+                       L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb,
+                       K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                       BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+        """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
+        and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1; zeros
+        where no tail is read: the caller's)."""
         t = lb * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
@@ -194,6 +226,30 @@ if HAS_TRITON:
                 acc += w.to(tl.float32) * gd[:, None]
             tl.store(dtail_ptr + (part * C + c)[:, None] * (K - 1) + col[None, :], acc,
                      mask=cm[:, None] & (col < K - 1)[None, :])
+
+    @triton.jit
+    def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                         dw_ptr, db_ptr, dtail_ptr,
+                         L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                         K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+        b = tl.program_id(0)
+        lb = tl.program_id(1)
+        plain = True
+        if HAS_SEG:   # the inputs' gradients reach the outputs K-1 tokens on
+            plain = _one_segment(seg_ptr, b, lb, L, K, BL, K - 1)
+        if plain:
+            _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                           dw_ptr, db_ptr, dtail_ptr,
+                           L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                           b, lb, K, False, False, BL, BC, KP)
+        else:
+            _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                           dw_ptr, db_ptr, dtail_ptr,
+                           L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                           b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP)
+
+
 
 def _blocks() -> tuple[int, int]:
     """(tokens, channels) per program: small under the interpreter, 32 x 128 on the GPU."""
