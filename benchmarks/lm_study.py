@@ -97,7 +97,7 @@ def main() -> int:
     from benchmarks.common import environment, train_for_budget
     from elephant.config import load_config
     from elephant.evaluate import evaluate, open_corpus
-    from elephant.metrics import plot_position_loss
+    from elephant.metrics import BUCKET_LABELS, plot_position_loss
     from elephant.model import ElephantLM
     from elephant.trainer import Trainer
 
@@ -149,7 +149,8 @@ def main() -> int:
         # written after every variant: a run cut short keeps what it measured
         plot_position_loss(curves, out / "positions.png", "Test loss by position in the document")
         plot_position_loss(long_curves, out / "positions_long_documents.png",
-                           f"The same, over the {ev['long_documents']} test documents of over 32K tokens")
+                           f"The same, over the {ev['long_documents']} test documents that reach "
+                           f"the {BUCKET_LABELS[-1]} band")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({n: {k: v[k] for k in ("params", "steps", "eval_loss", "eval_bits_per_byte")}
                       for n, v in summary["variants"].items()}, indent=1))

@@ -35,21 +35,23 @@ def mama_model() -> ElephantLM:
     return ElephantLM(cfg).double()
 
 
+@torch.no_grad()
+def one_pass_nll(model, corpus, i: int) -> float:
+    """Document i's summed NLL (nats) in one forward pass: the reference streaming is held to."""
+    doc = torch.as_tensor(corpus.doc(i).astype(np.int64))[None]
+    logits, _ = model(doc[:, :-1])
+    return torch.nn.functional.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
+
+
 @pytest.mark.parametrize("lanes, chunk_len", [(1, 7), (3, 16), (4, 64)])
 def test_streaming_evaluation_equals_one_pass_per_document(lanes, chunk_len):
     model = mama_model()
     lengths = [50, 2, 113, 17, 64, 90]
     corpus = corpus_of(lengths)
     got = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
-    nll = 0.0
-    per_doc = []
-    with torch.no_grad():
-        for i in range(len(corpus)):
-            doc = torch.as_tensor(corpus.doc(i).astype(np.int64))[None]
-            logits, _ = model(doc[:, :-1])
-            d = torch.nn.functional.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
-            nll += d
-            per_doc.append(d / (len(doc[0]) - 1))
+    per_doc_nll = [one_pass_nll(model, corpus, i) for i in range(len(corpus))]
+    nll = sum(per_doc_nll)
+    per_doc = [d / (n - 1) for d, n in zip(per_doc_nll, lengths)]
     tokens = sum(n - 1 for n in lengths)
     assert got["documents"] == len(lengths) and got["tokens"] == tokens
     assert math.isclose(got["nll_sum"], nll, rel_tol=1e-10)
@@ -66,15 +68,9 @@ def test_the_long_document_curve_holds_those_documents_alone(pack):
     lengths = [50, 2, 113, 17, 64, 90]
     corpus = corpus_of(lengths)
     got = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", pack=pack, long_docs=60)
-    nll, tokens = 0.0, 0
-    with torch.no_grad():
-        for i, n in enumerate(lengths):
-            if n <= 60:
-                continue
-            doc = torch.as_tensor(corpus.doc(i).astype(np.int64))[None]
-            logits, _ = model(doc[:, :-1])
-            nll += torch.nn.functional.cross_entropy(logits[0], doc[0, 1:], reduction="sum").item()
-            tokens += n - 1
+    long = [i for i, n in enumerate(lengths) if n > 60]
+    nll = sum(one_pass_nll(model, corpus, i) for i in long)
+    tokens = sum(lengths[i] - 1 for i in long)
     assert got["long_documents"] == 3
     (bucket,) = got["position_buckets_long"].values()          # every position is under 512
     assert bucket["tokens"] == tokens

@@ -17,8 +17,8 @@ Here the forward reads each input K times from cache and writes the output once;
 writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
 summed by torch, no atomics). A tile whose outputs and inputs all lie in one document (most of
 them: documents are hundreds of tokens) takes the form without segments, so only the few tiles
-that hold a boundary pay for the segment and tail reads. The state after the chunk is formed by the caller's small tensors
-(`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
+that hold a boundary pay for the segment and tail reads. The state after the chunk is formed by
+the caller's small tensors (`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
 kernels from its own code (no custom-op host glue) and eager mode calls them directly.
 
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
@@ -248,7 +248,6 @@ if HAS_TRITON:
                            dw_ptr, db_ptr, dtail_ptr,
                            L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
                            b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP)
-
 
 
 def _blocks() -> tuple[int, int]:
