@@ -3,14 +3,15 @@
 weights, bf16 autocast, fast paths, compiled blocks as the trainer does; 32 lanes x 512 tokens).
 A step is what the trainer does: `bptt_chunks` chunks, one backward; a packed step takes the
 boundary path only for chunks where a document starts inside (the batcher's `inner_starts`) and
-computes the initial-memory prefix once per step.
+computes the initial-memory prefix once per step (in the step of its first chunk with an inner start).
 
   paths       forward+backward tokens/s, the paths timed in turns over --rounds rounds.
               fill 1.0, on rows without padding: today's path (no `starts`); the packing path on
               chunks without an inner start (it takes today's path); the boundary path forced on
               them (`starts` given, the cost of the boundary machinery alone); the packing path with
               the boundaries of a FineWeb-like length distribution, with the prefix once per step
-              and, for comparison, once per chunk (as before).
+              in the first such chunk's step (the trainer's way) and, for comparison, once per step
+              in a call of its own (as before) and in every chunk.
               real tok/s: batches from RollingChunkBatcher over a corpus of log-normal document
               lengths (median 600 tokens, sigma 1), unpacked (pack=False, padded rows) against packed
               (pack=True): predicted (unmasked) tokens per second; packing should raise it by the
@@ -67,8 +68,10 @@ SUMMARY = {
                                                "tokens_per_s"),
     "fill1_boundary_path_forced_vs_today": ("fill1_boundary_path_forced_no_inner_starts",
                                             "fill1_today_path", "tokens_per_s"),
-    "prefix_per_step_vs_per_chunk": ("fill1_packing_with_boundaries",
-                                     "fill1_packing_with_boundaries_prefix_per_chunk", "tokens_per_s"),
+    "prefix_in_first_chunk_vs_per_chunk": ("fill1_packing_with_boundaries",
+                                           "fill1_packing_with_boundaries_prefix_per_chunk", "tokens_per_s"),
+    "prefix_in_first_chunk_vs_own_call": ("fill1_packing_with_boundaries",
+                                          "fill1_packing_with_boundaries_prefix_per_step", "tokens_per_s"),
     "fill_gain": ("lognormal_packed", "lognormal_unpacked", "fill"),
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
 }
@@ -106,10 +109,12 @@ def batches_from(corpus, B, T, n, pack, device):
 
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
-            prefix_per_step: bool = True, graphs: bool = False) -> dict:
+            prefix: str = "state", graphs: bool = False) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
-    choice); prefix_per_step: the initial-memory prefix once per step (else in every chunk);
+    choice); prefix: where the initial-memory prefix is computed, "state" (the trainer's way: in
+    the step of the window's first chunk with an inner start, carried on by the state), "step"
+    (once per step in a call and, compiled, a graph of its own) or "chunk" (in every chunk's step);
     graphs: the model replays CUDA graphs (compile_for("graphs")): each step is marked, and the
     state carried past it is cloned out of the graphs' memory."""
     k = model.cfg.bptt_chunks
@@ -126,21 +131,23 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         t0 = time.perf_counter()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        loss, prefix = 0.0, None
+        loss, given = 0.0, None
         with autocast():
             for tokens, reset, mask, starts, inner in batches[i * k:(i + 1) * k]:
                 if starts is not None and host_skip and not inner:
                     starts = None
-                if starts is not None and model.cfg.n_mem and prefix_per_step and prefix is None:
-                    prefix = model.init_prefix()
+                if starts is not None and model.cfg.n_mem and prefix == "step" and given is None:
+                    given = model.init_prefix()
+                if prefix == "chunk":
+                    state.prefix = None
                 nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
-                                   loss_mask=mask, reduction="sum", starts=starts, prefix=prefix)
+                                   loss_mask=mask, reduction="sum", starts=starts, prefix=given)
                 loss = loss + nll
                 if i >= warmup:
                     real += mask.sum()
                     boundary_chunks += starts is not None
         loss.backward()
-        state = state.detach()
+        state = state.detach()   # drops the state's prefix too
         if graphs:
             state = state.clone()
         if device.type == "cuda":
@@ -374,8 +381,10 @@ def main() -> None:
             "fill1_packing_no_inner_starts": (no_inner, {}),
             "fill1_boundary_path_forced_no_inner_starts": (no_inner, {"host_skip": False}),
             "fill1_packing_with_boundaries": ([(t, r, full_mask, s, i) for t, r, _, s, i in packed], {}),
+            "fill1_packing_with_boundaries_prefix_per_step": (
+                [(t, r, full_mask, s, i) for t, r, _, s, i in packed], {"prefix": "step"}),
             "fill1_packing_with_boundaries_prefix_per_chunk": (
-                [(t, r, full_mask, s, i) for t, r, _, s, i in packed], {"prefix_per_step": False}),
+                [(t, r, full_mask, s, i) for t, r, _, s, i in packed], {"prefix": "chunk"}),
             "lognormal_unpacked": (unpacked, {}),
             "lognormal_packed": (packed, {}),
         }

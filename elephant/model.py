@@ -299,7 +299,9 @@ class ElephantLM(nn.Module):
         before it, zero Mamba state, and with memory the learned initial memory (see `init_prefix`).
         The returned state is each lane's last document's. `prefix`: `init_prefix()` computed once
         for several chunks (the parameters do not change between them; its graph is shared, so it is
-        for chunks that are backpropagated together); None: computed here when `starts` needs it.
+        for chunks that are backpropagated together); None: the state's (`RecurrentState.prefix`),
+        else computed inside this chunk's step (one graph with it when compiled) when `starts` needs
+        it, and carried on in the returned state to the window's later chunks.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -315,6 +317,8 @@ class ElephantLM(nn.Module):
             reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
         if state.chunks >= cfg.bptt_chunks:
             state = state.detach()
+        if prefix is None:
+            prefix = state.prefix
         # the memory-only path (training with it tracked) is updated here, outside `_chunk`, so
         # that a compiled `_chunk` (compile_for("model")) is one autograd node that the window's
         # backward may free, while the path's graph reaches across windows
@@ -323,10 +327,11 @@ class ElephantLM(nn.Module):
             path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
         core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
                               memory=state.memory, chunks=state.chunks)
-        h, new, written, started, gate = self._chunk(tokens, core, reset, starts, prefix,
-                                                     path is not None)
+        h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
+                                                           path is not None)
         out = self._output(h, gate, targets, loss_mask, reduction)
         new.links = links
+        new.prefix = used if used is not None else prefix
         if path is not None:  # the same update on the memory-only path (see RecurrentState)
             if started is not None:   # a document that began in this chunk read the initial memory
                 path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
@@ -356,7 +361,7 @@ class ElephantLM(nn.Module):
         append and the memory update. Returns (the final normalized hidden states (B, T, D), new
         state without the memory path, the write slots' outputs detached (with `want_written`),
         the lanes whose last document began in this chunk (packed) or None, the memory gates or
-        None). What compile_for("model") compiles."""
+        None, the initial memory's prefix it used or None). What compile_for("model") compiles."""
         B, T = tokens.shape
         cfg = self.cfg
         if reset is not None:
@@ -382,8 +387,8 @@ class ElephantLM(nn.Module):
             if M:
                 last_seg = tok_seg[:, -1:]
                 seg = torch.cat([tok_seg.new_zeros(B, M), tok_seg, last_seg.expand(B, M)], dim=1)
-                if prefix is None:
-                    prefix = self.init_prefix(x.dtype)
+                if prefix is None:   # in this chunk's graph, not a graph of its own
+                    prefix = self._prefix(x.dtype)
                 elif len(prefix) != len(self.blocks):
                     raise ValueError(f"prefix must hold one entry per block ({len(self.blocks)}), "
                                      f"got {len(prefix)}: pass model.init_prefix()")
@@ -442,7 +447,7 @@ class ElephantLM(nn.Module):
             x = x[:, M:M + T]
         else:
             gate = None
-        return self.norm_f(x), new, written, started, gate
+        return self.norm_f(x), new, written, started, gate, prefix
 
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
         """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
@@ -491,6 +496,11 @@ class ElephantLM(nn.Module):
         these are exactly its prefix's keys/values (attention: (k, v), (1, H, M, hd)) and Mamba
         state after the prefix ((conv tail (conv_dim, d_conv - 1), SSM state (H, P, N))); a
         document that starts inside a chunk is given them instead of its lane's read memory."""
+        return self._prefix(dtype)
+
+    def _prefix(self, dtype=None) -> list[tuple]:
+        """init_prefix itself: never compiled on its own, so that a compiled chunk step that needs
+        the prefix traces it into its own graph."""
         cfg = self.cfg
         x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
         pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)

@@ -101,6 +101,11 @@ class RecurrentState:
     # path tensor with the leaf the next chunks read, for `backward_memory_path()`.
     memory_path: Tensor | None = None
     links: list = field(default_factory=list)
+    # Packed documents (training and evaluation; never saved): the initial memory's prefix
+    # (`ElephantLM.init_prefix`) that the first chunk with an inner start computed, for the later
+    # chunks of the same backpropagated window. A detach or a clone drops it (the parameters may
+    # change before the next window), so it never outlives the graph it was computed in.
+    prefix: list | None = None
 
     @property
     def lanes(self) -> int:

@@ -319,23 +319,23 @@ class Trainer:
         graphs = cfg.train.compile == "graphs"
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        loss, prefix = 0.0, None
+        loss = 0.0
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
             # packed rows: the boundary path only for chunks where a document starts inside
-            # (the batcher's host-side flag); a start at token 0 is the reset flag
+            # (the batcher's host-side flag); a start at token 0 is the reset flag. The initial
+            # memory's prefix is computed by the window's first such chunk, in its own step, and
+            # the state carries it to the later ones (RecurrentState.prefix)
             starts = to_device(b.starts, rt.device) if cfg.data.pack and b.inner_starts else None
             with rt.autocast():
-                if starts is not None and cfg.model.n_mem and prefix is None:
-                    # the initial memory's prefix once for the chunks backpropagated together
-                    prefix = self.model.init_prefix()
                 nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
                                         targets=tokens[:, 1:],
                                         loss_mask=to_device(b.loss_mask, rt.device),
-                                        reduction="sum", starts=starts, prefix=prefix)
+                                        reduction="sum", starts=starts)
             loss = loss + nll
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
+        state.prefix = None   # its graph is spent: the next window computes its own
         if graphs:  # the state goes on past this step: out of the graphs' memory
             state = state.clone()
         return state, loss.detach().double()

@@ -1,7 +1,8 @@
 """The fast ways of the packed path on CUDA (issue 11): the masked conv held equal to its indexing
 reference (eager and compiled, fp32 and bf16, values and gradients), and the trainer's flow (the
-initial-memory prefix once per step, the plain path for chunks without an inner start) with compiled
-blocks: no recompiles once warm, and the gradients of the per-chunk prefix.
+initial-memory prefix once per step, carried by the state from the first chunk that needs it, the
+plain path for chunks without an inner start) with compiled blocks: no recompiles once warm, and the
+gradients of the per-chunk prefix; as CUDA graphs, the same losses and gradients as eager.
 
 Run on a CUDA machine: `python -m pytest -m gpu tests/test_gpu_packing.py`.
 """
@@ -109,19 +110,19 @@ def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
 
     def step(c, shared):
         """One trainer step of two chunks: the first with inner starts, the second (odd steps)
-        without, which then goes without `starts` as the trainer sends it."""
-        loss, prefix, state = 0.0, None, step.state
+        without, which then goes without `starts` as the trainer sends it. shared: the prefix of
+        the first chunk carried on by the state (the trainer's way), else computed in every chunk."""
+        loss, state = 0.0, step.state
         for j in range(2):
             tokens = torch.randint(0, 512, (B, T + 1), generator=gen).cuda()
             starts = (torch.rand(B, T, generator=gen) < 0.05).cuda()
             starts[0, 17] = True
             if j == 1 and c % 2:
                 starts = None
-            if starts is not None and shared and prefix is None:
-                prefix = model.init_prefix()
+            if state is not None and not shared:
+                state.prefix = None
             reset = torch.zeros(B, dtype=torch.bool, device="cuda")
-            nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], starts=starts,
-                               prefix=prefix if shared else None)
+            nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:], starts=starts)
             loss = loss + nll
         loss.backward()
         step.state = state.detach()
@@ -218,13 +219,15 @@ def test_cuda_graph_steps_equal_the_eager_steps():
         data.append((tokens, None if c % 3 == 2 else starts))
 
     def run(model, cuda_graphs):
+        """Eager: the prefix computed by a call of its own and passed in; as CUDA graphs: the
+        trainer's way, in the step of the first chunk that needs it, carried on by the state."""
         state, out = None, []
         for s in range(steps):
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             loss, prefix = 0.0, None
             for tokens, starts in data[2 * s:2 * s + 2]:
-                if starts is not None and prefix is None:
+                if starts is not None and prefix is None and not cuda_graphs:
                     prefix = model.init_prefix()
                 nll, state = model(tokens[:, :-1], state, targets=tokens[:, 1:], starts=starts,
                                    prefix=prefix)

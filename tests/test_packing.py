@@ -290,30 +290,46 @@ def test_segment_conv_has_no_per_token_indexing_of_the_tail():
 
 # --- the fast ways of feeding packed chunks (what the trainer does) --------------------------------
 
-def test_prefix_computed_once_for_several_chunks_equals_per_chunk():
-    # the initial-memory prefix computed once and shared by the chunks backpropagated together:
-    # the same losses and the same gradients (mem_init included) as computing it in every chunk
+def test_prefix_computed_once_for_several_chunks_equals_per_chunk(monkeypatch):
+    # the initial-memory prefix computed once and shared by the chunks backpropagated together,
+    # either passed in (`prefix`) or computed by the window's first chunk with an inner start and
+    # carried on by the state (the trainer's way): the same losses and the same gradients
+    # (mem_init included) as computing it in every chunk
     model = make(n_mem=3, kv_window=16, bptt_chunks=3)
     T = 12
     gen = torch.Generator().manual_seed(9)
     tokens = torch.randint(0, V, (3, 2, T + 1), generator=gen)
-    starts = [starts_at(2, T, 0, 5), starts_at(2, T, 3, 9), starts_at(2, T, 7)]
-    results = []
-    for shared in (False, True):
+    # the first chunk has no inner start (it goes without `starts`, as the trainer sends it)
+    starts = [None, starts_at(2, T, 3, 9), starts_at(2, T, 7)]
+    computed = []
+    real_prefix = model._prefix
+    monkeypatch.setattr(model, "_prefix", lambda *a: computed.append(1) or real_prefix(*a))
+    results = {}
+    for how in ("chunk", "given", "state"):
         model.zero_grad()
-        prefix = model.init_prefix() if shared else None
-        state, loss = None, 0.0
+        computed.clear()
+        prefix = model.init_prefix() if how == "given" else None
+        state, loss = model.init_state(2), 0.0
         for c in range(3):
+            if how == "chunk":
+                state.prefix = None
             nll, state = model(tokens[c, :, :-1], state, targets=tokens[c, :, 1:], reduction="sum",
                                starts=starts[c], prefix=prefix)
             loss = loss + nll
+            if how == "state":   # computed by the first chunk that needs it, then carried
+                assert (state.prefix is None) == (c == 0)
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                         if p.grad is not None}))
-    (l0, g0), (l1, g1) = results
-    assert (l0 - l1).abs() < 1e-10 and g0.keys() == g1.keys() and "mem_init" in g0
-    for name, g in g0.items():
-        assert (g - g1[name]).abs().max() < 1e-10, name
+        assert len(computed) == {"chunk": 2, "given": 1, "state": 1}[how], how
+        results[how] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                        if p.grad is not None})
+        assert state.detach().prefix is None and state.clone().prefix is None
+    l0, g0 = results["chunk"]
+    assert "mem_init" in g0
+    for how in ("given", "state"):
+        l1, g1 = results[how]
+        assert (l0 - l1).abs() < 1e-10 and g0.keys() == g1.keys(), how
+        for name, g in g0.items():
+            assert (g - g1[name]).abs().max() < 1e-10, (how, name)
 
 
 def test_a_prefix_of_the_wrong_model_is_refused():

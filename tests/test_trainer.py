@@ -320,7 +320,7 @@ def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus
 
 def test_packed_train_step_equals_the_per_chunk_boundary_path(tmp_path, corpus_dir):
     # the trainer's packed step (the boundary path only for chunks with an inner start, the initial
-    # memory's prefix once per step) gives the loss and gradients of feeding every chunk its
+    # memory's prefix once per step, carried by the state) gives the loss and gradients of feeding every chunk its
     # `starts` with the prefix computed in each chunk; parameters held fixed over 8 steps
     from data_packing import RollingChunkBatcher
     run = tmp_path / "packed_eq"
@@ -344,6 +344,7 @@ def test_packed_train_step_equals_the_per_chunk_boundary_path(tmp_path, corpus_d
             count = sum(int(b.loss_mask.sum()) for b in batches)
             loss = 0.0
             for b in batches:
+                state.prefix = None   # the prefix computed in each chunk, not carried
                 nll, state = model(b.tokens[:, :-1], state, b.reset, targets=b.tokens[:, 1:],
                                    loss_mask=b.loss_mask, reduction="sum", starts=b.starts)
                 loss = loss + nll
