@@ -145,6 +145,56 @@ def count_syncs(step, device) -> dict | None:
     return {"count": len(syncs), "where": dict(where.most_common(10))}
 
 
+def phases(trainer, device, steps: int) -> dict:
+    """Where the trainer's step goes, by phase (the windows' forward and backward, the gradient
+    clipping, the optimizer step, the rest of train_step): `host_ms`, how long the host takes to
+    queue each phase with nothing waited for (as in training), and `wall_ms`, how long each takes
+    to finish when the device is waited for before and after it (a phase whose host time is near
+    its wall time is bound by the host: the GPU idles while it is queued). Medians over `steps`."""
+    cuda = torch.device(device).type == "cuda"
+    wrapped = {"windows": (trainer, "_window"), "clip": (trainer.opt, "clip_grad_norm_"),
+               "optimizer": (trainer.opt, "step")}
+    originals = {name: getattr(obj, attr) for name, (obj, attr) in wrapped.items()}
+    spent: dict[str, float] = {}
+    waits = {"on": False}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            if waits["on"] and cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if waits["on"] and cuda:
+                torch.cuda.synchronize()
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return call
+
+    result = {}
+    try:
+        for name, (obj, attr) in wrapped.items():
+            setattr(obj, attr, timed(name, originals[name]))
+        for mode in ("host_ms", "wall_ms"):
+            waits["on"] = mode == "wall_ms"
+            rows = []
+            for _ in range(steps):
+                spent.clear()
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                trainer.train_step()
+                if cuda:
+                    torch.cuda.synchronize()
+                total = time.perf_counter() - t0
+                rows.append({**spent, "rest": total - sum(spent.values()), "step": total})
+            result[mode] = {k: float(np.median([r.get(k, 0.0) for r in rows])) * 1e3
+                            for k in [*wrapped, "rest", "step"]}
+    finally:
+        for name, (obj, attr) in wrapped.items():
+            setattr(obj, attr, originals[name])
+    return result
+
+
 def extras(out: dict, step, args, device, title: str) -> str:
     """Host syncs of a step and the profile into `out`; a failure of either is recorded there
     without losing the timing. Returns the profiler's table."""
@@ -250,6 +300,11 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
            "fill": real / (slots * args.steps), "mfu": mfu(flops, tokens_per_s, device),
            "peak_mem_gb": peak_gb(device), "dynamo": timed,
            "failures": compile_failures(kind, warm, timed, compiled)}
+    if args.phases:
+        try:
+            out["phases"] = phases(trainer, device, args.steps)
+        except Exception as e:
+            out["phases"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     table = extras(out, trainer.train_step, args, device, f"{kind} Trainer.train_step")
     return out, table, trainer
 
@@ -346,6 +401,9 @@ def parse(argv):
     ap.add_argument("--reference-head", action="store_true",
                     help="the loss through the whole logits (ElephantLM.blocked_head off), to A/B "
                          "the blocked linear + cross-entropy")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the trainer's step by phase (windows, clipping, optimizer, "
+                         "rest): host time to queue each, and wall time with waits around each")
     ap.add_argument("--cache", default="/tmp/elephant-cache", help="corpus cache folder")
     ap.add_argument("--out", help="result file (default benchmarks/results/train_speed_<gpu>.json)")
     args = ap.parse_args(argv)

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from .checkpoint import (CheckpointError, check_model_config, init_from, load_checkpoint,
                          newest_intact_checkpoint, read_meta, save_checkpoint, set_aside, set_latest)
@@ -266,10 +267,15 @@ class Trainer:
         window of bptt_chunks (and, with memory and several windows, through the memory updates
         across them: memory-only backpropagation), update.
 
-        One host synchronization per step: reading the loss, after the backward is queued, to skip
-        the update of a non-finite step. The batches go to the device by non-blocking copies and
-        the token count is taken from the host's masks. `grad_norm` is returned as a 0-d device
-        tensor: reading it waits for the GPU, so the loop reads it only when it logs."""
+        One host synchronization per step: reading the loss, to skip the update of a non-finite
+        step. With one window and one lane group (no memory_windows, no grad_accum) it is read
+        after the forward pass and before the backward is queued: while the GPU runs the backward,
+        the host queues the clipping and the optimizer step, whose many small launches would
+        otherwise leave the GPU idle after the read (a non-finite loss then skips the backward
+        too). Else it is read after the last backward is queued. The batches go to the device by
+        non-blocking copies and the token count is taken from the host's masks. `grad_norm` is
+        returned as a 0-d device tensor: reading it waits for the GPU, so the loop reads it only
+        when it logs."""
         rt, cfg = self.rt, self.cfg
         k, windows = cfg.model.bptt_chunks, cfg.train.memory_windows
         memory_path = windows > 1 and cfg.model.n_mem > 0
@@ -282,18 +288,28 @@ class Trainer:
         else:
             count = n_local
             scale = float(np.float32(1) / np.float32(max(n_local, 1)))  # as the float32 division
+
+        def read(total: Tensor) -> tuple[float, int]:
+            """The step's mean loss over every rank and its token count: the step's one sync."""
+            if rt.world > 1:
+                dist.all_reduce(total)
+                loss_, n_ = torch.stack([total / count.clamp(min=1), count]).tolist()
+                return loss_, int(n_)
+            return (total / max(count, 1)).item(), count
+
+        early: dict = {}
+        check = None
+        if len(groups) == 1 and windows == 1:
+            def check(window_loss: Tensor) -> bool:
+                early["read"] = read(window_loss.clone())
+                return math.isfinite(early["read"][0])
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
             self.states[g], losses = backprop_windows(
                 self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
-                lambda window, state: self._window(window, state, scale), memory_path)
+                lambda window, state: self._window(window, state, scale, check), memory_path)
             total += sum(losses)
-        if rt.world > 1:
-            dist.all_reduce(total)
-            loss, n_tokens = torch.stack([total / count.clamp(min=1), count]).tolist()
-            n_tokens = int(n_tokens)
-        else:
-            loss, n_tokens = (total / max(count, 1)).item(), count  # the step's one sync
+        loss, n_tokens = early["read"] if early else read(total)
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
@@ -312,9 +328,10 @@ class Trainer:
         self.tokens_seen += n_tokens
         return out
 
-    def _window(self, batches: list, state, scale) -> tuple:
+    def _window(self, batches: list, state, scale, check=None) -> tuple:
         """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
-        return (the state after them, the summed loss as a float64 tensor)."""
+        return (the state after them, the summed loss as a float64 tensor). `check`: called with
+        that loss before the backward; False skips the backward (a step that is not updated)."""
         rt, cfg = self.rt, self.cfg
         graphs = cfg.train.compile == "graphs"
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
@@ -334,7 +351,8 @@ class Trainer:
                                         reduction="sum", starts=starts)
             loss = loss + nll
         # the optimizers average gradients over ranks: scale so the average is the global mean
-        (loss * scale).backward()
+        if check is None or check(loss.detach().double()):
+            (loss * scale).backward()
         state.prefix = None   # its graph is spent: the next window computes its own
         if graphs:  # the state goes on past this step: out of the graphs' memory
             state = state.clone()

@@ -1,6 +1,7 @@
 """train.py and the Trainer: config errors, exact resume after SIGKILL, data parallel == one
 process, non-finite losses, refused checkpoints."""
 import json
+import math
 import os
 import random
 import signal
@@ -456,3 +457,40 @@ def test_training_graphs_serve_training_with_gradients_only():
     model.eval()
     fn()
     assert calls == ["graphs", "plain", "plain"]
+
+
+def test_the_loss_is_read_before_the_backward_and_a_non_finite_one_skips_it(tmp_path, corpus_dir):
+    # one window, one lane group: the step's one read of the loss comes after the forward pass and
+    # before the backward is queued (so the host can queue the optimizer while the GPU runs the
+    # backward); a non-finite loss then skips the backward itself, and the step's update
+    cfg = load_config(ROOT / "configs/tiny.toml", overrides(tmp_path / "early", corpus_dir))
+    trainer = Trainer(cfg, progress=False)
+    try:
+        events = []
+        real_item = torch.Tensor.item
+
+        def item(t):
+            events.append("read")
+            return real_item(t)
+        weight = trainer.model.embed.weight
+        weight.register_hook(lambda g: events.append("backward") or g)
+        forward = trainer.model.forward
+        poison = {"on": False}
+
+        def poisoned(*args, **kw):
+            out, state = forward(*args, **kw)
+            return (out * float("nan") if poison["on"] else out), state
+        trainer.model.forward = poisoned
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "item", item)
+            out = trainer.train_step()
+            assert events[:2] == ["read", "backward"] and events.count("read") == 1, events
+            assert math.isfinite(out["loss"]) and "skipped" not in out
+            before = weight.detach().clone()
+            events.clear()
+            poison["on"] = True
+            out = trainer.train_step()
+        assert out["skipped"] and events == ["read"], events        # no backward ran
+        assert torch.equal(weight.detach(), before)
+    finally:
+        trainer.close()
