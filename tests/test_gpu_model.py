@@ -283,3 +283,23 @@ def test_cuda_graph_evaluation_equals_the_plain_path(compiled):
                      cuda_graph=True)
     assert graph["tokens"] == plain["tokens"] and graph["documents"] == plain["documents"]
     assert abs(graph["nll_sum"] - plain["nll_sum"]) <= 1e-6 * abs(plain["nll_sum"])
+
+
+def test_weight_gradient_accumulates_inside_the_matmul_on_cuda():
+    """head._acc_mm: bf16 products summed into a float32 total by the matmul itself, in place,
+    at least as close to the float64 sum as the product rounded to bf16 and added (the old way)."""
+    from elephant.layers import head
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    pairs = [(torch.randn(512, 300, device="cuda", generator=gen).bfloat16(),
+              torch.randn(300, 64, device="cuda", generator=gen).bfloat16()) for _ in range(3)]
+    want = sum(a.double() @ b.double() for a, b in pairs)
+    total = None
+    for a, b in pairs:
+        before = total
+        total = head._acc_mm(total, a, b, torch.float32)
+        assert before is None or total.data_ptr() == before.data_ptr()   # summed in place
+    assert head.ACC_IN_MATMUL and total.dtype == torch.float32
+    old = None
+    for a, b in pairs:
+        old = head._acc(old, a @ b, torch.float32)
+    assert rel(total, want) <= rel(old, want) and rel(total, want) < 1e-5

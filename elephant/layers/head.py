@@ -139,6 +139,28 @@ def _acc(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
     return total + part if torch.compiler.is_compiling() else total.add_(part)
 
 
+# CUDA, half-precision products summed in float32: the matmul writes into the float32 sum itself
+# (addmm with out_dtype), instead of making a half-precision (V, D) product and adding it in a pass
+# of its own (two reads and a write of the whole weight gradient per block); False after a failure
+ACC_IN_MATMUL = True
+
+
+def _acc_mm(total: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """total + a @ b accumulated in `dtype` (see _acc). On CUDA with bfloat16/float16 factors and a
+    float32 sum, eager: the product goes straight into the float32 sum inside the matmul (its
+    float32 accumulator is not rounded to half precision first)."""
+    global ACC_IN_MATMUL
+    if (ACC_IN_MATMUL and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+            and dtype == torch.float32 and not torch.compiler.is_compiling()):
+        try:
+            if total is None:
+                return torch.mm(a, b, out_dtype=dtype)
+            return torch.addmm(total, a, b, out_dtype=dtype, out=total)
+        except (RuntimeError, TypeError, NotImplementedError):   # a torch without it: the add pass
+            ACC_IN_MATMUL = False
+    return _acc(total, a @ b, dtype)
+
+
 def _fusable(z: Tensor) -> bool:
     return z.is_cuda and z.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
@@ -220,7 +242,7 @@ class _SummedNLL(torch.autograd.Function):
                 if need_h:
                     grad_h.append(dz @ wc)                               # (n, D)
                 if need_w:
-                    grad_w = _acc(grad_w, dz.t() @ hc[rows], out_dtype)  # (V, D)
+                    grad_w = _acc_mm(grad_w, dz.t(), hc[rows], out_dtype)  # (V, D)
         if total is None:   # no rows
             total = hc.new_zeros((), dtype=out_dtype)
         grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
@@ -273,7 +295,7 @@ class _PerTokenNLL(torch.autograd.Function):
             if need_h:
                 grad_h.append(dz @ wc)
             if need_w:
-                grad_w = _acc(grad_w, dz.t() @ hc[rows], out_dtype)
+                grad_w = _acc_mm(grad_w, dz.t(), hc[rows], out_dtype)
         grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
         if need_w and grad_w is None:
             grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
