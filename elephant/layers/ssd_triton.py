@@ -436,6 +436,19 @@ def _blocks(p: int, n: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n))
 
 
+def _state_pass_launch(pn: int, backward: bool, has_seg: bool) -> tuple[int, int]:
+    """(state elements per program, warps) of a state pass. A pass walks its chunks in order, one
+    dependent load per chunk, so it is bound by how many loads each thread keeps in flight, not by
+    the memory's bandwidth: few warps over large blocks measured fastest on an H100
+    (benchmarks/bench_state_pass.py, P = N = 64, against 1024 x 4 warps before: forward 2048 x 1
+    89 us against 173, with segments 102 against 204; backward 4096 x 8 142 us against 231, with
+    segments, whose loop holds more, 256 x 1 228 us against 339)."""
+    if backward:
+        return (min(256, triton.next_power_of_2(pn)), 1) if has_seg else \
+            (min(4096, triton.next_power_of_2(pn)), 8)
+    return min(2048, triton.next_power_of_2(pn)), 1
+
+
 def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -451,11 +464,11 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q):
         *x.stride(), *dt.stride(), *B.stride(),
         Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=False, num_warps=4)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
-    block = min(1024, triton.next_power_of_2(p * n))
+    block, warps = _state_pass_launch(p * n, backward=False, has_seg=has_seg)
     _state_pass_fwd_kernel[(triton.cdiv(p * n, block), b, h)](
         states, init if init is not None else final, sinit if has_sinit else final, final, cs, seg,
         h, nc, p * n, Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg,
-        HAS_SINIT=has_sinit, num_warps=4)
+        HAS_SINIT=has_sinit, num_warps=warps)
     y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     _chunk_scan_fwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, y,
@@ -485,7 +498,7 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
         *dy.stride(), *dt.stride(), *C.stride(),
         Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         num_warps=4)
-    block = min(1024, triton.next_power_of_2(p * n))
+    block, warps = _state_pass_launch(p * n, backward=True, has_seg=has_seg)
     nblk = triton.cdiv(p * n, block)
     dcs_end = torch.empty(b, h, nc, nblk, **f32)
     dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
@@ -494,7 +507,7 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
         dstates, states, dfinal.float().contiguous(), dinit if dinit is not None else dcs_end,
         dcs_end, cs, seg, sinit if has_sinit else dcs_end, dnew, dsinit if has_sinit else dcs_end,
         h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None,
-        HAS_SEG=has_seg, HAS_SINIT=has_sinit, num_warps=4)
+        HAS_SEG=has_seg, HAS_SINIT=has_sinit, num_warps=warps)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
     dB = torch.empty(b, l, h, n, **f32)

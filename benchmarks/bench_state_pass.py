@@ -1,0 +1,126 @@
+"""The SSD scan's two state passes alone (ssd_triton's _state_pass_fwd_kernel and
+_state_pass_bwd_kernel), over launch configurations: how far from streaming their memory they run.
+
+    python benchmarks/bench_state_pass.py     # CUDA: benchmarks/results/state_pass_<gpu>.json
+
+The passes walk a lane's chunks in order (the state entering chunk c needs chunk c - 1's), so each
+program loops over the chunks of one (lane, head) block of the (P x N) state. Shape: one chunk step
+of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 16 heads, P = N = 64, chunks of 64 tokens
+(9 chunks); no segments. Each configuration (elements per program, warps) is timed by CUDA events
+(median of --iters after --warmup) and given as GB/s of the float32 states it must read and write
+(forward: read and write the states; backward: read the gradients and the states, write the
+gradients). The results are checked equal to the default configuration's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import environment, result_path, timer  # noqa: E402
+from elephant.layers import ssd_triton  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--segments", action="store_true",
+                    help="with document boundaries and the segments' initial state (packed rows)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_state_pass needs CUDA")
+    device = torch.device("cuda")
+    b, h, p, n, Q = 32, 16, 64, 64, 64
+    nc = -(-(8 + 512 + 8) // Q)
+    pn = p * n
+    gen = torch.Generator(device=device).manual_seed(0)
+    own = torch.randn(b, nc, h, pn, device=device, generator=gen) * 0.1
+    cs = -torch.rand(b, h, nc, Q, device=device, generator=gen).cumsum(-1) * 0.01
+    init = torch.randn(b, h, pn, device=device, generator=gen) * 0.1
+    dfinal = torch.randn(b, h, pn, device=device, generator=gen)
+    from_y = torch.randn(b, nc, h, pn, device=device, generator=gen)
+    start, stop = timer(device)
+    state_bytes = own.numel() * 4
+
+    # --segments: packed documents, a boundary every ~150 tokens, and the segments' initial state
+    seg = (torch.rand(b, nc * Q, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
+    sinit = torch.randn(h, pn, device=device, generator=gen) * 0.1
+    dnew = torch.randn(b, nc, h, pn, device=device, generator=gen)
+    S = args.segments
+
+    def fwd(block, warps):
+        states, final = own.clone(), torch.empty_like(init)
+        ssd_triton._state_pass_fwd_kernel[(triton_cdiv(pn, block), b, h)](
+            states, init, sinit if S else final, final, cs, seg if S else cs, h, nc, pn, Q=Q,
+            BLOCK=block, HAS_INIT=True, HAS_SEG=S, HAS_SINIT=S, num_warps=warps)
+        return states, final
+
+    def bwd(block, warps, states):
+        nblk = triton_cdiv(pn, block)
+        dstates = from_y.clone()
+        dcs_end = torch.empty(b, h, nc, nblk, device=device)
+        dinit = torch.empty_like(init)
+        dsinit = torch.empty_like(init)
+        ssd_triton._state_pass_bwd_kernel[(nblk, b, h)](
+            dstates, states, dfinal, dinit, dcs_end, cs, seg if S else cs,
+            sinit if S else dcs_end, dnew if S else dcs_end, dsinit if S else dcs_end,
+            h, nc, pn, nblk, Q=Q, BLOCK=block, HAS_INIT=True, HAS_SEG=S, HAS_SINIT=S,
+            num_warps=warps)
+        return dstates, dinit, dcs_end.sum(-1)
+
+    def timed(fn):
+        times = []
+        for i in range(args.warmup + args.iters):
+            t = start()
+            fn()
+            ms = stop(t)
+            if i >= args.warmup:
+                times.append(ms)
+        return statistics.median(times)
+
+    # the clone each call makes is timed apart and taken off
+    clone_ms = timed(lambda: own.clone())
+    ref_states, ref_final = fwd(1024, 4)   # the configuration before this benchmark
+    ref_b = bwd(1024, 4, ref_states)
+    rows = []
+    for block in (256, 512, 1024, 2048, 4096):
+        for warps in (1, 2, 4, 8, 16):
+            if block // (32 * warps) < 1:
+                continue
+            try:
+                states, final = fwd(block, warps)
+                got_b = bwd(block, warps, states)
+                same = (torch.allclose(states, ref_states) and torch.allclose(final, ref_final)
+                        and all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(got_b, ref_b)))
+                f_ms = max(timed(lambda: fwd(block, warps)) - clone_ms, 1e-6)
+                b_ms = max(timed(lambda: bwd(block, warps, ref_states)) - clone_ms, 1e-6)
+                rows.append({"block": block, "warps": warps, "fwd_us": f_ms * 1e3, "bwd_us": b_ms * 1e3,
+                             "fwd_gb_s": 2 * state_bytes / f_ms / 1e6,
+                             "bwd_gb_s": 3 * state_bytes / b_ms / 1e6, "equal": same})
+            except Exception as e:  # record and go on
+                rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(json.dumps(rows[-1]), flush=True)
+    out = {**environment(device),
+           "command": "python benchmarks/bench_state_pass.py" + (" --segments" if S else ""),
+           "segments": S,
+           "shape": {"lanes": b, "heads": h, "P": p, "N": n, "chunk": Q, "chunks": nc},
+           "state_mb": state_bytes / 2**20, "clone_us": clone_ms * 1e3, "configs": rows,
+           "before": {"block": 1024, "warps": 4}}
+    path = result_path("state_pass_segments" if S else "state_pass", False)
+    path.write_text(json.dumps(out, indent=1))
+    print("wrote", path)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+if __name__ == "__main__":
+    main()
