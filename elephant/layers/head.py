@@ -156,6 +156,8 @@ def _acc_mm(total: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> T
             if total is None:
                 return torch.mm(a, b, out_dtype=dtype)
             return torch.addmm(total, a, b, out_dtype=dtype, out=total)
+        except torch.OutOfMemoryError:
+            raise
         except (RuntimeError, TypeError, NotImplementedError):   # a torch without it: the add pass
             ACC_IN_MATMUL = False
     return _acc(total, a @ b, dtype)
