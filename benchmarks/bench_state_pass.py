@@ -6,10 +6,11 @@ _state_pass_bwd_kernel), over launch configurations: how far from streaming thei
 The passes walk a lane's chunks in order (the state entering chunk c needs chunk c - 1's), so each
 program loops over the chunks of one (lane, head) block of the (P x N) state. Shape: one chunk step
 of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 16 heads, P = N = 64, chunks of 64 tokens
-(9 chunks); no segments. Each configuration (elements per program, warps) is timed by CUDA events
-(median of --iters after --warmup) and given as GB/s of the float32 states it must read and write
-(forward: read and write the states; backward: read the gradients and the states, write the
-gradients). The results are checked equal to the default configuration's.
+(9 chunks); with --segments, a document boundary every ~150 tokens and the segments' initial
+state (the packed path's kernels). Each configuration (elements per program, warps) is timed by
+CUDA events (median of --iters after --warmup) and given as GB/s of the float32 states it must
+read and write (forward: read and write the states; backward: read the gradients and the states,
+write the gradients). The results are checked equal to those of the launch used before (1024 x 4 warps).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -38,7 +40,7 @@ def main() -> None:
         sys.exit("error: bench_state_pass needs CUDA")
     device = torch.device("cuda")
     b, h, p, n, Q = 32, 16, 64, 64, 64
-    nc = -(-(8 + 512 + 8) // Q)
+    nc = triton.cdiv(8 + 512 + 8, Q)
     pn = p * n
     gen = torch.Generator(device=device).manual_seed(0)
     own = torch.randn(b, nc, h, pn, device=device, generator=gen) * 0.1
@@ -57,13 +59,13 @@ def main() -> None:
 
     def fwd(block, warps):
         states, final = own.clone(), torch.empty_like(init)
-        ssd_triton._state_pass_fwd_kernel[(triton_cdiv(pn, block), b, h)](
+        ssd_triton._state_pass_fwd_kernel[(triton.cdiv(pn, block), b, h)](
             states, init, sinit if S else final, final, cs, seg if S else cs, h, nc, pn, Q=Q,
             BLOCK=block, HAS_INIT=True, HAS_SEG=S, HAS_SINIT=S, num_warps=warps)
         return states, final
 
     def bwd(block, warps, states):
-        nblk = triton_cdiv(pn, block)
+        nblk = triton.cdiv(pn, block)
         dstates = from_y.clone()
         dcs_end = torch.empty(b, h, nc, nblk, device=device)
         dinit = torch.empty_like(init)
@@ -116,10 +118,6 @@ def main() -> None:
     path = result_path("state_pass_segments" if S else "state_pass", False)
     path.write_text(json.dumps(out, indent=1))
     print("wrote", path)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if __name__ == "__main__":

@@ -353,7 +353,6 @@ class Trainer:
         # the optimizers average gradients over ranks: scale so the average is the global mean
         if check is None or check(loss.detach().double()):
             (loss * scale).backward()
-        state.prefix = None   # its graph is spent: the next window computes its own
         if graphs:  # the state goes on past this step: out of the graphs' memory
             state = state.clone()
         return state, loss.detach().double()
