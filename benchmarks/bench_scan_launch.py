@@ -1,0 +1,139 @@
+"""The SSD scan's forward and backward (ssd_triton._fwd and _bwd: chunk_state, state pass,
+chunk_scan, and the sums after them) over the chunk-scan kernels' launch: heads per program,
+warps and pipeline stages.
+
+    python benchmarks/bench_scan_launch.py [--segments]   # CUDA: benchmarks/results/scan_launch[_segments]_<gpu>.json
+
+A chunk-scan program may take several heads of one B/C group: B, C and C B^T are then loaded and
+formed once for them, and the backward sums their dB and dC in registers instead of writing them per
+head (b, l, h, n) in float32 and summing over heads after the kernel. Shape: one chunk step of the
+wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 16 heads of 64 in one group, d_state 64, chunks
+of 64, bfloat16; with --segments, a document boundary every ~150 tokens and the segments' initial
+state (the packed path's kernels). Each configuration is timed by CUDA events (median of --iters
+after --warmup) and its every output checked against those of the launch before this benchmark
+(one head per program; forward 4 warps, backward 8).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import environment, result_path, timer  # noqa: E402
+from elephant.layers import ssd_triton  # noqa: E402
+
+BEFORE = {"fwd": (1, 4, None), "bwd": (1, 8, None)}
+
+
+def close(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = a.float(), b.float()
+    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < 2e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--segments", action="store_true",
+                    help="with document boundaries and the segments' initial state (packed rows)")
+    ap.add_argument("--heads", default="1,2,4,8,16")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="0,1,2", help="0: Triton's default")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_scan_launch needs CUDA")
+    device = torch.device("cuda")
+    b, l, h, g, p, n, Q = 32, 8 + 512 + 8, 16, 1, 64, 64, 64
+    nc = triton.cdiv(l, Q)
+    S = args.segments
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    x = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
+    dt = (torch.rand(b, l, h, generator=gen, device=device) * 0.1 + 0.01)
+    A = -torch.rand(h, generator=gen, device=device) - 0.5
+    Bm = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
+    Cm = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
+    D = torch.randn(h, device=device, generator=gen)
+    init = torch.randn(b, h, p, n, device=device, generator=gen) * 0.1
+    dy = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
+    dfinal = torch.randn(b, h, p, n, device=device, generator=gen)
+    if S:
+        seg = (torch.rand(b, l, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
+        segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).contiguous()
+        cs = ssd_triton._segment_cumsum_op((dt * A).contiguous(), segp, Q)
+        sinit = torch.randn(h, p, n, device=device, generator=gen) * 0.1
+    else:
+        segp, sinit = None, None
+        dA = torch.nn.functional.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+        cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
+    del bf
+    start, stop = timer(device)
+
+    def fwd(launch):
+        return ssd_triton._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
+
+    def bwd(launch, states):
+        return ssd_triton._bwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, states, dy, dfinal, Q,
+                               launch=launch)
+
+    def timed(fn):
+        times = []
+        for i in range(args.warmup + args.iters):
+            t = start()
+            fn()
+            ms = stop(t)
+            if i >= args.warmup:
+                times.append(ms)
+        return statistics.median(times)
+
+    ref_f = fwd(BEFORE["fwd"])
+    ref_b = bwd(BEFORE["bwd"], ref_f[2])
+    rows = []
+    configs = itertools.product([int(v) for v in args.heads.split(",")],
+                                [int(v) for v in args.warps.split(",")],
+                                [int(v) for v in args.stages.split(",")])
+    for hpp, warps, stages in configs:
+        launch = (hpp, warps, stages or None)
+        row = {"heads_per_program": hpp, "warps": warps, "stages": stages or "default"}
+        try:
+            got_f = fwd(launch)
+            got_b = bwd(launch, ref_f[2])
+            row["equal_fwd"] = all(close(a, r) for a, r in zip(got_f, ref_f))
+            row["equal_bwd"] = all(close(a, r) for a, r in zip(got_b, ref_b))
+            row["fwd_us"] = timed(lambda: fwd(launch)) * 1e3
+            row["bwd_us"] = timed(lambda: bwd(launch, ref_f[2])) * 1e3
+        except Exception as e:  # record and go on (a configuration may not fit)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ok = [r for r in rows if "error" not in r]
+    best = {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
+            for k in ("fwd", "bwd")}
+    before = {k: next((r[f"{k}_us"] for r in ok if (r["heads_per_program"], r["warps"],
+                       r["stages"]) == (BEFORE[k][0], BEFORE[k][1], "default")), None)
+              for k in ("fwd", "bwd")}
+    cmd = "python benchmarks/bench_scan_launch.py" + (" --segments" if S else "")
+    out = {**environment(device), "command": cmd, "segments": S,
+           "shape": {"lanes": b, "tokens": l, "heads": h, "groups": g, "P": p, "N": n, "chunk": Q,
+                     "dtype": "bfloat16"},
+           "before": {k: {"launch": BEFORE[k], "us": before[k]} for k in before},
+           "best": best, "configs": rows}
+    path = result_path("scan_launch_segments" if S else "scan_launch", False)
+    path.write_text(json.dumps(out, indent=1))
+    print("before", json.dumps(out["before"]))
+    print("best", json.dumps(best))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
