@@ -1,6 +1,5 @@
 """The SSD scan: the chunked reference equals the token-by-token recurrence, the Triton kernels (in the
 interpreter here; on CUDA in test_gpu_ssd.py) equal the chunked reference, and ssd_scan dispatches."""
-import functools
 import os
 
 import pytest
@@ -425,30 +424,6 @@ def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
     y, s, g_tri = grads(_with_init(ssd_triton, seg, chunk_size=16), inputs)
     y_ref, s_ref, g_ref = grads(_with_init(ssd_chunked, seg, chunk_size=16), inputs)
     assert_close_outputs(inputs, (y, s, g_tri), (y_ref, s_ref, g_ref))
-
-
-@pytest.mark.parametrize("hpp", [2, 4])
-@pytest.mark.parametrize("g", [1, 2])
-@pytest.mark.parametrize("segments", [False, True])
-def test_triton_heads_per_program_equals_chunked(hpp, g, segments, monkeypatch):
-    # a chunk-scan program over several heads of one B/C group (C B^T formed once, dB and dC
-    # summed over the heads in registers) gives the reference's values and every gradient; with
-    # two groups a program never takes heads of both (hpp 4 of 4 heads falls to 2 per group)
-    _needs_triton()
-    from elephant.layers import ssd_triton as st
-    monkeypatch.setattr(st, "SCAN_LAUNCH", {"fwd": (hpp, 4, None), "bwd": (hpp, 4, None)})
-    assert st._scan_launch(4 // g, 16, 16, 16, backward=True)[0] == min(hpp, 4 // g)
-    l, rows = 37, [[0, 1, 2, 16, 32, 36], [5, 6, 17]]
-    inputs = make_inputs(2, l, 4, g, 16, 16, dtype=torch.float32, init=True, D=True)
-    if segments:
-        seg = seg_from_starts(l, rows)
-        s_init = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(7)) * 0.5
-        inputs = inputs + [s_init.requires_grad_()]
-        fns = [_with_init(fn, seg, chunk_size=16) for fn in (st.ssd_triton, ssd_chunked)]
-    else:
-        fns = [functools.partial(fn, chunk_size=16) for fn in (st.ssd_triton, ssd_chunked)]
-    got, want = grads(fns[0], inputs), grads(fns[1], inputs)
-    assert_close_outputs(inputs, got, want)
 
 
 def test_triton_segment_cumsum_is_its_own_segments_sum():

@@ -250,11 +250,16 @@ if HAS_TRITON:
                            b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP)
 
 
-def _blocks() -> tuple[int, int]:
-    """(tokens, channels) per program: small under the interpreter, 32 x 128 on the GPU."""
+# (tokens, channels, warps) per program on the GPU, forward and backward; set from
+# benchmarks/bench_conv_launch.py
+LAUNCH = {"fwd": (32, 128, 4), "bwd": (32, 128, 4)}
+
+
+def _blocks(backward: bool) -> tuple[int, int, int]:
+    """(tokens, channels, warps) per program: small tiles under the interpreter, LAUNCH on the GPU."""
     if _INTERPRET:
-        return 16, 16
-    return 32, 128
+        return 16, 16, 4
+    return LAUNCH["bwd" if backward else "fwd"]
 
 
 def _args(x, seg, since, tail):
@@ -272,14 +277,14 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
-    BL, BC = _blocks()
+    BL, BC, warps = _blocks(False)
     grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
     torch.library.wrap_triton(_conv_fwd_kernel)[grid](
         x, conv_state, weight, bias, seg_, since_, tail_, out, L, C,
         x.stride(0), x.stride(1), x.stride(2),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC)
+        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, num_warps=warps)
     return out
 
 
@@ -289,7 +294,7 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, L, C = x.shape
     K = weight.shape[-1]
-    BL, BC = _blocks()
+    BL, BC, warps = _blocks(True)
     NL = triton.cdiv(L, BL)
     P = B * NL
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
@@ -303,7 +308,8 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
         x.stride(0), x.stride(1), x.stride(2),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, KP=triton.next_power_of_2(K - 1))
+        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, KP=triton.next_power_of_2(K - 1),
+        num_warps=warps)
     # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
     # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
     K1 = K - 1

@@ -276,16 +276,15 @@ if HAVE_TRITON:
         s_db, s_dl, s_dh,
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
-        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HPP: tl.constexpr,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
-        """y for one chunk of HPP heads of one B/C group: the in-chunk quadratic form, the incoming
-        state's part (and S0's for the segments starting in the chunk), and D x. B, C, their
-        product C B^T and the segment masks are formed once for the program's heads."""
+        """y for one chunk: the in-chunk quadratic form, the incoming state's part (and S0's for the
+        segments starting in the chunk), and D x."""
         c = tl.program_id(0)
         b = tl.program_id(1)
-        h0 = tl.program_id(2) * HPP
-        g = h0 // HEADS_PER_GROUP
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
         DT: tl.constexpr = x_ptr.dtype.element_ty
         i = tl.arange(0, Q)
         p = tl.arange(0, BP)
@@ -294,40 +293,37 @@ if HAVE_TRITON:
         tmask = t < L
         qp_mask = tmask[:, None] & (p[None, :] < P)
         qn_mask = tmask[:, None] & (n[None, :] < N)
-        pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
+                    mask=qp_mask, other=0.0).to(tl.float32)                                  # (Q, P)
+        dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
         Bm = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
                      mask=qn_mask, other=0.0)                                                # (Q, N)
         Cm = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
                      mask=qn_mask, other=0.0)                                                # (Q, N)
-        CB = _dot(Cm, tl.trans(Bm), DT, PREC)                                               # (Q, Q)
+        cs = tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + i)
+        s_in = tl.load(states_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :],
+                       mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)                  # (P, N)
+
         causal = i[:, None] >= i[None, :]
         if HAS_SEG:
             seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
             causal = causal & (seg[:, None] == seg[None, :])
-        for k in range(HPP):
-            h = h0 + k
-            x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
-                        mask=qp_mask, other=0.0).to(tl.float32)                              # (Q, P)
-            dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
-            cs = tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + i)
-            s_in = tl.load(states_ptr + (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :],
-                           mask=pn_mask, other=0.0)                                          # (P, N)
-            if HAS_SEG:
-                e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
-            else:
-                e_cs = tl.exp(cs)
-            decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))       # (Q, Q)
-            y = _dot(CB * decay, x * dt[:, None], DT, PREC)
-            y += _dot(Cm, tl.trans(s_in), DT, PREC) * e_cs[:, None]
-            if HAS_SINIT:
-                if seg_end != seg_prev:  # segments start in this chunk: their tokens read S0
-                    s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :],
-                                 mask=pn_mask, other=0.0)                                    # (P, N)
-                    e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
-                    y += _dot(Cm, tl.trans(s0), DT, PREC) * e_new[:, None]
-            if HAS_D:
-                y += tl.load(d_ptr + h).to(tl.float32) * x
-            tl.store(y_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], y, mask=qp_mask)
+            e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
+        else:
+            e_cs = tl.exp(cs)
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
+        M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
+        y = _dot(M, x * dt[:, None], DT, PREC)
+        y += _dot(Cm, tl.trans(s_in), DT, PREC) * e_cs[:, None]
+        if HAS_SINIT:
+            if seg_end != seg_prev:  # segments start in this chunk: their tokens read S0
+                s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :],
+                             mask=(p[:, None] < P) & (n[None, :] < N), other=0.0)            # (P, N)
+                e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                y += _dot(Cm, tl.trans(s0), DT, PREC) * e_new[:, None]
+        if HAS_D:
+            y += tl.load(d_ptr + h).to(tl.float32) * x
+        tl.store(y_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], y, mask=qp_mask)
 
     @triton.jit
     def _chunk_scan_bwd_kernel(
@@ -339,19 +335,16 @@ if HAVE_TRITON:
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
         s_yb, s_yl, s_yh, s_yp,
-        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HPP: tl.constexpr,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
         HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
-        """All gradients of one chunk of HPP heads of one B/C group, given dy and dS_c (the gradient
-        w.r.t. the chunk's own state). (dS0 is formed by chunk_state and state_pass; here S0's term
-        adds to dC and dcs.) B, C, C B^T and the segment masks are formed once for the program's
-        heads, and dB, dC are summed over them in registers: written per block of heads
-        (b, l, H / HPP, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
+        """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
+        (dS0 is formed by chunk_state and state_pass; here S0's term adds to dC and dcs.)
+        dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
-        hb = tl.program_id(2)
-        h0 = hb * HPP
-        g = h0 // HEADS_PER_GROUP
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
         DT: tl.constexpr = x_ptr.dtype.element_ty
         i = tl.arange(0, Q)
         p = tl.arange(0, BP)
@@ -361,81 +354,73 @@ if HAVE_TRITON:
         qp_mask = tmask[:, None] & (p[None, :] < P)
         qn_mask = tmask[:, None] & (n[None, :] < N)
         pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        # x and dy stay in their dtype (registers are the limit here); products upcast to float32
+        x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
+                    mask=qp_mask, other=0.0)                                                 # (Q, P)
+        dy = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
+                     mask=qp_mask, other=0.0)                                                # (Q, P)
+        dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
         Bm = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
                      mask=qn_mask, other=0.0)                                                # (Q, N)
         Cm = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
                      mask=qn_mask, other=0.0)                                                # (Q, N)
-        CB = _dot(Cm, tl.trans(Bm), DT, PREC)                                               # (Q, Q)
+        cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
+        cs = tl.load(cs_base + i)
+        cs_end = tl.load(cs_base + Q - 1)
+        pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
+        xdt = x.to(tl.float32) * dt[:, None]
+
+        # the chunk's own state: S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
+        ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                          # (P, N)
         causal = i[:, None] >= i[None, :]
         if HAS_SEG:
             seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
             causal = causal & (seg[:, None] == seg[None, :])
-        dB_sum = tl.zeros([Q, BN], dtype=tl.float32)
-        dC_sum = tl.zeros([Q, BN], dtype=tl.float32)
-        for k in range(HPP):
-            h = h0 + k
-            # x and dy stay in their dtype (registers are the limit here); products upcast to float32
-            x = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
-                        mask=qp_mask, other=0.0)                                             # (Q, P)
-            dy = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
-                         mask=qp_mask, other=0.0)                                            # (Q, P)
-            dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
-            cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
-            cs = tl.load(cs_base + i)
-            cs_end = tl.load(cs_base + Q - 1)
-            pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
-            xdt = x.to(tl.float32) * dt[:, None]
+            w = tl.exp(tl.where(seg == seg_end, cs_end - cs, float("-inf")))
+            e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
+        else:
+            w = tl.exp(cs_end - cs)
+            e_cs = tl.exp(cs)
+        BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                              # (Q, P)
+        dB = _dot(xdt, ds, DT, PREC) * w[:, None]                                           # (Q, N)
+        dxdt = BdS * w[:, None]                                                             # (Q, P)
+        dw = tl.sum(xdt * BdS, axis=1) * w
+        dcs = tl.where(i == Q - 1, tl.sum(dw, axis=0), 0.0) - dw
 
-            # the chunk's own state: S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
-            ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                      # (P, N)
-            if HAS_SEG:
-                w = tl.exp(tl.where(seg == seg_end, cs_end - cs, float("-inf")))
-                e_cs = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
-            else:
-                w = tl.exp(cs_end - cs)
-                e_cs = tl.exp(cs)
-            BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                          # (Q, P)
-            dB = _dot(xdt, ds, DT, PREC) * w[:, None]                                       # (Q, N)
-            dxdt = BdS * w[:, None]                                                         # (Q, P)
-            dw = tl.sum(xdt * BdS, axis=1) * w
-            dcs = tl.where(i == Q - 1, tl.sum(dw, axis=0), 0.0) - dw
+        # the incoming state's part: y_i += exp(cs_i) H_c C_i
+        s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
+        dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
+        dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
+        if HAS_SINIT:
+            if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
+                s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask, other=0.0)
+                e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
+                dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
 
-            # the incoming state's part: y_i += exp(cs_i) H_c C_i
-            s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                     # (P, N)
-            dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                   # (Q, N)
-            dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
-            if HAS_SINIT:
-                if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
-                    s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask,
-                                 other=0.0)
-                    e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
-                    dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
-                    dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
+        # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
+        dM = _dot(dy, tl.trans(xdt), DT, PREC)                                              # (Q, Q)
+        dK = dM * decay
+        dC += _dot(dK, Bm, DT, PREC)
+        dB += _dot(tl.trans(dK), Cm, DT, PREC)
+        qn_off = ((b * L + t[:, None]) * H + h) * N + n[None, :]
+        tl.store(db_ptr + qn_off, dB, mask=qn_mask)
+        tl.store(dc_ptr + qn_off, dC, mask=qn_mask)
+        M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
+        dxdt += _dot(tl.trans(M), dy, DT, PREC)                                             # (Q, P)
+        R = dM * M
+        dcs += tl.sum(R, axis=1) - tl.sum(R, axis=0)
 
-            # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
-            decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))       # (Q, Q)
-            dM = _dot(dy, tl.trans(xdt), DT, PREC)                                          # (Q, Q)
-            dK = dM * decay
-            dC_sum += dC + _dot(dK, Bm, DT, PREC)
-            dB_sum += dB + _dot(tl.trans(dK), Cm, DT, PREC)
-            M = CB * decay
-            dxdt += _dot(tl.trans(M), dy, DT, PREC)                                         # (Q, P)
-            R = dM * M
-            dcs += tl.sum(R, axis=1) - tl.sum(R, axis=0)
-
-            dx = dxdt * dt[:, None]
-            if HAS_D:
-                dyf = dy.to(tl.float32)
-                xf = x.to(tl.float32)
-                dx += tl.load(d_ptr + h).to(tl.float32) * dyf
-                tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dyf * xf, axis=1), axis=0))
-            tl.store(dx_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], dx, mask=qp_mask)
-            tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
-            tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
-        HB = H // HPP
-        qn_off = ((b * L + t[:, None]) * HB + hb) * N + n[None, :]
-        tl.store(db_ptr + qn_off, dB_sum, mask=qn_mask)
-        tl.store(dc_ptr + qn_off, dC_sum, mask=qn_mask)
+        dx = dxdt * dt[:, None]
+        if HAS_D:
+            dyf = dy.to(tl.float32)
+            xf = x.to(tl.float32)
+            dx += tl.load(d_ptr + h).to(tl.float32) * dyf
+            tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dyf * xf, axis=1), axis=0))
+        tl.store(dx_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], dx, mask=qp_mask)
+        tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
+        tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
 
 
 # float32 inputs: three TF32 tensor-core products per product (about float32 accuracy at a fraction of
@@ -464,24 +449,17 @@ def _state_pass_launch(pn: int, backward: bool, has_seg: bool) -> tuple[int, int
     return min(2048, triton.next_power_of_2(pn)), 1
 
 
-# (heads per program, warps, pipeline stages) of the chunk-scan kernels, forward and backward;
-# to be set from benchmarks/bench_scan_launch.py
-SCAN_LAUNCH = {"fwd": (1, 4, None), "bwd": (1, 8, None)}
-
-
-def _scan_launch(heads_per_group: int, Q: int, BP: int, BN: int, backward: bool,
-                 launch: tuple | None = None) -> tuple[int, dict]:
-    """(heads per program, launch options) of a chunk-scan kernel. A program takes a block of the
-    heads of one B/C group (the largest divisor of heads_per_group up to the configured count):
-    B, C and C B^T are formed once for them, and the backward sums their dB and dC in registers."""
-    hpp, warps, stages = launch or SCAN_LAUNCH["bwd" if backward else "fwd"]
-    hpp = max(d for d in range(1, min(hpp, heads_per_group) + 1) if heads_per_group % d == 0)
-    if not backward and launch is None and max(Q, BP, BN) > 64:
-        warps = max(warps, 8)
-    opts = {"num_warps": warps}
-    if stages is not None:
-        opts["num_stages"] = stages
-    return hpp, opts
+def _scan_launch(backward: bool, has_seg: bool, big: bool) -> dict:
+    """Launch options of a chunk-scan kernel (one program per chunk and head). Measured by
+    benchmarks/bench_scan_launch.py on an H100 at the recipe's shape (bf16, chunks of 64, P = N =
+    64), the whole forward and backward of the scan timed: the backward ran 639 us at 4 warps
+    against 779 at 8 (the launch before), with segments 808 at 4 warps and one stage against 828;
+    the forward is fastest at 4. Tiles of 128 take 8 warps."""
+    if big:
+        return {"num_warps": 8}
+    if backward and has_seg:
+        return {"num_warps": 4, "num_stages": 1}
+    return {"num_warps": 4}
 
 
 def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None):
@@ -505,13 +483,12 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None):
         h, nc, p * n, Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg,
         HAS_SINIT=has_sinit, num_warps=warps)
     y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
-    hpp, opts = _scan_launch(h // g, Q, BP, BN, backward=False, launch=launch)
-    _chunk_scan_fwd_kernel[(nc, b, h // hpp)](
+    _chunk_scan_fwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, y,
         l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, HPP=hpp, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg,
-        HAS_SINIT=has_sinit, **opts)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        **(launch or _scan_launch(False, has_seg, max(Q, BP, BN) > 64)))
     return y, final, states
 
 
@@ -546,24 +523,20 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         HAS_SEG=has_seg, HAS_SINIT=has_sinit, num_warps=warps)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
-    hpp, opts = _scan_launch(h // g, Q, BP, BN, backward=True, launch=launch)
-    dB = torch.empty(b, l, h // hpp, n, **f32)   # summed over each program's heads
-    dC = torch.empty(b, l, h // hpp, n, **f32)
+    dB = torch.empty(b, l, h, n, **f32)
+    dC = torch.empty(b, l, h, n, **f32)
     dcs = torch.empty(b, h, nc, Q, **f32)
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
-    _chunk_scan_bwd_kernel[(nc, b, h // hpp)](
+    _chunk_scan_bwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, dy,
         dstates, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        Q=Q, BP=BP, BN=BN, HPP=hpp, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg,
-        HAS_SINIT=has_sinit, **opts)
+        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
     dcs[..., -1] += dcs_end.sum(-1)
-    if hpp == h // g:  # one program per group: nothing left to sum
-        dB, dC = dB.view(b, l, g, n), dC.view(b, l, g, n)
-    else:
-        dB = dB.view(b, l, g, h // g // hpp, n).sum(3)
-        dC = dC.view(b, l, g, h // g // hpp, n).sum(3)
+    dB = dB.view(b, l, g, h // g, n).sum(3)
+    dC = dC.view(b, l, g, h // g, n).sum(3)
     dD = dD.sum((0, 1)) if dD is not None else None
     dsinit = dsinit.sum(0) if dsinit is not None else None
     return dx, ddt, dcs, dB, dC, dD, dinit, dsinit

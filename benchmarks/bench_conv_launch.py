@@ -1,0 +1,144 @@
+"""The Mamba block's depthwise conv kernels (conv_triton, forward and backward with the weight and
+bias partial sums) over their launch: tokens and channels per program, warps.
+
+    python benchmarks/bench_conv_launch.py [--segments]   # CUDA: benchmarks/results/conv_launch[_segments]_<gpu>.json
+
+Shape: one chunk step of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 1,152 conv
+channels (d_inner 1,024 + 2 x d_state 64) read in place from the in-projection's output (2,192
+columns), width 4, bfloat16; with --segments, a document boundary every ~150 tokens and the
+segments' tail inputs (the packed path). Each configuration is captured as a CUDA graph (eager
+calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
+--iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
+out; backward: read x and the output's gradient, write dx), and its outputs checked against those
+of the launch before this benchmark (32 tokens x 128 channels, 4 warps).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import environment, result_path, timer  # noqa: E402
+from elephant.layers import conv_triton  # noqa: E402
+
+BEFORE = (32, 128, 4)
+
+
+def close(a, b) -> bool:
+    a, b = a.float(), b.float()
+    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < 1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--segments", action="store_true",
+                    help="with document boundaries and the segments' tail inputs (packed rows)")
+    ap.add_argument("--tokens", default="32,16,64")
+    ap.add_argument("--channels", default="128,64,256")
+    ap.add_argument("--warps", default="4,2,8")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: bench_conv_launch needs CUDA")
+    device = torch.device("cuda")
+    B, L, C, K, width = 32, 8 + 512 + 8, 1152, 4, 2192
+    S = args.segments
+    gen = torch.Generator(device=device).manual_seed(0)
+    proj = torch.randn(B, L, width, device=device, generator=gen).to(torch.bfloat16)
+    x = proj[..., 1024:1024 + C]                          # a slice, as the Mamba block reads it
+    state = torch.randn(B, C, K - 1, device=device, generator=gen)
+    weight = torch.randn(C, 1, K, device=device, generator=gen) * 0.3
+    bias = torch.randn(C, device=device, generator=gen) * 0.1
+    g = torch.randn(B, L, C, device=device, generator=gen).to(torch.bfloat16)
+    if S:
+        seg = (torch.rand(B, L, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
+        tail = torch.randn(C, K - 1, device=device, generator=gen)
+        since = conv_triton.segment_since(seg)
+    else:
+        seg = since = tail = None
+    start, stop = timer(device)
+
+    def fwd():
+        return conv_triton._conv_op(x, state, weight, bias, seg, since, tail)
+
+    def bwd():
+        return conv_triton._conv_bwd_op(g, x, state, weight, seg, since, tail)
+
+    def timed(fn):
+        """Median ms of fn replayed as a CUDA graph: the kernels and the small sums after them,
+        without the host's launch time (which in eager mode is longer than the kernels; training
+        replays the chunk step as graphs too)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for i in range(args.warmup + args.iters):
+            t = start()
+            graph.replay()
+            ms = stop(t)
+            if i >= args.warmup:
+                times.append(ms)
+        return statistics.median(times)
+
+    saved = dict(conv_triton.LAUNCH)
+    moved = x.numel() * 2
+    try:
+        conv_triton.LAUNCH.update(fwd=BEFORE, bwd=BEFORE)
+        ref_f, ref_b = fwd(), bwd()
+        rows = []
+        configs = list(itertools.product(*[[int(v) for v in a.split(",")]
+                                           for a in (args.tokens, args.channels, args.warps)]))
+        meta = {"command": "python benchmarks/bench_conv_launch.py" + (" --segments" if S else ""),
+                "segments": S, "chosen": saved, "configs_asked": len(configs),
+                "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
+        for bl, bc, warps in configs:
+            row = {"tokens": bl, "channels": bc, "warps": warps}
+            conv_triton.LAUNCH.update(fwd=(bl, bc, warps), bwd=(bl, bc, warps))
+            try:
+                row["equal_fwd"] = close(fwd(), ref_f)
+                row["equal_bwd"] = all(close(a, r) for a, r in zip(bwd(), ref_b))
+                row["fwd_us"] = timed(fwd) * 1e3
+                row["bwd_us"] = timed(bwd) * 1e3
+                row["fwd_gb_s"] = 2 * moved / row["fwd_us"] / 1e3
+                row["bwd_gb_s"] = 3 * moved / row["bwd_us"] / 1e3
+            except Exception as e:  # record and go on (a configuration may not fit)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write(rows, meta, device)   # after each row: a sweep cut off keeps what it measured
+    finally:
+        conv_triton.LAUNCH.update(saved)
+    out = write(rows, meta, device)
+    print("before", json.dumps(out["before"]))
+    print("best", json.dumps(out["best"]))
+
+
+def write(rows: list, meta: dict, device) -> dict:
+    ok = [r for r in rows if "error" not in r]
+    best = {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
+            for k in ("fwd", "bwd")}
+    before = {k: next((r[f"{k}_us"] for r in ok if (r["tokens"], r["channels"], r["warps"]) == BEFORE),
+                      None) for k in ("fwd", "bwd")}
+    out = {**environment(device), **meta,
+           "before": {"launch": BEFORE, **{f"{k}_us": v for k, v in before.items()}},
+           "best": best, "configs": rows}
+    path = result_path("conv_launch_segments" if meta["segments"] else "conv_launch", False)
+    path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
