@@ -128,21 +128,31 @@ def peak_gb(device) -> float | None:
 
 
 def count_syncs(step, device) -> dict | None:
-    """Host synchronizations of one call of `step()` (CUDA sync debug mode), with where they
-    happen (Python file:line of the op)."""
+    """Host synchronizations of one call of `step()`, with where they happen (Python file:line):
+    those of ops (CUDA sync debug mode) and the host's waits on CUDA events, which that mode does
+    not see (the trainer waits on an event for the loss it copied to the host)."""
     if torch.device(device).type != "cuda":
         return None
     torch.cuda.synchronize()
+    event_waits = []
+    real_wait = torch.cuda.Event.synchronize
+
+    def wait(event):
+        caller = sys._getframe(1)
+        event_waits.append(f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}")
+        return real_wait(event)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = wait
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
-    return {"count": len(syncs), "where": dict(where.most_common(10))}
+            torch.cuda.Event.synchronize = real_wait
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(syncs + event_waits)
+    return {"count": len(syncs) + len(event_waits), "where": dict(where.most_common(10))}
 
 
 def phases(trainer, device, steps: int) -> dict:

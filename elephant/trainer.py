@@ -268,11 +268,13 @@ class Trainer:
         across them: memory-only backpropagation), update.
 
         One host synchronization per step: reading the loss, to skip the update of a non-finite
-        step. With one window and one lane group (no memory_windows, no grad_accum) it is read
-        after the forward pass and before the backward is queued: while the GPU runs the backward,
-        the host queues the clipping and the optimizer step, whose many small launches would
-        otherwise leave the GPU idle after the read (a non-finite loss then skips the backward
-        too). Else it is read after the last backward is queued. The batches go to the device by
+        step. With one window and one lane group (no memory_windows, no grad_accum) the loss's copy
+        to the host is queued right after the forward pass, without waiting, and the backward right
+        after it; the host then waits for the copy (the forward alone) and queues the clipping and
+        the optimizer step while the GPU runs the backward, so the GPU never idles between the
+        forward and the backward, nor while the optimizer's many small launches are queued (a
+        non-finite step has run its backward; its update is skipped and its gradients dropped).
+        Else the loss is read after the last backward is queued. The batches go to the device by
         non-blocking copies and the token count is taken from the host's masks. `grad_norm` is
         returned as a 0-d device tensor: reading it waits for the GPU, so the loop reads it only
         when it logs."""
@@ -289,27 +291,38 @@ class Trainer:
             count = n_local
             scale = float(np.float32(1) / np.float32(max(n_local, 1)))  # as the float32 division
 
-        def read(total: Tensor) -> tuple[float, int]:
-            """The step's mean loss over every rank and its token count: the step's one sync."""
+        def stage(total: Tensor):
+            """Queue the step's mean loss over every rank and its token count for the host, without
+            waiting; the function returned waits for them and returns (loss, tokens): the sync."""
             if rt.world > 1:
                 dist.all_reduce(total)
-                loss_, n_ = torch.stack([total / count.clamp(min=1), count]).tolist()
-                return loss_, int(n_)
-            return (total / max(count, 1)).item(), count
+                values = torch.stack([total / count.clamp(min=1), count])
+            else:
+                values = (total / max(count, 1)).reshape(1)
+            if not values.is_cuda:
+                return lambda: _loss_tokens(values.tolist(), count)
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
 
-        early: dict = {}
-        check = None
+            def wait():
+                done.synchronize()
+                return _loss_tokens(host.tolist(), count)
+            return wait
+
+        staged: list = []
+        on_loss = None
         if len(groups) == 1 and windows == 1:
-            def check(window_loss: Tensor) -> bool:
-                early["read"] = read(window_loss.clone())
-                return math.isfinite(early["read"][0])
+            def on_loss(window_loss: Tensor) -> None:
+                staged.append(stage(window_loss.clone()))
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
             self.states[g], losses = backprop_windows(
                 self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
-                lambda window, state: self._window(window, state, scale, check), memory_path)
+                lambda window, state: self._window(window, state, scale, on_loss), memory_path)
             total += sum(losses)
-        loss, n_tokens = early["read"] if early else read(total)
+        loss, n_tokens = (staged[0] if staged else stage(total))()
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
@@ -328,10 +341,10 @@ class Trainer:
         self.tokens_seen += n_tokens
         return out
 
-    def _window(self, batches: list, state, scale, check=None) -> tuple:
+    def _window(self, batches: list, state, scale, on_loss=None) -> tuple:
         """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
-        return (the state after them, the summed loss as a float64 tensor). `check`: called with
-        that loss before the backward; False skips the backward (a step that is not updated)."""
+        return (the state after them, the summed loss as a float64 tensor). `on_loss`: called with
+        that loss before the backward is queued."""
         rt, cfg = self.rt, self.cfg
         graphs = cfg.train.compile == "graphs"
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
@@ -351,8 +364,9 @@ class Trainer:
                                         reduction="sum", starts=starts)
             loss = loss + nll
         # the optimizers average gradients over ranks: scale so the average is the global mean
-        if check is None or check(loss.detach().double()):
-            (loss * scale).backward()
+        if on_loss is not None:
+            on_loss(loss.detach().double())
+        (loss * scale).backward()
         if graphs:  # the state goes on past this step: out of the graphs' memory
             state = state.clone()
         return state, loss.detach().double()
@@ -528,6 +542,11 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _loss_tokens(values: list, count) -> tuple[float, int]:
+    """(loss, tokens) from the staged values: [loss], or [loss, tokens] summed over ranks."""
+    return (values[0], int(values[1])) if len(values) == 2 else (values[0], count)
 
 
 def _last_byte(path: Path) -> bytes:
