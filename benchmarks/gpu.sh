@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu.sh [tests] [bench] [train] [speed] [train2]   (default: tests bench train)
 #
-#   tests   python -m pytest -m gpu tests/ (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
+#   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS (8) processes with pytest-xdist
+#           (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
 #   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
 #           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
@@ -53,7 +54,12 @@ for stage in $stages; do
   echo "=== $stage $(date -Is)"
   case $stage in
     tests)
-      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
+      # in parallel over GPU_TEST_WORKERS processes on the one GPU (most of the time is compiling,
+      # on the host's cores); pytest-xdist from PyPI, or from wheels carried in .whl/ (the device
+      # machine has no index); without it, serially
+      python -c "import xdist" 2>/dev/null || pip install -q --no-index --find-links .whl pytest-xdist 2>/dev/null
+      par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist worksteal")
+      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=15 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
         echo "--- bench_$b"

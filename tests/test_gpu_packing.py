@@ -100,7 +100,8 @@ def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
     import torch._dynamo
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MAMA", d_mlp=256, d_state=32,
+    # one layer of each kind (compiling is the cost; a deeper stack adds time, not paths)
+    cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MA", d_mlp=256, d_state=32,
                       mamba_head_dim=32, ssd_chunk=32, n_mem=4, kv_window=64, bptt_chunks=2)
     model = ElephantLM(cfg).cuda()
     for block in model.blocks:
@@ -203,7 +204,9 @@ def test_cuda_graph_steps_equal_the_eager_steps():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MAMA", d_mlp=256, d_state=32,
+    # one layer of each kind: compiling is this test's cost (every state structure of the step,
+    # forward and backward), and a deeper stack adds time, not paths
+    cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MA", d_mlp=256, d_state=32,
                       mamba_head_dim=32, ssd_chunk=32, n_mem=4, kv_window=64, bptt_chunks=2)
     eager = ElephantLM(cfg).cuda()
     eager.set_fast_paths(True)

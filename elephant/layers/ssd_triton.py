@@ -20,11 +20,12 @@ for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) w
 accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
-boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a masked sum
-over the chunk's same-segment earlier tokens, like ssd.segment_cumsum but in float32: each sum still
-holds only its own segment's terms (the others enter as exact zeros), so one document's decays do
-not depend on the document before it; against the float64 sums it differs by float32 rounding of a
-sum of at most Q same-sign terms, the precision of the plain cumsum of the path without boundaries.
+boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a segmented
+scan over each chunk's tokens (a (chunk, heads) tile per program), like ssd.segment_cumsum but in
+float32: each sum holds only its own segment's terms (the scan restarts at a segment's first token),
+so one document's decays do not depend on the document before it; against the float64 sums it
+differs by float32 rounding of a sum of at most Q same-sign terms, the precision of the plain cumsum
+of the path without boundaries.
 The kernels then mask by segment: the in-chunk decay
 between two segments is exactly 0, only the chunk's last segment writes S_c, only the tokens of the
 segment entering the chunk read H_c, and H_c passes through a chunk only when it holds no boundary.
@@ -97,30 +98,49 @@ if HAVE_TRITON:
         return seg, seg_end, seg_prev
 
     @triton.jit
+    def _segmented_add(f1, v1, f2, v2):
+        """The segmented sum's combine: a flag starts a new sum at its element."""
+        return f1 | f2, tl.where(f2 != 0, v2, v1 + v2)
+
+    @triton.jit
     def _segment_cumsum_kernel(
         v_ptr, seg_ptr, out_ptr, L, H, NC,
-        Q: tl.constexpr, BACKWARD: tl.constexpr,
+        Q: tl.constexpr, BH: tl.constexpr, BACKWARD: tl.constexpr,
     ):
         """forward:  out[b, h, c, i] = sum_{j <= i, seg_j = seg_i} v[b, c*Q + j, h]   (v = dt A, (b, l, h))
         backward: out[b, c*Q + j, h] = sum_{i >= j, seg_i = seg_j} v[b, h, c, i]   (v = dLoss/dcs)
-        over one chunk; seg padded to NC * Q. A where-sum over the (Q, Q) same-segment triangle."""
+        over one chunk of one lane, every head at once (a (Q, heads) tile, read along the heads,
+        (b, l, h)'s contiguous axis); seg padded to NC * Q. A segmented scan over the chunk's
+        tokens; the backward scans the chunk in reverse (token Q-1-k at row k), where a segment
+        starts at its last token."""
         c = tl.program_id(0)
         b = tl.program_id(1)
-        h = tl.program_id(2)
-        i = tl.arange(0, Q)
-        t = c * Q + i
-        seg = tl.load(seg_ptr + b * NC * Q + t)
-        same = seg[:, None] == seg[None, :]
+        k = tl.arange(0, Q)
+        h = tl.arange(0, BH)
+        hmask = h[None, :] < H
         if BACKWARD:
-            g = tl.load(v_ptr + ((b * H + h) * NC + c) * Q + i)
-            keep = same & (i[:, None] >= i[None, :])                  # (i, j): i reads j
-            out = tl.sum(tl.where(keep, g[:, None], 0.0), axis=0)      # (Q,) over i, per j
-            tl.store(out_ptr + (b * L + t) * H + h, out, mask=t < L)
+            i = Q - 1 - k                                   # row k holds token Q-1-k
+            seg = tl.load(seg_ptr + b * NC * Q + c * Q + i)
+            seg_next = tl.load(seg_ptr + b * NC * Q + c * Q + i + 1, mask=i < Q - 1, other=-1)
+            first = seg != seg_next                         # the last token of its segment
+            v = tl.load(v_ptr + ((b * H + h[None, :]) * NC + c) * Q + i[:, None], mask=hmask,
+                        other=0.0)
         else:
-            v = tl.load(v_ptr + (b * L + t) * H + h, mask=t < L, other=0.0)
-            keep = same & (i[:, None] >= i[None, :])
-            out = tl.sum(tl.where(keep, v[None, :], 0.0), axis=1)      # (Q,) over j, per i
-            tl.store(out_ptr + ((b * H + h) * NC + c) * Q + i, out)
+            i = k
+            seg = tl.load(seg_ptr + b * NC * Q + c * Q + i)
+            seg_prev = tl.load(seg_ptr + b * NC * Q + c * Q + i - 1, mask=i > 0, other=-1)
+            first = seg != seg_prev                         # the first token of its segment
+            t = c * Q + i
+            v = tl.load(v_ptr + (b * L + t[:, None]) * H + h[None, :],
+                        mask=(t[:, None] < L) & hmask, other=0.0)
+        flags = tl.broadcast_to(first.to(tl.int32)[:, None], (Q, BH))
+        _, out = tl.associative_scan((flags, v), 0, _segmented_add)
+        if BACKWARD:
+            t = c * Q + i
+            tl.store(out_ptr + (b * L + t[:, None]) * H + h[None, :], out,
+                     mask=(t[:, None] < L) & hmask)
+        else:
+            tl.store(out_ptr + ((b * H + h[None, :]) * NC + c) * Q + i[:, None], out, mask=hmask)
 
     @triton.jit
     def _chunk_state_kernel(
@@ -560,8 +580,8 @@ def _segment_cumsum_op(dA: torch.Tensor, segp: torch.Tensor, Q: int) -> torch.Te
     nc = segp.shape[1] // Q
     cs = torch.empty(b, h, nc, Q, device=dA.device, dtype=torch.float32)
     with _on_device(dA):
-        _segment_cumsum_kernel[(nc, b, h)](dA.contiguous(), segp.contiguous(), cs, l, h, nc, Q=Q,
-                                           BACKWARD=False, num_warps=4)
+        _segment_cumsum_kernel[(nc, b)](dA.contiguous(), segp.contiguous(), cs, l, h, nc, Q=Q,
+                                        BH=triton.next_power_of_2(h), BACKWARD=False, num_warps=4)
     return cs
 
 
@@ -576,8 +596,8 @@ def _segment_cumsum_bwd_op(dcs: torch.Tensor, segp: torch.Tensor, l: int, Q: int
     b, h, nc, _ = dcs.shape
     ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
     with _on_device(dcs):
-        _segment_cumsum_kernel[(nc, b, h)](dcs.contiguous(), segp.contiguous(), ddA, l, h, nc, Q=Q,
-                                           BACKWARD=True, num_warps=4)
+        _segment_cumsum_kernel[(nc, b)](dcs.contiguous(), segp.contiguous(), ddA, l, h, nc, Q=Q,
+                                        BH=triton.next_power_of_2(h), BACKWARD=True, num_warps=4)
     return ddA
 
 
