@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, result_path, timer  # noqa: E402
+from benchmarks.common import environment, median_ms, result_path  # noqa: E402
 from elephant.layers import conv_triton  # noqa: E402
 
 BEFORE = (32, 128, 4)
@@ -64,7 +63,6 @@ def main() -> None:
         since = conv_triton.segment_since(seg)
     else:
         seg = since = tail = None
-    start, stop = timer(device)
 
     def fwd():
         return conv_triton._conv_op(x, state, weight, bias, seg, since, tail)
@@ -72,26 +70,8 @@ def main() -> None:
     def bwd():
         return conv_triton._conv_bwd_op(g, x, state, weight, seg, since, tail)
 
-    def timed(fn):
-        """Median ms of fn replayed as a CUDA graph: the kernels and the small sums after them,
-        without the host's launch time (which in eager mode is longer than the kernels; training
-        replays the chunk step as graphs too)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times = []
-        for i in range(args.warmup + args.iters):
-            t = start()
-            graph.replay()
-            ms = stop(t)
-            if i >= args.warmup:
-                times.append(ms)
-        return statistics.median(times)
+    def timed(fn):   # as a CUDA graph: eagerly, the small sums' launches are what is timed
+        return median_ms(fn, device, args.iters, args.warmup, graph=True)
 
     saved = dict(conv_triton.LAUNCH)
     moved = x.numel() * 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, result_path, timer  # noqa: E402
+from benchmarks.common import environment, median_ms, result_path  # noqa: E402
 from elephant.layers import ssd_triton  # noqa: E402
 
 BEFORE = {"fwd": {"num_warps": 4}, "bwd": {"num_warps": 8}}  # the launch before this benchmark
@@ -75,7 +74,6 @@ def main() -> None:
         dA = torch.nn.functional.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
         cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
     del bf
-    start, stop = timer(device)
 
     def fwd(launch):
         return ssd_triton._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
@@ -85,14 +83,7 @@ def main() -> None:
                                launch=launch)
 
     def timed(fn):
-        times = []
-        for i in range(args.warmup + args.iters):
-            t = start()
-            fn()
-            ms = stop(t)
-            if i >= args.warmup:
-                times.append(ms)
-        return statistics.median(times)
+        return median_ms(fn, device, args.iters, args.warmup)
 
     ref_f = fwd(BEFORE["fwd"])
     ref_b = bwd(BEFORE["bwd"], ref_f[2])

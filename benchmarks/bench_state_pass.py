@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, result_path, timer  # noqa: E402
+from benchmarks.common import environment, median_ms, result_path  # noqa: E402
 from elephant.layers import ssd_triton  # noqa: E402
 
 
@@ -48,7 +47,6 @@ def main() -> None:
     init = torch.randn(b, h, pn, device=device, generator=gen) * 0.1
     dfinal = torch.randn(b, h, pn, device=device, generator=gen)
     from_y = torch.randn(b, nc, h, pn, device=device, generator=gen)
-    start, stop = timer(device)
     state_bytes = own.numel() * 4
 
     # --segments: packed documents, a boundary every ~150 tokens, and the segments' initial state
@@ -78,14 +76,7 @@ def main() -> None:
         return dstates, dinit, dcs_end.sum(-1)
 
     def timed(fn):
-        times = []
-        for i in range(args.warmup + args.iters):
-            t = start()
-            fn()
-            ms = stop(t)
-            if i >= args.warmup:
-                times.append(ms)
-        return statistics.median(times)
+        return median_ms(fn, device, args.iters, args.warmup)
 
     # the clone each call makes is timed apart and taken off
     clone_ms = timed(lambda: own.clone())

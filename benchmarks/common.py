@@ -1,5 +1,6 @@
 """Shared by the benchmark scripts (and the memory tests): timing with CUDA events on GPU,
 perf_counter on CPU; the bytes autograd saves for a backward; the top kernels of a profiled step."""
+import statistics
 import time
 
 import torch
@@ -25,6 +26,32 @@ def timer(device):
         def stop(t0):
             return (time.perf_counter() - t0) * 1e3
     return start, stop
+
+
+def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float:
+    """Median ms of `fn()` over `iters` calls after `warmup` (CUDA events on GPU). graph: fn is
+    captured once as a CUDA graph and the replays are timed, i.e. its kernels without the host's
+    launches (eager calls of a few short kernels time the launches)."""
+    start, stop = timer(device)
+    call = fn
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        call = captured.replay
+    times = []
+    for i in range(warmup + iters):
+        t = start()
+        call()
+        ms = stop(t)
+        if i >= warmup:
+            times.append(ms)
+    return statistics.median(times)
 
 
 def saved_bytes(fn, *args, exclude=()) -> int:

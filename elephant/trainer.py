@@ -314,8 +314,7 @@ class Trainer:
         staged: list = []
         on_loss = None
         if len(groups) == 1 and windows == 1:
-            def on_loss(window_loss: Tensor) -> None:
-                staged.append(stage(window_loss.clone()))
+            on_loss = lambda window_loss: staged.append(stage(window_loss.clone()))  # noqa: E731
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
             self.states[g], losses = backprop_windows(
