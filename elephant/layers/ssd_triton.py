@@ -472,9 +472,9 @@ def _state_pass_launch(pn: int, backward: bool, has_seg: bool) -> tuple[int, int
 def _scan_launch(backward: bool, has_seg: bool, big: bool) -> dict:
     """Launch options of a chunk-scan kernel (one program per chunk and head). Measured by
     benchmarks/bench_scan_launch.py on an H100 at the recipe's shape (bf16, chunks of 64, P = N =
-    64), the whole forward and backward of the scan timed: the backward ran 639 us at 4 warps
-    against 779 at 8 (the launch before), with segments 808 at 4 warps and one stage against 828;
-    the forward is fastest at 4. Tiles of 128 take 8 warps."""
+    64), the whole forward and backward of the scan timed: the backward ran 608 us at 4 warps
+    against 711 at 8 (the launch before), with segments 725 at 4 warps and one stage against 905;
+    the forward is fastest at 4, and 2 warps is several times slower. Tiles of 128 take 8 warps."""
     if big:
         return {"num_warps": 8}
     if backward and has_seg:
