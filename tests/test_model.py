@@ -375,3 +375,31 @@ def test_compiled_chunk_gives_the_memory_path_gradients_of_the_eager_model():
     assert set(grads[0]) == set(grads[1])
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_a_carried_state_does_not_recompile_the_compiled_chunk():
+    # the state a chunk hands on has a fresh state's strides (the conv state is not left a view of
+    # the conv's window), so the compiled chunk compiles once per kind of chunk (the first of a
+    # window, with a state that needs no gradient, and the later ones), not again for the first
+    # chunk after a carried state: steps 2 and 3 add no graph to those of step 1
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = make(layers="MA", n_mem=2, kv_window=4, bptt_chunks=2).train()
+    model.compile_for("model", backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    B, T = 2, 5
+    state = model.init_state(B)
+    graphs = []
+    for step in range(3):
+        loss = 0.0
+        for _ in range(2):
+            tokens = torch.randint(0, 97, (B, T + 1), generator=gen)
+            nll, state = model(tokens[:, :-1], state, torch.zeros(B, dtype=torch.bool),
+                               targets=tokens[:, 1:], reduction="sum")
+            loss = loss + nll
+        loss.backward()
+        state = state.detach()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == 2 and graphs[1:] == [2, 2], graphs

@@ -221,7 +221,9 @@ class Mamba2(nn.Module):
             y, new_ssm_state = add_segment_init(y, new_ssm_state, dt, A, Cm.reshape(b, l, 1, self.d_state),
                                                 seg, ssm_init, self.chunk_size)
         y = self.norm(y.reshape(b, l, self.d_inner), z)
-        return self.out_proj(y), new_conv_state, new_ssm_state
+        # contiguous: the conv state is the tail of the conv's window (a view of it), and a state
+        # with other strides than a fresh one is a new compile of a compiled chunk
+        return self.out_proj(y), new_conv_state.contiguous(), new_ssm_state.contiguous()
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """One token: x (B, d_model) -> (y (B, d_model), new conv_state, new ssm_state).
