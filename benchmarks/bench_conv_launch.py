@@ -24,15 +24,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, median_ms, result_path  # noqa: E402
+from benchmarks.common import environment, fastest, median_ms, rel_close, result_path  # noqa: E402
 from elephant.layers import conv_triton  # noqa: E402
 
 BEFORE = (32, 128, 4)
 
 
 def close(a, b) -> bool:
-    a, b = a.float(), b.float()
-    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < 1e-3)
+    return rel_close(a, b, 1e-3)
 
 
 def main() -> None:
@@ -107,11 +106,10 @@ def main() -> None:
 
 
 def write(rows: list, meta: dict, device) -> dict:
-    ok = [r for r in rows if "error" not in r]
-    best = {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
-            for k in ("fwd", "bwd")}
-    before = {k: next((r[f"{k}_us"] for r in ok if (r["tokens"], r["channels"], r["warps"]) == BEFORE),
-                      None) for k in ("fwd", "bwd")}
+    best = fastest(rows)
+    before = {k: next((r[f"{k}_us"] for r in rows if "error" not in r
+                       and (r["tokens"], r["channels"], r["warps"]) == BEFORE), None)
+              for k in ("fwd", "bwd")}
     out = {**environment(device), **meta,
            "before": {"launch": BEFORE, **{f"{k}_us": v for k, v in before.items()}},
            "best": best, "configs": rows}

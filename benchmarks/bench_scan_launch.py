@@ -25,17 +25,14 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, median_ms, result_path  # noqa: E402
+from benchmarks.common import environment, fastest, median_ms, rel_close, result_path  # noqa: E402
 from elephant.layers import ssd_triton  # noqa: E402
 
 BEFORE = {"fwd": {"num_warps": 4}, "bwd": {"num_warps": 8}}  # the launch before this benchmark
 
 
 def close(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    a, b = a.float(), b.float()
-    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < 2e-3)
+    return rel_close(a, b, 2e-3)
 
 
 def main() -> None:
@@ -54,7 +51,6 @@ def main() -> None:
     nc = triton.cdiv(l, Q)
     S = args.segments
     gen = torch.Generator(device=device).manual_seed(0)
-    bf = dict(device=device, dtype=torch.bfloat16)
     x = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
     dt = (torch.rand(b, l, h, generator=gen, device=device) * 0.1 + 0.01)
     A = -torch.rand(h, generator=gen, device=device) - 0.5
@@ -73,7 +69,6 @@ def main() -> None:
         segp, sinit = None, None
         dA = torch.nn.functional.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
         cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
-    del bf
 
     def fwd(launch):
         return ssd_triton._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
@@ -104,10 +99,8 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    ok = [r for r in rows if "error" not in r]
-    best = {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
-            for k in ("fwd", "bwd")}
-    before = {k: next((r[f"{k}_us"] for r in ok
+    best = fastest(rows)
+    before = {k: next((r[f"{k}_us"] for r in rows if "error" not in r
                        if (r["warps"], r["stages"]) == (BEFORE[k]["num_warps"], "default")), None)
               for k in ("fwd", "bwd")}
     chosen = {k: ssd_triton._scan_launch(k == "bwd", S, False) for k in ("fwd", "bwd")}

@@ -54,6 +54,22 @@ def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float
     return statistics.median(times)
 
 
+def rel_close(a, b, tol: float) -> bool:
+    """Whether a is b to a relative (norm) error under tol; two Nones agree."""
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = a.float(), b.float()
+    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < tol)
+
+
+def fastest(rows: list, kinds=("fwd", "bwd")) -> dict:
+    """Of a launch sweep's rows (each with `equal_<kind>` and `<kind>_us`, or `error`), the
+    fastest whose outputs were equal, per kind (None when there is none)."""
+    ok = [r for r in rows if "error" not in r]
+    return {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
+            for k in kinds}
+
+
 def saved_bytes(fn, *args, exclude=()) -> int:
     """Bytes of the distinct tensors autograd keeps for the backward of fn(*args); tensors sharing
     storage with `exclude` (the weights) are not counted."""

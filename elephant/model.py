@@ -331,7 +331,7 @@ class ElephantLM(nn.Module):
                                                            path is not None)
         out = self._output(h, gate, targets, loss_mask, reduction)
         new.links = links
-        new.prefix = used if used is not None else prefix
+        new.prefix = used if used is not None else prefix   # a chunk without starts uses none
         if path is not None:  # the same update on the memory-only path (see RecurrentState)
             if started is not None:   # a document that began in this chunk read the initial memory
                 path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)

@@ -299,8 +299,11 @@ class Trainer:
                 values = torch.stack([total / count.clamp(min=1), count])
             else:
                 values = (total / max(count, 1)).reshape(1)
+
+            def result(read: list) -> tuple[float, int]:
+                return (read[0], int(read[1])) if rt.world > 1 else (read[0], count)
             if not values.is_cuda:
-                return lambda: _loss_tokens(values.tolist(), count)
+                return lambda: result(values.tolist())
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host.copy_(values, non_blocking=True)
             done = torch.cuda.Event()
@@ -308,7 +311,7 @@ class Trainer:
 
             def wait():
                 done.synchronize()
-                return _loss_tokens(host.tolist(), count)
+                return result(host.tolist())
             return wait
 
         staged: list = []
@@ -362,9 +365,9 @@ class Trainer:
                                         loss_mask=to_device(b.loss_mask, rt.device),
                                         reduction="sum", starts=starts)
             loss = loss + nll
-        # the optimizers average gradients over ranks: scale so the average is the global mean
         if on_loss is not None:
             on_loss(loss.detach().double())
+        # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
         if graphs:  # the state goes on past this step: out of the graphs' memory
             state = state.clone()
@@ -541,11 +544,6 @@ class RunLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _loss_tokens(values: list, count) -> tuple[float, int]:
-    """(loss, tokens) from the staged values: [loss], or [loss, tokens] summed over ranks."""
-    return (values[0], int(values[1])) if len(values) == 2 else (values[0], count)
 
 
 def _last_byte(path: Path) -> bytes:
