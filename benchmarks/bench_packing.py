@@ -420,8 +420,9 @@ def main() -> None:
                 batches, opts = variants[name]
                 step = (lambda b=batches[:k], o=opts:           # one trainer step
                         measure(model, b, device, autocast, 0, graphs=graphs, **o))
-                results["paths"][name]["top_kernels"], table = profile(step, 3, device, name,
-                                                                       top=200)
+                top, table, summary = profile(step, 3, device, name, top=200)
+                results["paths"][name]["top_kernels"] = top
+                results["paths"][name]["by_kind"] = summary["by_kind"]
                 tables.append(table)
             out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
         if not smoke:

@@ -1,5 +1,6 @@
 """Shared by the benchmark scripts (and the memory tests): timing with CUDA events on GPU,
 perf_counter on CPU; the bytes autograd saves for a backward; the top kernels of a profiled step."""
+import re
 import statistics
 import time
 
@@ -162,13 +163,39 @@ def bf16_autocast(device):
     return nullcontext
 
 
-def profile(step, steps: int, device, title: str, top: int = 20) -> tuple[list[dict], str]:
-    """The `top` kernels by device time over `steps` calls of `step()`, and the profiler's table."""
+KERNEL_KINDS = (  # (kind, pattern on the kernel's name), first match wins
+    ("matmul", r"nvjet|gemm|cutlass|xmma|cublas"),
+    ("attention", r"sdpa|flash|fmha|attention"),
+    ("ssd scan", r"_chunk_scan|_chunk_state|_state_pass|_segment_cumsum"),
+    ("conv", r"_conv_(fwd|bwd)_kernel"),
+    ("elephant activation", r"^_(fwd|bwd)_kernel"),
+    ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy"),
+    ("norm", r"rms_norm|layer_norm|_norm_"),
+    ("optimizer (foreach)", r"multi_tensor|foreach"),
+    ("reduction", r"reduce_kernel|triton_red|triton_per"),
+    ("copy", r"copy|memcpy|Memcpy|cat_|CatArray"),
+    ("fused elementwise (inductor)", r"^triton_poi"),
+    ("elementwise (eager)", r"elementwise|vectorized|unrolled"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pat in KERNEL_KINDS if re.search(pat, name)), "other")
+
+
+def profile(step, steps: int, device, title: str, top: int = 20,
+            ranges: tuple = (), shapes: bool = False) -> tuple[list[dict], str, dict]:
+    """The `top` kernels by device time over `steps` calls of `step()`, the profiler's table, and
+    a summary: `by_kind` (device ms per step by `kernel_kind`), `kernels` (every kernel, ms and
+    calls per step), `ranges` (device ms per step of the kernels queued by the host thread inside
+    each `torch.profiler.record_function` name in `ranges`; kernels queued by autograd's own
+    thread in a backward are not counted in any range). shapes: operators are recorded with their
+    input shapes and the table adds them, grouped by shape (which product or reduction a kernel is)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=shapes) as prof:
         for _ in range(steps):
             step()
         if cuda:
@@ -176,11 +203,25 @@ def profile(step, steps: int, device, title: str, top: int = 20) -> tuple[list[d
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)
+    if shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True)
+        table += (f"\n\n== {title}, operators by input shape\n"
+                  + by_shape.table(sort_by=key, row_limit=60, max_name_column_width=40,
+                                   max_shapes_column_width=120))
     # the kernels themselves on the GPU (an operator's row would count its kernels twice)
-    rows = [e for e in events if getattr(e, key) > 0
+    rows = [e for e in events if getattr(e, key) > 0 and e.key not in ranges
             and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA)]
     total = sum(getattr(e, key) for e in rows) or 1.0
     rows.sort(key=lambda e: -getattr(e, key))
-    top = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
-            "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows[:top]]
-    return top, table
+    kernels = [{"name": e.key[:120], "ms_per_step": getattr(e, key) / 1e3 / steps,
+                "calls_per_step": e.count / steps, "share": getattr(e, key) / total} for e in rows]
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        kind = kernel_kind(k["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + k["ms_per_step"]
+    total_key = "device_time_total" if cuda else "cpu_time_total"
+    spans = {e.key: getattr(e, total_key) / 1e3 / steps for e in events if e.key in ranges}
+    summary = {"device_ms_per_step": total / 1e3 / steps,
+               "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+               "ranges": spans, "kernels": [k for k in kernels if k["ms_per_step"] >= 1e-3]}
+    return kernels[:top], table, summary

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -155,6 +156,10 @@ def count_syncs(step, device) -> dict | None:
     return {"count": len(syncs) + len(event_waits), "where": dict(where.most_common(10))}
 
 
+PHASES = {"windows": ("trainer", "_window"), "clip": ("opt", "clip_grad_norm_"),
+          "optimizer": ("opt", "step"), "graphed optimizer": ("opt", "graphed_step")}
+
+
 def phases(trainer, device, steps: int) -> dict:
     """Where the trainer's step goes, by phase (the windows' forward and backward, the gradient
     clipping, the optimizer step, the rest of train_step): `host_ms`, how long the host takes to
@@ -162,8 +167,8 @@ def phases(trainer, device, steps: int) -> dict:
     to finish when the device is waited for before and after it (a phase whose host time is near
     its wall time is bound by the host: the GPU idles while it is queued). Medians over `steps`."""
     cuda = torch.device(device).type == "cuda"
-    wrapped = {"windows": (trainer, "_window"), "clip": (trainer.opt, "clip_grad_norm_"),
-               "optimizer": (trainer.opt, "step")}
+    wrapped = {name: (trainer if obj == "trainer" else trainer.opt, attr)
+               for name, (obj, attr) in PHASES.items()}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in wrapped.items()}
     spent: dict[str, float] = {}
     waits = {"on": False}
@@ -205,15 +210,44 @@ def phases(trainer, device, steps: int) -> dict:
     return result
 
 
-def extras(out: dict, step, args, device, title: str) -> str:
+class phase_marks:
+    """Within: the trainer's phases (PHASES) run inside `torch.profiler.record_function`
+    ranges named "phase:<name>", so a profile can attribute the kernels the host queues in each."""
+
+    def __init__(self, trainer):
+        self.targets = {name: (trainer if obj == "trainer" else trainer.opt, attr)
+                        for name, (obj, attr) in PHASES.items()}
+        self.originals = {}
+
+    def __enter__(self):
+        for name, (obj, attr) in self.targets.items():
+            fn = self.originals[name] = getattr(obj, attr)
+
+            def marked(*a, _fn=fn, _name=name, **k):
+                with torch.profiler.record_function(f"phase:{_name}"):
+                    return _fn(*a, **k)
+            setattr(obj, attr, marked)
+        return self
+
+    def __exit__(self, *exc):
+        for name, (obj, attr) in self.targets.items():
+            setattr(obj, attr, self.originals[name])
+
+
+def extras(out: dict, step, args, device, title: str, trainer=None) -> str:
     """Host syncs of a step and the profile into `out`; a failure of either is recorded there
-    without losing the timing. Returns the profiler's table."""
+    without losing the timing. With a trainer, the profile also attributes device time to the
+    host-queued phases (`profile_summary.ranges`: clipping and the optimizer step; the windows'
+    range misses the backward's kernels, queued by autograd's thread). Returns the profiler's table."""
     try:
         out["host_syncs_per_step"] = count_syncs(step, device)
     except Exception as e:
         out["host_syncs_per_step"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     try:
-        out["top_kernels"], table = profile(step, args.profile_steps, device, title)
+        ranges = tuple(f"phase:{name}" for name in PHASES) if trainer is not None else ()
+        with phase_marks(trainer) if trainer is not None else contextlib.nullcontext():
+            out["top_kernels"], table, out["profile_summary"] = profile(
+                step, args.profile_steps, device, title, ranges=ranges, shapes=args.shapes)
     except Exception as e:
         out["top_kernels"], table = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, f"== {title}: {e}"
     return table
@@ -315,7 +349,7 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
             out["phases"] = phases(trainer, device, args.steps)
         except Exception as e:
             out["phases"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    table = extras(out, trainer.train_step, args, device, f"{kind} Trainer.train_step")
+    table = extras(out, trainer.train_step, args, device, f"{kind} Trainer.train_step", trainer)
     return out, table, trainer
 
 
@@ -411,6 +445,8 @@ def parse(argv):
     ap.add_argument("--reference-head", action="store_true",
                     help="the loss through the whole logits (ElephantLM.blocked_head off), to A/B "
                          "the blocked linear + cross-entropy")
+    ap.add_argument("--shapes", action="store_true",
+                    help="profile with the operators' input shapes (a second table, by shape)")
     ap.add_argument("--phases", action="store_true",
                     help="also time the trainer's step by phase (windows, clipping, optimizer, "
                          "rest): host time to queue each, and wall time with waits around each")
