@@ -230,7 +230,8 @@ class TrainConfig:
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"            # auto (on CUDA) | on (each block) | model (the whole chunk) |
-                                     # graphs (model, replayed as CUDA graphs in training) | off
+                                     # graphs (model, replayed as CUDA graphs in training; with one
+                                     # process the clipping and optimizer step too) | off
     log_every: int = 10
     eval_every: int = 250            # 0: only at the end
     eval_docs: int = 0               # documents of the valid split per evaluation (0: all)

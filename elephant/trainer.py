@@ -38,6 +38,7 @@ from .config import Config, ConfigError
 from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
+from . import model as model_mod
 from .model import ElephantLM
 from .state import backprop_windows
 from .optim import build_optimizers
@@ -328,9 +329,16 @@ class Trainer:
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
-            if cfg.optim.grad_clip:
-                out["grad_norm"] = self.opt.clip_grad_norm_(cfg.optim.grad_clip)
-            self.opt.step()
+            if cfg.train.compile == "graphs" and self.opt.graphable():
+                # clipping and the update compiled and replayed as one CUDA graph (one process;
+                # the CPU runs the same compiled update without a graph)
+                norm = self.opt.graphed_step(cfg.optim.grad_clip, model_mod.COMPILE_BACKEND)
+                if cfg.optim.grad_clip:
+                    out["grad_norm"] = norm
+            else:
+                if cfg.optim.grad_clip:
+                    out["grad_norm"] = self.opt.clip_grad_norm_(cfg.optim.grad_clip)
+                self.opt.step()
             self.bad_steps = 0
         else:
             # skip the update; the lanes keep their documents but restart from a clean state

@@ -343,6 +343,74 @@ def test_training_steps_reduce_loss_and_clip_matches_torch():
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.parametrize("wd,cautious,clip", [(0.02, True, 0.5), (0.02, False, 0.5), (0.0, True, 0.0)])
+def test_graphed_step_follows_clip_and_step(tmp_path, wd, cautious, clip):
+    """The captured step's flow (gradients packed into a buffer that stays put, the scheduled
+    values read from a tensor; here on the CPU without the graph itself) against clip_grad_norm_
+    + step, over steps whose lr, momentum and weight decay change; then both go on from a
+    state_dict (the graphed one captures again, reading the states just loaded)."""
+    torch.manual_seed(21)
+    cfg = OptimConfig(warmup_steps=3, muon_wd=wd, adam_wd=wd, cautious_wd=cautious,
+                      momentum_warmup_steps=4)
+    eager, graphed = TinyLM(), TinyLM()
+    graphed.load_state_dict(eager.state_dict())
+    opts = [build_optimizers(m, cfg) for m in (eager, graphed)]
+    batches = [torch.randint(0, 40, (3, 10)) for _ in range(8)]
+
+    def step(i, model, opt, use_graph):
+        hyper = opt.set_step(i, 8)
+        _lm_loss(model, batches[i]).backward()
+        if use_graph:
+            norm = opt.graphed_step(clip)
+        else:
+            norm = opt.clip_grad_norm_(clip) if clip else torch.zeros(())
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm, hyper
+
+    norms = []
+    for i in range(5):
+        (n_eager, h_eager), (n_graph, h_graph) = [step(i, m, o, g) for m, o, g in
+                                                  ((eager, opts[0], False), (graphed, opts[1], True))]
+        assert h_eager == h_graph
+        assert torch.equal(n_graph, n_eager if clip else torch.zeros(()))
+        norms.append(n_graph)
+        for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
+            assert torch.equal(b, a), name
+    assert len({n.item() for n in norms}) == (5 if clip else 1)   # each step's own copy
+    assert opts[1]._graph is not None and opts[1].adam.param_groups[0]["step"] == 5
+
+    sd = [o.state_dict() for o in opts]
+    weights = {k: v.clone() for k, v in graphed.state_dict().items()}
+    for i in range(5, 8):
+        step(i, graphed, opts[1], True)
+    resumed = TinyLM()
+    resumed.load_state_dict(weights)
+    opt = build_optimizers(resumed, cfg)
+    opt.load_state_dict(sd[1])
+    step(5, resumed, opt, True)
+    opt.load_state_dict(sd[1])                    # again, mid-run: the capture must not be reused
+    resumed.load_state_dict(weights)
+    for i in range(5, 8):
+        step(i, resumed, opt, True)
+    for (name, a), b in zip(graphed.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_graphed_step_refuses_several_processes():
+    opt = build_optimizers(TinyLM(), OptimConfig())
+    opt.process_group = "two ranks"
+    import elephant.optim.build as build
+    real = build.world
+    build.world = lambda group=None: (0, 2)
+    try:
+        with pytest.raises(RuntimeError, match="one process"):
+            opt.graphed_step(1.0)
+        assert not opt.graphable()
+    finally:
+        build.world = real
+
+
 def _serialize(obj, tensors, prefix=""):
     """What the checkpoint writer does: tensors aside, the rest through JSON."""
     if isinstance(obj, torch.Tensor):

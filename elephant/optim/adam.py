@@ -16,26 +16,49 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .dist import ShardedPhases, ShardLayout, world
 
 
-def cautious_decay_(params: list[Tensor], updates: list[Tensor], decay: float) -> None:
+def fp32_values(values: list[float]) -> list[float]:
+    """The values rounded to float32: a step's hyperparameters as floats (the eager step) and as a
+    float32 device tensor (the captured one) are then the same numbers, and so are the updates
+    (an operation rounds a Python scalar to float32 for float32 tensors, so 1 - x, -x and the
+    like come out the same both ways)."""
+    return np.asarray(values, dtype=np.float32).tolist()
+
+
+def _is_zero(value) -> bool:
+    """Whether a hyperparameter is a float equal to 0 (a device tensor is never read here)."""
+    return not isinstance(value, Tensor) and value == 0
+
+
+def cautious_decay_(params: list[Tensor], updates: list[Tensor], decay) -> None:
     """p <- p - decay * p where p and its update u (applied as p - lr * u) have the same sign;
-    elsewhere p is left untouched. Call it before applying the update."""
-    if decay == 0 or not params:
+    elsewhere p is left untouched. Call it before applying the update. decay: a float or a 0-d
+    tensor on the parameters' device."""
+    if _is_zero(decay) or not params:
         return
     masks = torch._foreach_mul(updates, params)
     masks = torch._foreach_sign(masks)
     torch._foreach_clamp_min_(masks, 0.0)                       # 1 where u * p > 0, else 0
-    torch._foreach_addcmul_(params, params, masks, value=-decay)
+    torch._foreach_mul_(masks, -decay)                          # -decay where the signs agree
+    torch._foreach_addcmul_(params, params, masks)
 
 
-def plain_decay_(params: list[Tensor], decay: float) -> None:
-    if decay != 0 and params:
+def plain_decay_(params: list[Tensor], decay) -> None:
+    if not _is_zero(decay) and params:
         torch._foreach_mul_(params, 1 - decay)
+
+
+def apply_update_(params: list[Tensor], updates: list[Tensor], lr) -> None:
+    """p <- p - lr * u (the updates are scaled in place). lr: a float or a 0-d tensor."""
+    if params:
+        torch._foreach_mul_(updates, -lr)
+        torch._foreach_add_(params, updates)
 
 
 def check_state_dict(sd: dict, kind: str, rank: int, world_size: int) -> None:
@@ -85,41 +108,70 @@ class Adam(ShardedPhases, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _update(self) -> None:
-        flat = self.local_gradients()
-        for group, mine in zip(self.param_groups, self.pieces):
+        self._apply(self.local_gradients(), self.hyper_values())
+        self._local_grads = None
+
+    def hyper_values(self) -> list[float]:
+        """Count this step (the bias corrections' t) and return its scheduled values, three per
+        group: lr / (1 - b1^t), 1 / sqrt(1 - b2^t), decay (see Muon.hyper_values; a
+        multiplication, as a division by a Python scalar and by a tensor may round apart)."""
+        out = []
+        for group in self.param_groups:
             group["step"] += 1
+            b1, b2 = group["betas"]
+            t = group["step"]
+            out += [group["lr"] / (1 - b1 ** t), 1 / math.sqrt(1 - b2 ** t),
+                    group["initial_lr"] * group["weight_decay"] * group["wd_mult"]]
+        return fp32_values(out)
+
+    def n_hyper(self) -> int:
+        return 3 * len(self.param_groups)
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for st in self.state.values() for t in st.values()]
+
+    def ensure_state(self, like: Tensor) -> None:
+        """Create the moment buffers of every piece this rank owns (zeros)."""
+        for mine in self.pieces:
+            for name, seg, (a, b) in mine:
+                if b > a and not self.state[name]:
+                    self.state[name]["exp_avg"] = torch.zeros(b - a, seg.rest, device=like.device,
+                                                              dtype=torch.float32)
+                    self.state[name]["exp_avg_sq"] = torch.zeros_like(self.state[name]["exp_avg"])
+
+    @torch.no_grad()
+    def _apply(self, flat: Tensor, hyper) -> None:
+        """The device part of a step from this rank's gradient region `flat`; hyper: the
+        `hyper_values()` of this step, floats or a device tensor (see Muon._apply)."""
+        self.ensure_state(flat)
+        for gi, (group, mine) in enumerate(zip(self.param_groups, self.pieces)):
             P, G, M, V = [], [], [], []
             for name, seg, (a, b) in mine:
                 if b <= a:
                     continue
                 st = self.state[name]
-                if not st:
-                    st["exp_avg"] = torch.zeros(b - a, seg.rest, device=flat.device, dtype=torch.float32)
-                    st["exp_avg_sq"] = torch.zeros_like(st["exp_avg"])
                 P.append(seg.rows_view(seg.params[0])[a:b])
                 G.append(seg.local_view(flat)[:b - a].float())
                 M.append(st["exp_avg"])
                 V.append(st["exp_avg_sq"])
             if not P:
                 continue
+            lr, inv_bias2, decay = hyper[3 * gi], hyper[3 * gi + 1], hyper[3 * gi + 2]
             b1, b2 = group["betas"]
-            t = group["step"]
             torch._foreach_lerp_(M, G, 1 - b1)
             torch._foreach_mul_(V, b2)
             torch._foreach_addcmul_(V, G, G, value=1 - b2)
             denom = torch._foreach_sqrt(V)
-            torch._foreach_div_(denom, math.sqrt(1 - b2 ** t))
+            torch._foreach_mul_(denom, inv_bias2)
             torch._foreach_add_(denom, group["eps"])
             U = torch._foreach_div(M, denom)                  # m / (sqrt(v_hat) + eps)
             if P[0].dtype != torch.float32:
                 U = [u.to(P[0].dtype) for u in U]
-            decay = group["initial_lr"] * group["weight_decay"] * group["wd_mult"]
-            if group["cautious"]:
+            if group["weight_decay"] and group["cautious"]:   # (no decay kernels when it is off)
                 cautious_decay_(P, U, decay)
-            else:
+            elif group["weight_decay"]:
                 plain_decay_(P, decay)
-            torch._foreach_add_(P, U, alpha=-group["lr"] / (1 - b1 ** t))
-        self._local_grads = None
+            apply_update_(P, U, lr)
 
     def set_schedule(self, lr_mult: float, wd_mult: float = 1.0, momentum: float | None = None):
         """lr = initial_lr * lr_mult, weight decay scaled by wd_mult (momentum: ignored)."""

@@ -72,6 +72,7 @@ class Optimizers:
         self.muon, self.adam, self.cfg, self.rows = muon, adam, cfg, rows
         self.process_group = process_group
         self.optimizers = [o for o in (muon, adam) if o is not None]
+        self._graph: dict | None = None  # graphed_step's capture
 
     def set_step(self, step: int, total_steps: int) -> dict:
         """Apply the lr, wd and momentum schedules for `step`; returns them (for logging)."""
@@ -97,7 +98,9 @@ class Optimizers:
         all-reduced; scales the shards so the norm is at most `max_norm` (max_norm <= 0: only
         measure). Returns the norm before clipping as a 0-d fp32 tensor."""
         self.reduce_gradients()
-        local = [opt.local_gradients() for opt in self.optimizers]
+        return self._clip([opt.local_gradients() for opt in self.optimizers], max_norm)
+
+    def _clip(self, local: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         sq = torch.stack([g.float().square().sum() for g in local]).sum() if local else torch.zeros(())
         if world(self.process_group)[1] > 1:
             dist.all_reduce(sq, group=self.process_group)
@@ -119,6 +122,82 @@ class Optimizers:
         for h in handles:
             h.wait()
 
+    # -- one process on CUDA: clipping and both updates replayed as one CUDA graph
+    def graphable(self) -> bool:
+        """Whether `graphed_step` can run: one process, parameters to update."""
+        return world(self.process_group)[1] == 1 and bool(self.optimizers)
+
+    @torch.no_grad()
+    def graphed_step(self, max_norm: float, compile_backend: str | None = None) -> torch.Tensor:
+        """`clip_grad_norm_(max_norm)` (when max_norm > 0) then `step()`, replayed as one CUDA
+        graph: the same arithmetic, and the host queues three things instead of hundreds of
+        kernels: the gradients packed into a buffer that stays put, this step's scheduled values
+        (`hyper_values`, copied from pinned memory without a wait) and the replay. One process
+        (`graphable`); on the CPU the same buffers and arithmetic run without a graph (what the
+        CPU tests check). Captured on the first call, and again after `load_state_dict` (it replaces
+        the state tensors the graph reads) or for another max_norm. Returns the gradient norm
+        before clipping (0 when max_norm <= 0: not measured), a copy the next step leaves alone.
+        compile_backend: compile the captured update with torch.compile first (inductor fuses
+        its many elementwise passes over the parameters and states; the products stay cuBLAS's),
+        so it runs the same steps to float32 rounding instead of bit for bit; None: as eager."""
+        if not self.graphable():
+            raise RuntimeError("Optimizers.graphed_step needs one process and parameters to update")
+        g = self._graph
+        if g is None or (g["max_norm"], g["backend"]) != (max_norm, compile_backend):
+            g = self._graph = self._capture(max_norm, compile_backend)
+        for opt, flat in zip(self.optimizers, g["flat"]):
+            opt.layout.pack_gradients([p.grad for p in opt.layout.params], flat)
+            opt._pending = opt._local_grads = None
+        values = [v for opt in self.optimizers for v in opt.hyper_values()]
+        if g["graph"] is None:           # the CPU: the same buffers and arithmetic, run directly
+            g["hyper"].copy_(torch.tensor(values, dtype=torch.float32))
+            g["update"]()
+            return g["norm"].clone()
+        g["turn"] ^= 1
+        host, copied = g["host"][g["turn"]], g["copied"][g["turn"]]
+        if not copied.query():           # this buffer's last copy (two steps ago) has not run yet
+            copied.synchronize()
+        host.copy_(torch.tensor(values, dtype=torch.float32))
+        g["hyper"].copy_(host, non_blocking=True)
+        copied.record()
+        g["graph"].replay()
+        return g["norm"].clone()
+
+    def _capture(self, max_norm: float, backend: str | None) -> dict:
+        from ..cudagraph import capture
+        like = self.optimizers[0].layout.params[0]
+        flats = [torch.zeros(opt.layout.region, device=like.device, dtype=like.dtype)
+                 for opt in self.optimizers]
+        sizes = [opt.n_hyper() for opt in self.optimizers]
+        # the warm-up and capture calls read these (sane values: no inf or NaN on the way) and
+        # change the parameters and states, which `capture` puts back
+        hyper = torch.ones(sum(sizes), device=like.device, dtype=torch.float32)
+        norm = torch.zeros((), device=like.device, dtype=torch.float32)
+        for opt, flat in zip(self.optimizers, flats):
+            opt.ensure_state(flat)
+
+        def update():
+            if max_norm > 0:
+                norm.copy_(self._clip(flats, max_norm))
+            start = 0
+            for opt, flat, k in zip(self.optimizers, flats, sizes):
+                opt._apply(flat, hyper[start:start + k])
+                start += k
+
+        if backend is not None:
+            update = torch.compile(update, fullgraph=True, dynamic=False, backend=backend)
+        out = {"graph": None, "update": update, "flat": flats, "hyper": hyper, "norm": norm,
+               "max_norm": max_norm, "backend": backend}
+        if not like.is_cuda:
+            return out
+        state = [p.detach() for opt in self.optimizers for p in opt.layout.params]
+        state += [t for opt in self.optimizers for t in opt.state_tensors()]
+        out["graph"], _ = capture(update, state)
+        out.update(host=[torch.empty(len(hyper), dtype=torch.float32, pin_memory=True)
+                         for _ in range(2)],
+                   copied=[torch.cuda.Event() for _ in range(2)], turn=0)
+        return out
+
     def state_dict(self) -> dict:
         sd = {"format": "elephant.optim/1"}
         if self.muon is not None:
@@ -135,6 +214,7 @@ class Optimizers:
                                  f"{'does not use' if opt is None else 'uses'} {key}")
             if opt is not None:
                 opt.load_state_dict(sd[key])
+        self._graph = None               # the captured step read the states just replaced
 
     def table(self) -> str:
         """One line per parameter: name, shape, optimizer, group, lr, weight decay, notes."""

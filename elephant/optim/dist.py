@@ -188,7 +188,7 @@ class ShardLayout:
     def add_rows(self, param: Tensor) -> Segment:
         return self._add("rows", [param])
 
-    def _pack(self, ranks, tensors: list[Tensor | None]) -> Tensor:
+    def _pack(self, ranks, tensors: list[Tensor | None], out: Tensor | None = None) -> Tensor:
         like = self.params[0]
         pieces, i = [], 0
         per_seg = []
@@ -199,8 +199,16 @@ class ShardLayout:
             for seg, ts in zip(self.segments, per_seg):
                 pieces += seg.pieces(r, ts, like)
         if not pieces:
-            return _zeros(0, like)
-        return torch.cat(pieces)
+            return _zeros(0, like) if out is None else out
+        return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
+
+    @torch.no_grad()
+    def pack_gradients(self, grads: list[Tensor | None], out: Tensor) -> Tensor:
+        """One process: copy `grads` (in `self.params` order; None = zeros) into `out`, a buffer of
+        `self.region` elements that stays put from step to step (what a captured update reads)."""
+        if self.world_size != 1:
+            raise RuntimeError("ShardLayout.pack_gradients is for one process; use reduce_scatter")
+        return self._pack([0], grads, out)
 
     @torch.no_grad()
     def reduce_scatter(self, grads: list[Tensor | None], group=None):

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .adam import cautious_decay_, check_state_dict, plain_decay_
+from .adam import apply_update_, cautious_decay_, check_state_dict, fp32_values, plain_decay_
 from .dist import ShardedPhases, ShardLayout, world
 from .gram_triton import sym_gram
 
@@ -99,6 +99,12 @@ def polar_express_coefficients(steps: int, lower: float = 1e-3, safety: float = 
         lo = a * lo + b * lo ** 3 + c * lo ** 5
         hi = 2 - lo
     return tuple(out)
+
+
+@torch.compiler.assume_constant_result
+def _coefficients(steps: int) -> tuple:
+    """polar_express_coefficients(steps), a constant to a compiler tracing the iterations."""
+    return polar_express_coefficients(steps)
 
 
 # ------------------------------------------------------------------ the iterations
@@ -155,7 +161,7 @@ def polar_express(G: Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16
     1.02 x the Frobenius norm. G: (..., rows, cols); returns the same shape in `dtype`."""
     X, tall = _as_batch(G)
     X = _frobenius_normalized(X, dtype, SAFETY)
-    for abc in polar_express_coefficients(steps):
+    for abc in _coefficients(steps):
         X = _quintic_step(X, _gram(X, tall, gram), abc, tall, gram)
     return X.reshape(G.shape)
 
@@ -176,7 +182,7 @@ def aol_polar_express(G: Tensor, steps: int = 4, dtype: torch.dtype = torch.bflo
     d = torch.rsqrt(row_sums.clamp_min(torch.finfo(torch.float32).tiny) * (1 + SAFETY)).to(dtype)
     X = X * d.unsqueeze(-2) if tall else X * d.unsqueeze(-1)
     A = A * d.unsqueeze(-1) * d.unsqueeze(-2)
-    coeffs = polar_express_coefficients(steps + 1)[1:]
+    coeffs = _coefficients(steps + 1)[1:]
     X = _quintic_step(X, A, coeffs[0], tall, gram)
     for abc in coeffs[1:]:
         X = _quintic_step(X, _gram(X, tall, gram), abc, tall, gram)
@@ -284,21 +290,51 @@ class Muon(ShardedPhases, torch.optim.Optimizer):
     # -- the update phase (reduce-scatter and all-gather: dist.ShardedPhases)
     @torch.no_grad()
     def _update(self) -> None:
-        flat = self.local_gradients()
+        self._apply(self.local_gradients(), self.hyper_values())
+        self._local_grads = None
+
+    def hyper_values(self) -> list[float]:
+        """This step's scheduled values, three per bucket: momentum, lr x the shape's scale, decay
+        (the host's part of a step; `_apply` reads them as floats or from a device tensor: both
+        hold the same float32 values, so the two give the same update)."""
+        out = []
         for b in self.buckets:
+            group = self.param_groups[b["group"]]
+            out += [group["momentum"], group["lr"] * muon_lr_scale(*b["shape"]),
+                    group["initial_lr"] * group["weight_decay"] * group["wd_mult"]]
+        return fp32_values(out)
+
+    def n_hyper(self) -> int:
+        return 3 * len(self.buckets)
+
+    def state_tensors(self) -> list[Tensor]:
+        return [t for b in self.buckets if b["state"] is not None for t in b["state"].values()]
+
+    def ensure_state(self, like: Tensor) -> None:
+        """Create the momentum and NorMuon buffers of every bucket this rank updates (zeros)."""
+        for b in self.buckets:
+            n = len(b["mine"])
+            if n and b["state"] is None:
+                rows, cols = b["shape"]
+                b["state"] = dict(
+                    momentum=torch.zeros(n, rows, cols, device=like.device, dtype=torch.float32),
+                    second_moment=torch.zeros(n, *normuon_state_shape(rows, cols),
+                                              device=like.device, dtype=torch.float32))
+
+    @torch.no_grad()
+    def _apply(self, flat: Tensor, hyper) -> None:
+        """The device part of a step: update this rank's matrices from its gradient region `flat`.
+        hyper: `hyper_values()`, a list of floats or a device tensor (then nothing here reads a
+        value on the host, so the whole update can be captured as a CUDA graph)."""
+        self.ensure_state(flat)
+        for i, b in enumerate(self.buckets):
             group = self.param_groups[b["group"]]
             n = len(b["mine"])
             if n == 0:
                 continue
-            rows, cols = b["shape"]
+            mu, lr, decay = hyper[3 * i], hyper[3 * i + 1], hyper[3 * i + 2]
             G = b["segment"].local_view(flat)[:n]                      # (n, rows, cols)
             st = b["state"]
-            if st is None:
-                st = b["state"] = dict(
-                    momentum=torch.zeros_like(G, dtype=torch.float32),
-                    second_moment=torch.zeros(n, *normuon_state_shape(rows, cols),
-                                              device=G.device, dtype=torch.float32))
-            mu = group["momentum"]
             st["momentum"].lerp_(G, 1 - mu)
             U = G.lerp(st["momentum"], mu) if group["nesterov"] else st["momentum"]
             dtype = self.ortho_dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
@@ -306,13 +342,11 @@ class Muon(ShardedPhases, torch.optim.Optimizer):
             O = normuon_(O, st["second_moment"], group["beta2"]) if group["normuon"] else O.float()
             params = [b["segment"].params[j] for j in b["mine"]]
             updates = list(O.to(params[0].dtype).unbind(0))
-            decay = group["initial_lr"] * group["weight_decay"] * group["wd_mult"]
-            if group["cautious"]:
+            if group["weight_decay"] and group["cautious"]:   # (no decay kernels when it is off)
                 cautious_decay_(params, updates, decay)
-            else:
+            elif group["weight_decay"]:
                 plain_decay_(params, decay)
-            torch._foreach_add_(params, updates, alpha=-group["lr"] * muon_lr_scale(rows, cols))
-        self._local_grads = None
+            apply_update_(params, updates, lr)
 
     def all_gather(self):
         """Send every rank's updated matrices to all ranks; returns a handle to .wait() on."""
