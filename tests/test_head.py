@@ -93,9 +93,18 @@ def test_training_path_keeps_no_logits_for_backward():
 
 
 def test_default_block_rows():
-    assert default_block_rows(50304) == 1280          # 256 MiB of float32 logits, 64-row multiple
-    assert default_block_rows(256) == (1 << 28) // 1024
-    assert default_block_rows(10**9) == 1
+    assert default_block_rows(50304) == 5312          # 1 GiB of float32 logits, 64-row multiple
+    assert default_block_rows(256) == (1 << 30) // 1024
+    assert default_block_rows(10**10) == 1
+    # given the rows: the fewest blocks, evened out to 64-row multiples
+    assert default_block_rows(50304, 16384) == 4096   # a training chunk: 4 x 4096
+    assert default_block_rows(50304, 5312) == 5312    # one block
+    assert default_block_rows(50304, 100) == 100
+    assert default_block_rows(50304, 10625) == 3584   # 3 blocks (3 x 3584 >= 10625), not 2 + a tail
+    for n in (1, 63, 5313, 16385, 70001):
+        rows = default_block_rows(50304, n)
+        blocks = -(-n // rows)
+        assert rows <= 5312 and blocks == -(-n // 5312), n
 
 
 def test_bad_arguments_get_clear_errors():
