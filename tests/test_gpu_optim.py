@@ -13,14 +13,19 @@ from elephant.optim import build_optimizers
 pytestmark = pytest.mark.gpu
 
 
-def test_graphed_step_equals_clip_and_step_and_captures_again_after_a_load():
+def model_and_twin(cfg: OptimConfig):
+    """A small ElephantLM on CUDA, an identical copy, and the optimizers of each."""
     torch.manual_seed(0)
     model = ElephantLM(ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MA", d_mlp=256,
                                    d_state=32, mamba_head_dim=32, ssd_chunk=32, n_mem=4,
                                    kv_window=64)).cuda()
     twin = copy.deepcopy(model)
-    cfg = OptimConfig(warmup_steps=3, muon_wd=0.02, adam_wd=0.02, momentum_warmup_steps=4)
-    eager, graphed = build_optimizers(model, cfg), build_optimizers(twin, cfg)
+    return model, twin, build_optimizers(model, cfg), build_optimizers(twin, cfg)
+
+
+def test_graphed_step_equals_clip_and_step_and_captures_again_after_a_load():
+    model, twin, eager, graphed = model_and_twin(
+        OptimConfig(warmup_steps=3, muon_wd=0.02, adam_wd=0.02, momentum_warmup_steps=4))
     gen = torch.Generator().manual_seed(1)
     grads = [[torch.randn(p.shape, generator=gen).cuda() * 10 ** (i % 3 - 2)
               for p in model.parameters()] for i in range(6)]
@@ -62,14 +67,9 @@ def test_compiled_graphed_step_follows_the_eager_step():
     # the trainer's form (train.compile=graphs): the update compiled by inductor, then captured;
     # fused passes round differently, so the steps agree to float32 rounding carried through the
     # bf16 iterations, not bit for bit
-    torch.manual_seed(0)
-    model = ElephantLM(ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MA", d_mlp=256,
-                                   d_state=32, mamba_head_dim=32, ssd_chunk=32, n_mem=4,
-                                   kv_window=64)).cuda()
-    twin = copy.deepcopy(model)
+    model, twin, eager, compiled = model_and_twin(OptimConfig(warmup_steps=2, muon_wd=0.02,
+                                                              adam_wd=0.02))
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = OptimConfig(warmup_steps=2, muon_wd=0.02, adam_wd=0.02)
-    eager, compiled = build_optimizers(model, cfg), build_optimizers(twin, cfg)
     gen = torch.Generator().manual_seed(2)
     for i in range(4):
         grads = [torch.randn(p.shape, generator=gen).cuda() for p in model.parameters()]
