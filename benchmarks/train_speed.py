@@ -18,8 +18,12 @@ end, `fill`). MFU: the model's own FLOP count per token slot over the dense bf16
 
 The run FAILS (exit 1, `failures` in the JSON) when a compiled step has a graph break, or compiles
 anything during the timed steps (a recompile). After timing it counts the host synchronizations of
-one more step (CUDA sync debug mode) and profiles a few steps: the top kernels by device time go
-into the JSON, the full tables into ..._profile.txt.
+one more step (CUDA sync debug mode and waits on CUDA events) and profiles a few steps: the top
+kernels by device time go into the JSON, and `profile_summary` with the device ms per step by
+kernel kind (`benchmarks.common.kernel_kind`), every kernel, and (our steps) the device time of
+the host-queued phases (clipping, the optimizer, its graphed form); the full tables into
+..._profile.txt (with --shapes also the operators by input shape). --phases adds each phase's
+host and wall time.
 
 Evaluation (the hybrid's model, compiled blocks, bf16): `elephant.evaluate` with 64 lanes over the
 first documents of the corpus up to --eval-tokens tokens (longest first), and with one lane over

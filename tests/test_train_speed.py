@@ -80,9 +80,31 @@ def test_train_speed_smoke_writes_its_result(tmp_path):
         run = result["runs"][part]
         assert run["tokens_per_s"] > 0 and run["tokens_per_step"] == 4 * 64 * 2
         assert run["top_kernels"] and run["dynamo"]["graph_breaks"] == 0
+        summary = run["profile_summary"]
+        assert summary["kernels"] and summary["device_ms_per_step"] > 0
+        assert sum(summary["by_kind"].values()) == pytest.approx(
+            sum(k["ms_per_step"] for k in summary["kernels"]), rel=0.05)   # tiny ones left out
+    # our step's phases, timed by the profile's ranges (on the CPU: host time)
+    ranges = result["runs"]["attention"]["profile_summary"]["ranges"]
+    assert ranges["phase:optimizer"] > 0 and ranges["phase:windows"] > ranges["phase:optimizer"]
     assert result["runs"]["attention"]["config"]["model"]["layers"] == "AAAA"
     assert 0 < result["runs"]["attention"]["fill"] <= 1
     assert (tmp_path / "speed_profile.txt").read_text().startswith("== baseline GPT")
+
+
+def test_kernel_kinds():
+    from benchmarks.common import kernel_kind
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    assert kernel_kind("_chunk_scan_bwd_kernel") == "ssd scan"
+    assert kernel_kind("_conv_fwd_kernel") == "conv"
+    assert kernel_kind("_bwd_kernel") == "elephant activation"
+    assert kernel_kind("triton_red_fused__to_copy_arange_eq_exp_gather_logsumexp_mul") == "loss"
+    assert kernel_kind("triton_per_fused__fused_rms_norm_backward__to_copy_add_view_16") == "norm"
+    assert kernel_kind("void at::native::reduce_kernel<128, 4>") == "reduction"
+    assert kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_kind("triton_poi_fused_silu_9") == "fused elementwise (inductor)"
+    assert kernel_kind("Memset (Device)") == "other"
 
 
 def test_train_speed_fails_on_graph_breaks_and_recompiles():
