@@ -16,6 +16,9 @@ Trainer protocol, per optimizer step (no DDP wrapper, no other all-reduce):
     norm = opt.clip_grad_norm_(cfg.grad_clip)   # optional; 0-d tensor, the global norm
     opt.step()
     opt.zero_grad(set_to_none=True)
+With one process the last two lines may be `norm = opt.graphed_step(cfg.grad_clip, backend)`: the
+same phase as one CUDA graph (compiled first when a torch.compile backend is given), what the
+trainer runs under train.compile=graphs.
 """
 from __future__ import annotations
 
@@ -122,7 +125,7 @@ class Optimizers:
         for h in handles:
             h.wait()
 
-    # -- one process on CUDA: clipping and both updates replayed as one CUDA graph
+    # -- one process: clipping and both updates replayed as one CUDA graph (run directly on the CPU)
     def graphable(self) -> bool:
         """Whether `graphed_step` can run: one process, parameters to update."""
         return world(self.process_group)[1] == 1 and bool(self.optimizers)
