@@ -54,11 +54,17 @@ def plain_decay_(params: list[Tensor], decay) -> None:
         torch._foreach_mul_(params, 1 - decay)
 
 
-def apply_update_(params: list[Tensor], updates: list[Tensor], lr) -> None:
-    """p <- p - lr * u (the updates are scaled in place). lr: a float or a 0-d tensor."""
-    if params:
-        torch._foreach_mul_(updates, -lr)
-        torch._foreach_add_(params, updates)
+def decay_and_update_(group: dict, params: list[Tensor], updates: list[Tensor], decay, lr) -> None:
+    """The group's weight decay (cautious or plain; no kernels when its weight_decay is 0), then
+    p <- p - lr * u (the updates are scaled in place). decay, lr: floats or 0-d tensors."""
+    if not params:
+        return
+    if group["weight_decay"] and group["cautious"]:
+        cautious_decay_(params, updates, decay)
+    elif group["weight_decay"]:
+        plain_decay_(params, decay)
+    torch._foreach_mul_(updates, -lr)
+    torch._foreach_add_(params, updates)
 
 
 def check_state_dict(sd: dict, kind: str, rank: int, world_size: int) -> None:
@@ -167,11 +173,7 @@ class Adam(ShardedPhases, torch.optim.Optimizer):
             U = torch._foreach_div(M, denom)                  # m / (sqrt(v_hat) + eps)
             if P[0].dtype != torch.float32:
                 U = [u.to(P[0].dtype) for u in U]
-            if group["weight_decay"] and group["cautious"]:   # (no decay kernels when it is off)
-                cautious_decay_(P, U, decay)
-            elif group["weight_decay"]:
-                plain_decay_(P, decay)
-            apply_update_(P, U, lr)
+            decay_and_update_(group, P, U, decay, lr)
 
     def set_schedule(self, lr_mult: float, wd_mult: float = 1.0, momentum: float | None = None):
         """lr = initial_lr * lr_mult, weight decay scaled by wd_mult (momentum: ignored)."""

@@ -151,19 +151,20 @@ class Optimizers:
         for opt, flat in zip(self.optimizers, g["flat"]):
             opt.layout.pack_gradients([p.grad for p in opt.layout.params], flat)
             opt._pending = opt._local_grads = None
-        values = [v for opt in self.optimizers for v in opt.hyper_values()]
+        values = torch.tensor([v for opt in self.optimizers for v in opt.hyper_values()],
+                              dtype=torch.float32)
         if g["graph"] is None:           # the CPU: the same buffers and arithmetic, run directly
-            g["hyper"].copy_(torch.tensor(values, dtype=torch.float32))
+            g["hyper"].copy_(values)
             g["update"]()
-            return g["norm"].clone()
-        g["turn"] ^= 1
-        host, copied = g["host"][g["turn"]], g["copied"][g["turn"]]
-        if not copied.query():           # this buffer's last copy (two steps ago) has not run yet
-            copied.synchronize()
-        host.copy_(torch.tensor(values, dtype=torch.float32))
-        g["hyper"].copy_(host, non_blocking=True)
-        copied.record()
-        g["graph"].replay()
+        else:
+            g["turn"] ^= 1
+            host, copied = g["host"][g["turn"]], g["copied"][g["turn"]]
+            if not copied.query():       # this buffer's last copy (two steps ago) has not run yet
+                copied.synchronize()
+            host.copy_(values)
+            g["hyper"].copy_(host, non_blocking=True)
+            copied.record()
+            g["graph"].replay()
         return g["norm"].clone()
 
     def _capture(self, max_norm: float, backend: str | None) -> dict:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .adam import apply_update_, cautious_decay_, check_state_dict, fp32_values, plain_decay_
+from .adam import check_state_dict, decay_and_update_, fp32_values
 from .dist import ShardedPhases, ShardLayout, world
 from .gram_triton import sym_gram
 
@@ -342,11 +342,7 @@ class Muon(ShardedPhases, torch.optim.Optimizer):
             O = normuon_(O, st["second_moment"], group["beta2"]) if group["normuon"] else O.float()
             params = [b["segment"].params[j] for j in b["mine"]]
             updates = list(O.to(params[0].dtype).unbind(0))
-            if group["weight_decay"] and group["cautious"]:   # (no decay kernels when it is off)
-                cautious_decay_(params, updates, decay)
-            elif group["weight_decay"]:
-                plain_decay_(params, decay)
-            apply_update_(params, updates, lr)
+            decay_and_update_(group, params, updates, decay, lr)
 
     def all_gather(self):
         """Send every rank's updated matrices to all ranks; returns a handle to .wait() on."""
