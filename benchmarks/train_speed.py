@@ -164,6 +164,21 @@ PHASES = {"windows": ("trainer", "_window"), "clip": ("opt", "clip_grad_norm_"),
           "optimizer": ("opt", "step"), "graphed optimizer": ("opt", "graphed_step")}
 
 
+@contextlib.contextmanager
+def wrapped_phases(trainer, wrap):
+    """Within: each of the trainer's phases (PHASES) runs as wrap(name, the phase's method)."""
+    targets = {name: (trainer if obj == "trainer" else trainer.opt, attr)
+               for name, (obj, attr) in PHASES.items()}
+    originals = {name: getattr(obj, attr) for name, (obj, attr) in targets.items()}
+    try:
+        for name, (obj, attr) in targets.items():
+            setattr(obj, attr, wrap(name, originals[name]))
+        yield
+    finally:
+        for name, (obj, attr) in targets.items():
+            setattr(obj, attr, originals[name])
+
+
 def phases(trainer, device, steps: int) -> dict:
     """Where the trainer's step goes, by phase (the windows' forward and backward, the gradient
     clipping, the optimizer step, the rest of train_step): `host_ms`, how long the host takes to
@@ -171,9 +186,6 @@ def phases(trainer, device, steps: int) -> dict:
     to finish when the device is waited for before and after it (a phase whose host time is near
     its wall time is bound by the host: the GPU idles while it is queued). Medians over `steps`."""
     cuda = torch.device(device).type == "cuda"
-    wrapped = {name: (trainer if obj == "trainer" else trainer.opt, attr)
-               for name, (obj, attr) in PHASES.items()}
-    originals = {name: getattr(obj, attr) for name, (obj, attr) in wrapped.items()}
     spent: dict[str, float] = {}
     waits = {"on": False}
 
@@ -190,9 +202,7 @@ def phases(trainer, device, steps: int) -> dict:
         return call
 
     result = {}
-    try:
-        for name, (obj, attr) in wrapped.items():
-            setattr(obj, attr, timed(name, originals[name]))
+    with wrapped_phases(trainer, timed):
         for mode in ("host_ms", "wall_ms"):
             waits["on"] = mode == "wall_ms"
             rows = []
@@ -207,35 +217,19 @@ def phases(trainer, device, steps: int) -> dict:
                 total = time.perf_counter() - t0
                 rows.append({**spent, "rest": total - sum(spent.values()), "step": total})
             result[mode] = {k: float(np.median([r.get(k, 0.0) for r in rows])) * 1e3
-                            for k in [*wrapped, "rest", "step"]}
-    finally:
-        for name, (obj, attr) in wrapped.items():
-            setattr(obj, attr, originals[name])
+                            for k in [*PHASES, "rest", "step"]}
     return result
 
 
-class phase_marks:
+def phase_marks(trainer):
     """Within: the trainer's phases (PHASES) run inside `torch.profiler.record_function`
     ranges named "phase:<name>", so a profile can attribute the kernels the host queues in each."""
-
-    def __init__(self, trainer):
-        self.targets = {name: (trainer if obj == "trainer" else trainer.opt, attr)
-                        for name, (obj, attr) in PHASES.items()}
-        self.originals = {}
-
-    def __enter__(self):
-        for name, (obj, attr) in self.targets.items():
-            fn = self.originals[name] = getattr(obj, attr)
-
-            def marked(*a, _fn=fn, _name=name, **k):
-                with torch.profiler.record_function(f"phase:{_name}"):
-                    return _fn(*a, **k)
-            setattr(obj, attr, marked)
-        return self
-
-    def __exit__(self, *exc):
-        for name, (obj, attr) in self.targets.items():
-            setattr(obj, attr, self.originals[name])
+    def marked(name, fn):
+        def call(*a, **k):
+            with torch.profiler.record_function(f"phase:{name}"):
+                return fn(*a, **k)
+        return call
+    return wrapped_phases(trainer, marked)
 
 
 def extras(out: dict, step, args, device, title: str, trainer=None) -> str:
