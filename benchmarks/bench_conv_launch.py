@@ -14,7 +14,6 @@ of the launch before this benchmark (32 tokens x 128 channels, 4 warps).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -24,7 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, fastest, median_ms, rel_close, result_path  # noqa: E402
+from benchmarks.common import (cuda_or_exit, environment, fastest, median_ms,  # noqa: E402
+                               rel_close, result_path, sweep_parser)
 from elephant.layers import conv_triton  # noqa: E402
 
 BEFORE = (32, 128, 4)
@@ -35,18 +35,12 @@ def close(a, b) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--segments", action="store_true",
-                    help="with document boundaries and the segments' tail inputs (packed rows)")
+    ap = sweep_parser(30, 5, "with document boundaries and the segments' tail inputs (packed rows)")
     ap.add_argument("--tokens", default="32,16,64")
     ap.add_argument("--channels", default="128,64,256")
     ap.add_argument("--warps", default="4,2,8")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: bench_conv_launch needs CUDA")
-    device = torch.device("cuda")
+    device = cuda_or_exit("bench_conv_launch")
     B, L, C, K, width = 32, 8 + 512 + 8, 1152, 4, 2192
     S = args.segments
     gen = torch.Generator(device=device).manual_seed(0)

@@ -14,7 +14,6 @@ after --warmup) and its every output checked against those of the launch before 
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -25,7 +24,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, fastest, median_ms, rel_close, result_path  # noqa: E402
+from benchmarks.common import (cuda_or_exit, environment, fastest, median_ms,  # noqa: E402
+                               rel_close, result_path, sweep_parser)
 from elephant.layers import ssd_triton  # noqa: E402
 
 BEFORE = {"fwd": {"num_warps": 4}, "bwd": {"num_warps": 8}}  # the launch before this benchmark
@@ -36,17 +36,11 @@ def close(a, b) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--segments", action="store_true",
-                    help="with document boundaries and the segments' initial state (packed rows)")
+    ap = sweep_parser(30, 5, "with document boundaries and the segments' initial state (packed rows)")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="0,1,2", help="0: Triton's default")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: bench_scan_launch needs CUDA")
-    device = torch.device("cuda")
+    device = cuda_or_exit("bench_scan_launch")
     b, l, h, g, p, n, Q = 32, 8 + 512 + 8, 16, 1, 64, 64, 64
     nc = triton.cdiv(l, Q)
     S = args.segments

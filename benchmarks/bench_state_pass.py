@@ -14,7 +14,6 @@ write the gradients). The results are checked equal to those of the launch used 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,20 +23,15 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import environment, median_ms, result_path  # noqa: E402
+from benchmarks.common import (cuda_or_exit, environment, median_ms, result_path,  # noqa: E402
+                               sweep_parser)
 from elephant.layers import ssd_triton  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--segments", action="store_true",
-                    help="with document boundaries and the segments' initial state (packed rows)")
+    ap = sweep_parser(50, 10, "with document boundaries and the segments' initial state (packed rows)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("error: bench_state_pass needs CUDA")
-    device = torch.device("cuda")
+    device = cuda_or_exit("bench_state_pass")
     b, h, p, n, Q = 32, 16, 64, 64, 64
     nc = triton.cdiv(8 + 512 + 8, Q)
     pn = p * n

@@ -55,6 +55,24 @@ def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float
     return statistics.median(times)
 
 
+def sweep_parser(iters: int, warmup: int, segments_help: str):
+    """The launch sweeps' shared arguments: --iters, --warmup, --segments (add their own after)."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=iters)
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--segments", action="store_true", help=segments_help)
+    return ap
+
+
+def cuda_or_exit(name: str) -> torch.device:
+    """The CUDA device, or exit with an error naming the script that needs it."""
+    if not torch.cuda.is_available():
+        import sys
+        sys.exit(f"error: {name} needs CUDA")
+    return torch.device("cuda")
+
+
 def rel_close(a, b, tol: float) -> bool:
     """Whether a is b to a relative (norm) error under tol; two Nones agree."""
     if a is None or b is None:
