@@ -1,19 +1,26 @@
 """The SSD scan's forward and backward (ssd_triton._fwd and _bwd: chunk_state, state pass,
 chunk_scan, and the sums after them) over the chunk-scan kernels' launch: warps and pipeline stages.
 
-    python benchmarks/bench_scan_launch.py [--segments]   # CUDA: benchmarks/results/scan_launch[_segments]_<gpu>.json
+    python benchmarks/bench_scan_launch.py [--segments] [--before FILE]
+        # CUDA: benchmarks/results/scan_launch[_segments]_<gpu>.json
+
+--before FILE times another copy of the module (e.g. `git show <rev>:elephant/layers/ssd_triton.py
+> /tmp/ssd_before.py`) at the launch ssd_triton takes now, beside this one: the A/B of a kernel
+change in one run, its outputs checked equal to this module's.
 
 (An earlier version of this benchmark, commit e72872f, also swept chunk-scan programs over several
 heads of one B/C group, B, C and C B^T formed once and dB, dC summed in registers: slower at every
 count, so that form was dropped; its results are in LOG.md.) Shape: one chunk step of the
 wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 16 heads of 64 in one group, d_state 64, chunks
 of 64, bfloat16; with --segments, a document boundary every ~150 tokens and the segments' initial
-state (the packed path's kernels). Each configuration is timed by CUDA events (median of --iters
-after --warmup) and its every output checked against those of the launch before this benchmark
+state (the packed path's kernels). Each configuration is timed as a CUDA graph (median of --iters
+replays after --warmup; until 2026-11-25 eagerly, which timed the host's launches of the small
+sums too) and its every output checked against those of the launch before this benchmark
 (forward 4 warps, backward 8); `chosen` is the launch ssd_triton takes now.
 """
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import sys
@@ -39,6 +46,7 @@ def main() -> None:
     ap = sweep_parser(30, 5, "with document boundaries and the segments' initial state (packed rows)")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="0,1,2", help="0: Triton's default")
+    ap.add_argument("--before", help="another copy of ssd_triton.py, timed beside this one")
     args = ap.parse_args()
     device = cuda_or_exit("bench_scan_launch")
     b, l, h, g, p, n, Q = 32, 8 + 512 + 8, 16, 1, 64, 64, 64
@@ -64,15 +72,15 @@ def main() -> None:
         dA = torch.nn.functional.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
         cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
 
-    def fwd(launch):
-        return ssd_triton._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
+    def fwd(launch, mod=ssd_triton):
+        return mod._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
 
-    def bwd(launch, states):
-        return ssd_triton._bwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, states, dy, dfinal, Q,
-                               launch=launch)
+    def bwd(launch, states, mod=ssd_triton):
+        return mod._bwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, states, dy, dfinal, Q,
+                        launch=launch)
 
     def timed(fn):
-        return median_ms(fn, device, args.iters, args.warmup)
+        return median_ms(fn, device, args.iters, args.warmup, graph=True)
 
     ref_f = fwd(BEFORE["fwd"])
     ref_b = bwd(BEFORE["bwd"], ref_f[2])
@@ -93,17 +101,36 @@ def main() -> None:
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
+    ab = None
+    if args.before:  # the other module at today's launch, beside this one, in turns
+        spec = importlib.util.spec_from_file_location("ssd_triton_before", args.before)
+        before_mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(before_mod)
+        ab = {"file": args.before, "now": {}, "before": {}}
+        for k in ("fwd", "bwd"):
+            launch = ssd_triton._scan_launch(k == "bwd", S, False)
+            fns = {name: (lambda m=mod: fwd(launch, m)) if k == "fwd" else
+                   (lambda m=mod: bwd(launch, ref_f[2], m))
+                   for name, mod in (("now", ssd_triton), ("before", before_mod))}
+            for name, fn in fns.items():
+                ab[name][f"equal_{k}"] = all(close(a, r) for a, r in
+                                             zip(fn(), ref_f if k == "fwd" else ref_b))
+                ab[name][f"{k}_us"] = []
+            for _ in range(3):
+                for name, fn in fns.items():
+                    ab[name][f"{k}_us"].append(timed(fn) * 1e3)
+        print("a/b", json.dumps(ab), flush=True)
     best = fastest(rows)
     before = {k: next((r[f"{k}_us"] for r in rows if "error" not in r
                        if (r["warps"], r["stages"]) == (BEFORE[k]["num_warps"], "default")), None)
               for k in ("fwd", "bwd")}
     chosen = {k: ssd_triton._scan_launch(k == "bwd", S, False) for k in ("fwd", "bwd")}
-    cmd = "python benchmarks/bench_scan_launch.py" + (" --segments" if S else "")
+    cmd = " ".join(["python benchmarks/bench_scan_launch.py"] + sys.argv[1:])
     out = {**environment(device), "command": cmd, "segments": S,
            "shape": {"lanes": b, "tokens": l, "heads": h, "groups": g, "P": p, "N": n, "chunk": Q,
                      "dtype": "bfloat16"},
            "before": {k: {"launch": BEFORE[k], "us": before[k]} for k in before},
-           "best": best, "chosen": chosen, "configs": rows}
+           "best": best, "chosen": chosen, "configs": rows, "before_module": ab}
     path = result_path("scan_launch_segments" if S else "scan_launch", False)
     path.write_text(json.dumps(out, indent=1))
     print("before", json.dumps(out["before"]))

@@ -187,7 +187,7 @@ KERNEL_KINDS = (  # (kind, pattern on the kernel's name), first match wins
     ("ssd scan", r"_chunk_scan|_chunk_state|_state_pass|_segment_cumsum"),
     ("conv", r"_conv_(fwd|bwd)_kernel"),
     ("elephant activation", r"^_(fwd|bwd)_kernel"),
-    ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy"),
+    ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy|^_ce_kernel"),
     ("norm", r"rms_norm|layer_norm|_norm_"),
     ("optimizer (foreach)", r"multi_tensor|foreach"),
     ("reduction", r"reduce_kernel|triton_red|triton_per"),

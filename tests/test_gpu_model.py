@@ -196,7 +196,8 @@ def test_blocked_head_equals_reference_on_cuda(reduction, dtype, compiled):
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_fused_head_blocks_equal_the_in_place_steps_on_cuda(reduction):
-    """The compiled block kernels (head.FUSED, logits kept in bf16) against the in-place float32
+    """The fused block math (head.FUSED, logits kept in bf16), as the Triton kernel (ce_triton,
+    the default) and as inductor's kernels of the plain functions, against the in-place float32
     steps, at a vocabulary of the 70M shape and blocks that do not divide the rows: loss and both
     gradients under bf16 autocast; the per-token path's backward (which remakes the logits) too."""
     from elephant.layers import head
@@ -207,17 +208,18 @@ def test_fused_head_blocks_equal_the_in_place_steps_on_cuda(reduction):
     t[0, :5] = head.IGNORE_INDEX
     mask = torch.rand(2, 700, device="cuda", generator=gen) < 0.9
     results = []
-    for fused in (True, False):
-        head.FUSED = fused
+    for fused, kernel in ((False, "triton"), (True, "triton"), (True, "inductor")):
+        head.FUSED, head.CE_KERNEL = fused, kernel
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = head.linear_cross_entropy(h, w, t, mask, reduction, block_rows=512)
             results.append([loss] + list(torch.autograd.grad(loss.sum(), (h, w))))
         finally:
-            head.FUSED = True
-    for name, got, want in zip(("loss", "dh", "dw"), *results):
-        assert got.dtype == want.dtype, name
-        assert rel(got, want) < 1e-2, f"{name}: {rel(got, want):.2e}"
+            head.FUSED, head.CE_KERNEL = True, "triton"
+    for fast in results[1:]:
+        for name, got, want in zip(("loss", "dh", "dw"), fast, results[0]):
+            assert got.dtype == want.dtype, name
+            assert rel(got, want) < 1e-2, f"{name}: {rel(got, want):.2e}"
 
 
 def test_blocked_head_makes_no_host_sync_on_cuda():

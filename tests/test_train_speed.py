@@ -100,6 +100,7 @@ def test_kernel_kinds():
     assert kernel_kind("_conv_fwd_kernel") == "conv"
     assert kernel_kind("_bwd_kernel") == "elephant activation"
     assert kernel_kind("triton_red_fused__to_copy_arange_eq_exp_gather_logsumexp_mul") == "loss"
+    assert kernel_kind("_ce_kernel") == "loss"
     assert kernel_kind("triton_per_fused__fused_rms_norm_backward__to_copy_add_view_16") == "norm"
     assert kernel_kind("void at::native::reduce_kernel<128, 4>") == "reduction"
     assert kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"

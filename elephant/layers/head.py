@@ -27,11 +27,14 @@ ElephantLM.loss) that the tests hold this one equal to.
 """
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from elephant.layers import ce_triton
 
 IGNORE_INDEX = -100
 BLOCK_BYTES = 1 << 30   # float32 logits of one row block: at most 1 GiB (5,336 rows at V = 50,304)
@@ -125,17 +128,27 @@ def _block_dlogits(p: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Ten
 # ten times; that traffic was a quarter of the hybrid's training step on an H100. The in-place
 # steps stay the CPU path and the reference the GPU tests hold these equal to.
 FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B and the tests)
+# "triton": on CUDA the block math is ce_triton's kernel (two reads of the logits and one write
+# where inductor's kernel of the plain functions makes three and one); "inductor": that kernel
+CE_KERNEL = os.environ.get("ELEPHANT_CE", "triton")
+
+
+def _use_ce_kernel(z: Tensor) -> bool:
+    return CE_KERNEL == "triton" and z.is_cuda and ce_triton.supported(z)
 
 
 def _block_fn(name: str, z: Tensor):
-    """The functional block math for this block: the separately compiled kernels on CUDA (FUSED),
-    the plain functions inside a graph torch.compile is tracing (it fuses them with the rest),
-    else None for the in-place steps (eager CPU, or FUSED off). Never the in-place steps inside a
-    traced graph: they and the eager path's slice writes gave an all-zero dh when traced with
-    bf16 logits on an H100 (test_blocked_head_equals_reference_on_cuda[sum-bf16-True], LOG.md)."""
+    """The functional block math for this block: on CUDA the Triton kernel (CE_KERNEL, eager or
+    traced), else the separately compiled kernels (FUSED), the plain functions inside a graph
+    torch.compile is tracing (it fuses them with the rest), else None for the in-place steps
+    (eager CPU, or FUSED off). Never the in-place steps inside a traced graph: they and the eager
+    path's slice writes gave an all-zero dh when traced with bf16 logits on an H100
+    (test_blocked_head_equals_reference_on_cuda[sum-bf16-True], LOG.md)."""
     if torch.compiler.is_compiling():
-        return PLAIN_FNS[name]
-    return _FUSED_FNS[name] if FUSED and _fusable(z) else None
+        return ce_triton.FNS[name] if _use_ce_kernel(z) else PLAIN_FNS[name]
+    if not (FUSED and _fusable(z)):
+        return None
+    return ce_triton.FNS[name] if _use_ce_kernel(z) else _FUSED_FNS[name]
 
 
 def _acc(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
