@@ -122,14 +122,14 @@ def _block_dlogits(p: Tensor, safe: Tensor, valid: Tensor, scale: Tensor) -> Ten
     return p.mul_((scale * valid)[:, None])
 
 
-# The same block math as one or two fused kernels (torch.compile, on CUDA): the logits stay in
-# the matmul dtype (bf16 in training) and are read twice (log-sum-exp, then the gradient written
-# in the matmul dtype), where the in-place float32 steps above read and write a float32 block about
-# ten times; that traffic was a quarter of the hybrid's training step on an H100. The in-place
-# steps stay the CPU path and the reference the GPU tests hold these equal to.
+# The same block math fused on CUDA: the logits stay in the matmul dtype (bf16 in training), where
+# the in-place float32 steps above read and write a float32 block about ten times (that traffic
+# was a quarter of the hybrid's training step on an H100). The in-place steps stay the CPU path
+# and the reference the GPU tests hold the fused forms equal to.
 FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B and the tests)
-# "triton": on CUDA the block math is ce_triton's kernel (two reads of the logits and one write
-# where inductor's kernel of the plain functions makes three and one); "inductor": that kernel
+# Which fused form: "triton", ce_triton's kernel (two reads of the logits and one write per block,
+# eager and inside compiled graphs); "inductor", the plain functions below compiled by
+# torch.compile (three reads and one write; what ran until 2026-11-25)
 CE_KERNEL = os.environ.get("ELEPHANT_CE", "triton")
 
 
