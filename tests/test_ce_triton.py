@@ -93,3 +93,12 @@ def test_head_with_the_kernel_equals_the_reference(monkeypatch):
         for a, b in zip(torch.autograd.grad(got.sum(), (h, w)), want_g):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=reduction)
     assert set(calls) == {"grad", "nll", "dlogits"}
+
+
+def test_unknown_kernel_choice_is_named():
+    import subprocess
+    import sys
+    env = {**os.environ, "ELEPHANT_CE": "bogus"}
+    run = subprocess.run([sys.executable, "-c", "import elephant.layers.head"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "ELEPHANT_CE must be 'triton' or 'inductor'" in run.stderr

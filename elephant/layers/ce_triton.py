@@ -6,7 +6,8 @@
 
 The same contract as head._nll_lse / _nll_and_dlogits / _dlogits (the functions inductor compiles
 and the tests hold these to): float32 math on logits in any float dtype, dz in z's dtype, zero NLL
-and gradient for an ignored target (-100).
+and gradient for an ignored target (-100). A target outside [0, V) reads no logit (the trainer
+refuses a tokenizer whose ids do not fit the vocabulary before any step).
 
 Why: a 16,384-token chunk's loss is 4 blocks of 4,096 x 50,304 bf16 logits (412 MB each). The
 kernel inductor makes of the plain functions reads each row three times (its maximum, the sum of

@@ -131,6 +131,8 @@ FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B 
 # eager and inside compiled graphs); "inductor", the plain functions below compiled by
 # torch.compile (three reads and one write; what ran until 2026-11-25)
 CE_KERNEL = os.environ.get("ELEPHANT_CE", "triton")
+if CE_KERNEL not in ("triton", "inductor"):
+    raise ValueError(f"ELEPHANT_CE must be 'triton' or 'inductor', got {CE_KERNEL!r}")
 
 
 def _use_ce_kernel(z: Tensor) -> bool:
