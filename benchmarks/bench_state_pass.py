@@ -7,10 +7,12 @@ The passes walk a lane's chunks in order (the state entering chunk c needs chunk
 program loops over the chunks of one (lane, head) block of the (P x N) state. Shape: one chunk step
 of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 16 heads, P = N = 64, chunks of 64 tokens
 (9 chunks); with --segments, a document boundary every ~150 tokens and the segments' initial
-state (the packed path's kernels). Each configuration (elements per program, warps) is timed by
-CUDA events (median of --iters after --warmup) and given as GB/s of the float32 states it must
-read and write (forward: read and write the states; backward: read the gradients and the states,
-write the gradients). The results are checked equal to those of the launch used before (1024 x 4 warps).
+state (the packed path's kernels). Each configuration (elements per program, warps) is timed as
+a CUDA graph (median of --iters replays after --warmup; until 2026-11-25 eagerly, with the host's
+launches in the time: session 16's sweep moved by 10-40% from the one before) and given as GB/s
+of the float32 states it must read and write (forward: read and write the states; backward: read
+the gradients and the states, write the gradients). The results are checked equal to those of
+the launch used before (1024 x 4 warps).
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def main() -> None:
         return dstates, dinit, dcs_end.sum(-1)
 
     def timed(fn):
-        return median_ms(fn, device, args.iters, args.warmup)
+        return median_ms(fn, device, args.iters, args.warmup, graph=True)
 
     # the clone each call makes is timed apart and taken off
     clone_ms = timed(lambda: own.clone())

@@ -1,4 +1,4 @@
-"""The blocked loss's per-block math as one Triton kernel: log-sum-exp, NLL and the logits' gradient.
+"""The blocked loss's per-block math as one Triton kernel: log-sum-exp, NLL, the logits' gradient.
 
     nll_lse(z, targets)                   -> (nll, lse)          per row of logits z (n, V)
     nll_lse_dlogits(z, targets, scale)    -> (nll, lse, dz)      dz = (softmax - one-hot) * scale
@@ -36,9 +36,9 @@ except ImportError:
 IGNORE_INDEX = -100
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# (vocabulary elements per step of a row's walk, warps): among the fastest of benchmarks/bench_ce.py's
-# sweep on an H100 (4,096 x 50,304 bf16; grad 406 us against inductor's 575, nll 146 against 301;
-# neighbouring launches within a few percent)
+# (vocabulary elements per step of a row's walk, warps): among the fastest of the sweep of
+# benchmarks/bench_ce.py on an H100 (4,096 x 50,304 bf16; grad 406 us against inductor's 575,
+# nll 146 against 301; neighbouring launches within a few percent)
 LAUNCH = {"nll": (2048, 4), "grad": (8192, 8)}
 # the gradient's walk over a row runs from its end, whose blocks the first walk read last: 3-10%
 # faster than from its start at every launch of the sweep (8192 x 8: 406 us against 421)
@@ -120,8 +120,8 @@ def _run(z: Tensor, t: Tensor, scale: Tensor | None, lse_in: Tensor | None, grad
         torch.library.wrap_triton(_ce_kernel)[(n,)](
             z, t, scale if grad else dummy, lse_in if not forward else dummy,
             nll if forward else dummy, lse, dz if grad else dummy, V, z.stride(0),
-            dz.stride(0) if grad else 0, BLOCK=block, FORWARD=forward, GRAD=grad, IGNORE=IGNORE_INDEX,
-            REVERSED=GRAD_REVERSED, num_warps=warps)
+            dz.stride(0) if grad else 0, BLOCK=block, FORWARD=forward, GRAD=grad,
+            IGNORE=IGNORE_INDEX, REVERSED=GRAD_REVERSED, num_warps=warps)
     return nll, lse, dz
 
 
