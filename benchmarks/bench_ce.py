@@ -27,7 +27,7 @@ from elephant.layers import ce_triton, head  # noqa: E402
 
 
 def main() -> None:
-    ap = sweep_parser(30, 5, "(unused)")
+    ap = sweep_parser(30, 5)
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=50304)
     args = ap.parse_args()

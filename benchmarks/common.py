@@ -55,13 +55,15 @@ def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float
     return statistics.median(times)
 
 
-def sweep_parser(iters: int, warmup: int, segments_help: str):
-    """The launch sweeps' shared arguments: --iters, --warmup, --segments (add their own after)."""
+def sweep_parser(iters: int, warmup: int, segments_help: str | None = None):
+    """The launch sweeps' shared arguments: --iters, --warmup, and --segments when the sweep has
+    a form with document boundaries (segments_help; add their own after)."""
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument("--warmup", type=int, default=warmup)
-    ap.add_argument("--segments", action="store_true", help=segments_help)
+    if segments_help is not None:
+        ap.add_argument("--segments", action="store_true", help=segments_help)
     return ap
 
 

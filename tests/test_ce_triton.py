@@ -76,8 +76,13 @@ def test_head_with_the_kernel_equals_the_reference(monkeypatch):
     monkeypatch.setattr(head, "_use_ce_kernel", lambda z: ce_triton.supported(z))
     monkeypatch.setattr(head, "_fusable", lambda z: True)
     calls = []
-    monkeypatch.setattr(ce_triton, "FNS", {name: (lambda fn, name: lambda *a: calls.append(name)
-                                                  or fn(*a))(fn, name)
+
+    def recording(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
+    monkeypatch.setattr(ce_triton, "FNS", {name: recording(name, fn)
                                            for name, fn in ce_triton.FNS.items()})
     gen = torch.Generator().manual_seed(1)
     h = torch.randn(2, 11, 16, generator=gen, requires_grad=True)

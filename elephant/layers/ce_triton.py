@@ -107,7 +107,20 @@ def _launch(kind: str, V: int) -> tuple[int, int]:
     return min(block, triton.next_power_of_2(V)), warps
 
 
+def _check(z: Tensor, t: Tensor) -> None:
+    torch._check(z.dim() == 2 and z.stride(1) == 1,
+                 lambda: f"ce_triton: logits must be (rows, V) with contiguous rows, got "
+                         f"{tuple(z.shape)} strides {z.stride()}")
+    torch._check(t.shape == z.shape[:1], lambda: f"ce_triton: targets {tuple(t.shape)} must be "
+                                                 f"({z.shape[0]},)")
+
+
 def _run(z: Tensor, t: Tensor, scale: Tensor | None, lse_in: Tensor | None, grad: bool):
+    """The kernel over every row of z: (nll, lse, dz), each None where not made."""
+    _check(z, t)
+    t = t.contiguous()
+    scale = None if scale is None else scale.float().contiguous()
+    lse_in = None if lse_in is None else lse_in.float().contiguous()
     n, V = z.shape
     forward = lse_in is None
     f32 = dict(device=z.device, dtype=torch.float32)
@@ -125,31 +138,20 @@ def _run(z: Tensor, t: Tensor, scale: Tensor | None, lse_in: Tensor | None, grad
     return nll, lse, dz
 
 
-def _check(z: Tensor, t: Tensor) -> None:
-    torch._check(z.dim() == 2 and z.stride(1) == 1,
-                 lambda: f"ce_triton: logits must be (rows, V) with contiguous rows, got "
-                         f"{tuple(z.shape)} strides {z.stride()}")
-    torch._check(t.shape == z.shape[:1], lambda: f"ce_triton: targets {tuple(t.shape)} must be "
-                                                 f"({z.shape[0]},)")
-
-
 @torch.library.triton_op("elephant::ce_nll", mutates_args=())
 def _nll_op(z: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-    _check(z, t)
-    nll, lse, _ = _run(z, t.contiguous(), None, None, False)
+    nll, lse, _ = _run(z, t, None, None, False)
     return nll, lse
 
 
 @torch.library.triton_op("elephant::ce_nll_dlogits", mutates_args=())
 def _nll_dlogits_op(z: Tensor, t: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    _check(z, t)
-    return _run(z, t.contiguous(), scale.float().contiguous(), None, True)
+    return _run(z, t, scale, None, True)
 
 
 @torch.library.triton_op("elephant::ce_dlogits", mutates_args=())
 def _dlogits_op(z: Tensor, lse: Tensor, t: Tensor, scale: Tensor) -> Tensor:
-    _check(z, t)
-    return _run(z, t.contiguous(), scale.float().contiguous(), lse.float().contiguous(), True)[2]
+    return _run(z, t, scale, lse, True)[2]
 
 
 def nll_lse(z: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
