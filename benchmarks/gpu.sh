@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu.sh [tests] [bench] [train] [speed] [train2]   (default: tests bench train)
 #
-#   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS (8) processes with pytest-xdist
+#   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS processes with pytest-xdist
+#           (default: one per CPU core)
 #           (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
 #   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
 #           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
@@ -39,6 +40,13 @@ RES=benchmarks/results
 LOGS=${OUT:-/tmp}/gpu-logs
 mkdir -p "$RES" "$LOGS"
 stages=${*:-tests bench train}
+# The device's Python packages come without bytecode, so every process (each test worker, each
+# of its compile workers) compiled torch's source at import: about 12 s of CPU each. Compile it
+# once, over all cores.
+t0=$(date +%s)
+python -m compileall -q -j 0 $(python -c "import os, importlib.util as u
+print(*(os.path.dirname(u.find_spec(m).origin) for m in ('torch', 'triton')))") > /dev/null 2>&1
+echo "bytecode compiled in $(( $(date +%s) - t0 )) s"
 nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
 python - <<'PY' > "$LOGS/versions.txt" 2>&1
 import torch, sys
@@ -58,8 +66,8 @@ for stage in $stages; do
       # on the host's cores); pytest-xdist from PyPI, or from wheels carried in .whl/ (the device
       # machine has no index); without it, serially
       python -c "import xdist" 2>/dev/null || pip install -q --no-index --find-links .whl pytest-xdist 2>/dev/null
-      par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-8} --dist worksteal")
-      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=15 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
+      par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$(nproc)} --dist worksteal")
+      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=30 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
         echo "--- bench_$b"

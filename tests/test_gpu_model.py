@@ -126,7 +126,7 @@ def random_starts(chunks, B, T, mean_len, seed=0):
     return (torch.rand(chunks, B, T, generator=gen) < 1.0 / mean_len).cuda()
 
 
-@pytest.mark.parametrize("n_mem", [0, 4])
+@pytest.mark.parametrize("n_mem", [0, pytest.param(4, marks=pytest.mark.heavy)])
 def test_packed_fast_model_equals_reference_model(n_mem):
     torch.manual_seed(0)
     model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, bptt_chunks=2)).cuda()
@@ -160,6 +160,7 @@ def test_packed_previous_document_never_leaks_on_cuda():
     assert torch.equal(outs[0][1][:, b0:], outs[1][1][:, b0:]) and torch.equal(outs[0][2], outs[1][2])
 
 
+@pytest.mark.heavy
 def test_packed_compiled_blocks_do_not_recompile_across_chunks():
     starts = random_starts(6, 4, 64, 20)
     assert_compiled_blocks_never_recompile(6, lambda c: {"starts": starts[c]})

@@ -63,6 +63,7 @@ def test_graphed_step_equals_clip_and_step_and_captures_again_after_a_load():
         assert torch.equal(v, after[name]), (name, (v - after[name]).abs().max().item())
 
 
+@pytest.mark.heavy
 def test_compiled_graphed_step_follows_the_eager_step():
     # the trainer's form (train.compile=graphs): the update compiled by inductor, then captured;
     # fused passes round differently, so the steps agree to float32 rounding carried through the

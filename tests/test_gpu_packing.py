@@ -96,6 +96,7 @@ def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
         assert rel(a, r) < tol, name
 
 
+@pytest.mark.heavy
 def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
     import torch._dynamo
     torch._dynamo.reset()
@@ -155,6 +156,7 @@ def test_packed_trainer_flow_compiled_no_recompiles_and_prefix_gradients():
         assert rel(g1[name], g) < 1e-3, name
 
 
+@pytest.mark.heavy
 def test_compiled_prefix_takes_the_plain_paths_and_equals_the_custom_ops_on_cuda():
     # the initial memory's prefix (n_mem tokens, one lane) compiled: its Mamba scans and elephant
     # MLPs are inlined into the graph (no custom op call at run time, forward or backward), and
@@ -193,19 +195,23 @@ def test_compiled_prefix_takes_the_plain_paths_and_equals_the_custom_ops_on_cuda
         assert rel(a, b) < 1e-3, name
 
 
-def test_cuda_graph_steps_equal_the_eager_steps():
+@pytest.mark.heavy
+@pytest.mark.parametrize("pattern", ["SS", "NS", "SN"])
+def test_cuda_graph_steps_equal_the_eager_steps(pattern):
     # compile_for("graphs"): the chunk step and the prefix replayed as CUDA graphs (reduce-overhead)
     # over trainer-like steps (two chunks, one backward, the state carried, cloned past each step):
-    # chunks with and without inner starts, the same losses and gradients as the eager model
-    # (float32), and no graph left to run outside its CUDA graph
+    # the same losses and gradients as the eager model (float32), and no graph left to run outside
+    # its CUDA graph. `pattern`: which chunk of each step has inner starts (S) and which has none
+    # (N). Each pattern makes two graphs (a chunk after the step's detach, and one carrying the
+    # gradient path) and runs each three times (warm-up, recording, replay); the three patterns are
+    # three tests so that their compiles, the cost of this test, run side by side under xdist.
     import copy
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    # one layer of each kind: compiling is this test's cost (every state structure of the step,
-    # forward and backward), and a deeper stack adds time, not paths
+    # one layer of each kind: a deeper stack adds compile time, not paths
     cfg = ModelConfig(vocab_size=512, d_model=128, n_heads=4, layers="MA", d_mlp=256, d_state=32,
                       mamba_head_dim=32, ssd_chunk=32, n_mem=4, kv_window=64, bptt_chunks=2)
     eager = ElephantLM(cfg).cuda()
@@ -213,27 +219,30 @@ def test_cuda_graph_steps_equal_the_eager_steps():
     graphs = copy.deepcopy(eager)
     graphs.compile_for("graphs")
     gen = torch.Generator().manual_seed(3)
-    B, T, steps = 4, 64, 5
+    B, T, steps = 4, 64, 3
     data = []
-    for c in range(steps * 2):
-        tokens = torch.randint(0, 512, (B, T + 1), generator=gen).cuda()
-        starts = (torch.rand(B, T, generator=gen) < 0.05).cuda()
-        starts[0, 17] = True
-        data.append((tokens, None if c % 3 == 2 else starts))
+    for s in range(steps):
+        for j, kind in enumerate(pattern):
+            tokens = torch.randint(0, 512, (B, T + 1), generator=gen).cuda()
+            starts = (torch.rand(B, T, generator=gen) < 0.05).cuda()
+            starts[0, 17] = True
+            # the trainer's reset flags: some lanes begin a document with the step's first chunk
+            reset = (torch.rand(B, generator=gen) < (0.5 if s == j == 0 else 0.0)).cuda()
+            data.append((tokens, reset, starts if kind == "S" else None))
 
     def run(model, cuda_graphs):
         """Eager: the prefix computed by a call of its own and passed in; as CUDA graphs: the
         trainer's way, in the step of the first chunk that needs it, carried on by the state."""
-        state, out = None, []
+        state, out = model.init_state(B), []
         for s in range(steps):
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             loss, prefix = 0.0, None
-            for tokens, starts in data[2 * s:2 * s + 2]:
+            for tokens, reset, starts in data[2 * s:2 * s + 2]:
                 if starts is not None and prefix is None and not cuda_graphs:
                     prefix = model.init_prefix()
-                nll, state = model(tokens[:, :-1], state, targets=tokens[:, 1:], starts=starts,
-                                   prefix=prefix)
+                nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
+                                   starts=starts, prefix=prefix)
                 loss = loss + nll
             model.zero_grad(set_to_none=True)
             loss.backward()
@@ -249,4 +258,5 @@ def test_cuda_graph_steps_equal_the_eager_steps():
         assert rel(l1, l2) < 1e-4 and g1.keys() == g2.keys() and "mem_init" in g1
         for name, g in g2.items():
             assert rel(g1[name], g) < 1e-3, name
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["inductor"].get("cudagraph_skips", 0), dict(counters["inductor"])
