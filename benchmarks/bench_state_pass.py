@@ -1,7 +1,8 @@
 """The SSD scan's two state passes alone (ssd_triton's _state_pass_fwd_kernel and
 _state_pass_bwd_kernel), over launch configurations: how far from streaming their memory they run.
 
-    python benchmarks/bench_state_pass.py     # CUDA: benchmarks/results/state_pass_<gpu>.json
+    python benchmarks/bench_state_pass.py [--segments] [--before FILE]
+                                              # CUDA: benchmarks/results/state_pass_<gpu>.json
 
 The passes walk a lane's chunks in order (the state entering chunk c needs chunk c - 1's), so each
 program loops over the chunks of one (lane, head) block of the (P x N) state. Shape: one chunk step
@@ -12,10 +13,13 @@ a CUDA graph (median of --iters replays after --warmup; until 2026-11-25 eagerly
 launches in the time: session 16's sweep moved by 10-40% from the one before) and given as GB/s
 of the float32 states it must read and write (forward: read and write the states; backward: read
 the gradients and the states, write the gradients). The results are checked equal to those of
-the launch used before (1024 x 4 warps).
+the launch used before (1024 x 4 warps). --before FILE times another copy of the module (e.g.
+`git show <rev>:elephant/layers/ssd_triton.py > /tmp/ssd_before.py`) beside this one, each at the
+launch its own `_state_pass_launch` picks, in turns: the A/B of a kernel change in one run.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -32,6 +36,7 @@ from elephant.layers import ssd_triton  # noqa: E402
 
 def main() -> None:
     ap = sweep_parser(50, 10, "with document boundaries and the segments' initial state (packed rows)")
+    ap.add_argument("--before", help="another copy of ssd_triton.py, timed beside this one")
     args = ap.parse_args()
     device = cuda_or_exit("bench_state_pass")
     b, h, p, n, Q = 32, 16, 64, 64, 64
@@ -51,25 +56,25 @@ def main() -> None:
     dnew = torch.randn(b, nc, h, pn, device=device, generator=gen)
     S = args.segments
 
-    def fwd(block, warps):
+    def fwd(block, warps, mod=ssd_triton):
         states, final = own.clone(), torch.empty_like(init)
-        ssd_triton._state_pass_fwd_kernel[(triton.cdiv(pn, block), b, h)](
+        mod._state_pass_fwd_kernel[(triton.cdiv(pn, block), b, h)](
             states, init, sinit if S else final, final, cs, seg if S else cs, h, nc, pn, Q=Q,
             BLOCK=block, HAS_INIT=True, HAS_SEG=S, HAS_SINIT=S, num_warps=warps)
         return states, final
 
-    def bwd(block, warps, states):
+    def bwd(block, warps, states, mod=ssd_triton):
         nblk = triton.cdiv(pn, block)
         dstates = from_y.clone()
         dcs_end = torch.empty(b, h, nc, nblk, device=device)
         dinit = torch.empty_like(init)
         dsinit = torch.empty_like(init)
-        ssd_triton._state_pass_bwd_kernel[(nblk, b, h)](
+        mod._state_pass_bwd_kernel[(nblk, b, h)](
             dstates, states, dfinal, dinit, dcs_end, cs, seg if S else cs,
             sinit if S else dcs_end, dnew if S else dcs_end, dsinit if S else dcs_end,
             h, nc, pn, nblk, Q=Q, BLOCK=block, HAS_INIT=True, HAS_SEG=S, HAS_SINIT=S,
             num_warps=warps)
-        return dstates, dinit, dcs_end.sum(-1)
+        return dstates, dinit, dcs_end.sum(-1), *((dsinit,) if S else ())
 
     def timed(fn):
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
@@ -96,12 +101,32 @@ def main() -> None:
             except Exception as e:  # record and go on
                 rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(json.dumps(rows[-1]), flush=True)
+    ab = None
+    if args.before:  # the other module at its own launch, beside this one, in turns
+        spec = importlib.util.spec_from_file_location("ssd_triton_before", args.before)
+        before_mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(before_mod)
+        mods = {"now": ssd_triton, "before": before_mod}
+        launch = {name: {k: mod._state_pass_launch(pn, backward=k == "bwd", has_seg=S)
+                         for k in ("fwd", "bwd")} for name, mod in mods.items()}
+        outs = {name: bwd(*launch[name]["bwd"], ref_states, mod) for name, mod in mods.items()}
+        ab = {"file": args.before, "launch": launch, "equal": all(
+            torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(outs["now"], outs["before"])),
+              "us": {name: {"fwd": [], "bwd": []} for name in mods}}
+        for _ in range(3):
+            for name, mod in mods.items():
+                ab["us"][name]["fwd"].append(
+                    (timed(lambda: fwd(*launch[name]["fwd"], mod)) - clone_ms) * 1e3)
+                ab["us"][name]["bwd"].append(
+                    (timed(lambda: bwd(*launch[name]["bwd"], ref_states, mod)) - clone_ms) * 1e3)
+        print("A/B", json.dumps(ab), flush=True)
     out = {**environment(device),
-           "command": "python benchmarks/bench_state_pass.py" + (" --segments" if S else ""),
+           "command": "python benchmarks/bench_state_pass.py" + (" --segments" if S else "")
+           + (f" --before {args.before}" if args.before else ""),
            "segments": S,
            "shape": {"lanes": b, "heads": h, "P": p, "N": n, "chunk": Q, "chunks": nc},
            "state_mb": state_bytes / 2**20, "clone_us": clone_ms * 1e3, "configs": rows,
-           "before": {"block": 1024, "warps": 4}}
+           "before": {"block": 1024, "warps": 4}, "before_module": ab}
     path = result_path("state_pass_segments" if S else "state_pass", False)
     path.write_text(json.dumps(out, indent=1))
     print("wrote", path)
