@@ -230,9 +230,9 @@ class ElephantLM(nn.Module):
             raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")
 
     def set_fast_paths(self, fast: bool = True) -> None:
-        """Fast paths (Triton SSD and conv on CUDA, SDPA, fused elephant MLP) or the reference paths
-        (PyTorch SSD and conv, explicit-mask attention, autograd MLP): the equivalence tests and the
-        benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend).
+        """Fast paths (Triton SSD and conv on CUDA, SDPA and the fused q/k/v kernel, fused elephant
+        MLP) or the reference paths (PyTorch SSD and conv, explicit-mask attention, autograd MLP):
+        the equivalence tests and the benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend).
         The loss takes the blocked linear + cross-entropy (layers/head.py) or the whole logits."""
         from .layers import ssd
         ssd.set_backend("auto" if fast else "ref")
@@ -240,6 +240,7 @@ class ElephantLM(nn.Module):
         for block in self.blocks:
             if block.kind == "A":
                 block.mixer.backend = "sdpa" if fast else "reference"
+                block.mixer.fused_qkv = fast
             else:
                 block.mixer.fast_conv = fast
             if block.mlp is not None:

@@ -186,3 +186,41 @@ def test_compiled_attention_does_not_recompile_across_chunks(backend):
         got = run_chunks(compiled, x, pos, [96] * 4, W=128)   # valid masks differ per chunk
     got.sum().backward()
     assert rel_err(got, eager) < 1e-3
+
+
+# ------------------------------------------------------------------------------- q/k/v kernel
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_kernel_equals_the_plain_project_on_cuda(dtype, compiled):
+    # layers/rotary_triton.py at the recipe's attention shape (8 heads of 64, 16 + 512 + 16 tokens,
+    # positions in the millions and a lane starting negative): q, k, v and the gradients of the
+    # input, the projection and the q/k norm weights equal the plain path's
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=512, n_heads=8, layers="A", d_mlp=64, qk_norm=True)
+    attn = Attention(cfg).to(DEVICE, dtype)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    B, S = 4, 544
+    x = randn(B, S, cfg.d_model, dtype=dtype, seed=1).requires_grad_()
+    pos = torch.arange(S, device=DEVICE).expand(B, S) + torch.tensor(
+        [[-5], [0], [4096], [3_000_000]], device=DEVICE)
+    grads = [randn(B, 8, S, 64, dtype=dtype, seed=2 + i) for i in range(3)]
+    project = torch.compile(attn.project, dynamic=False) if compiled else attn.project
+
+    def run(fused):
+        attn.fused_qkv = fused
+        for p in [x, *attn.parameters()]:
+            p.grad = None
+        out = project(x, pos)
+        sum((o.float() * g.float()).sum() for o, g in zip(out, grads)).backward()
+        named = {"x": x.grad, **{n: p.grad for n, p in attn.named_parameters() if p.grad is not None}}
+        return [o.detach().clone() for o in out], {n: g.clone() for n, g in named.items()}
+
+    (want, want_g), (got, got_g) = run(False), run(True)
+    tol = REL_TOL[dtype] / (10 if dtype == torch.float32 else 2)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and rel_err(a, b) < tol
+    assert got_g.keys() == want_g.keys() and "q_norm.weight" in got_g
+    for name, g in want_g.items():
+        assert rel_err(got_g[name], g) < tol, name

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import rotary_triton
+
 BACKENDS = ("sdpa", "flex", "reference")
 DEFAULT_BACKEND = os.environ.get("ELEPHANT_ATTN", "sdpa")
 
@@ -246,6 +248,9 @@ class Attention(nn.Module):
         if cfg.kv_keep:  # the learned keep score of a token: <keep_w, its normalized input> + keep_b
             self.keep_w = nn.Parameter(torch.empty(cfg.d_model).normal_(std=cfg.init_std))
             self.keep_b = nn.Parameter(torch.zeros(1))
+        # on CUDA, the queries, keys and values made by one kernel each way (layers/rotary_triton.py;
+        # False: the plain path, which the tests hold it to)
+        self.fused_qkv = True
         self.backend = backend or DEFAULT_BACKEND
         if self.backend not in BACKENDS:
             raise ValueError(f"attention backend: expected one of {', '.join(BACKENDS)} "
@@ -276,7 +281,15 @@ class Attention(nn.Module):
         `raw_q`: then also the queries before rotary (position-free memory, `free_scores`)."""
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
-        q, k, v = self.qkv(x).view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (B, H, S, hd)
+        y = self.qkv(x)                                                          # (B, S, 3D)
+        if (self.fused_qkv and y.is_cuda and not (raw or raw_q)
+                and rotary_triton.supported(y, H, hd)):
+            cos, sin = rotary_cos_sin(pos, hd, self.rope_base, torch.float32, self.rope_max_period)
+            norm = self.q_norm is not None
+            return rotary_triton.qkv_prepare(
+                y, cos.squeeze(1), sin.squeeze(1), self.q_norm.weight if norm else None,
+                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, H)
+        q, k, v = y.view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)     # (B, H, S, hd)
         dtype = v.dtype
         work = torch.promote_types(dtype, torch.float32)  # norm and rotary in float32 (or 64)
         q, k = q.to(work), k.to(work)
