@@ -103,6 +103,7 @@ def test_kernel_kinds():
         "triton_red_fused__to_copy_arange_eq_exp_gather_logsumexp_mul": "loss",
         "_ce_kernel": "loss",
         "triton_per_fused__fused_rms_norm_backward__to_copy_add_view_16": "norm",
+        "_qkv_bwd_kernel": "norm",
         "void at::native::reduce_kernel<128, 4>": "reduction",
         "Memcpy DtoD (Device -> Device)": "copy",
         "triton_poi_fused_silu_9": "fused elementwise (inductor)",
