@@ -21,21 +21,14 @@ compiled chunk). Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+from .triton_env import FLOAT_DTYPES as _DTYPES
+from .triton_env import HAS_TRITON, tl, triton
+from .triton_env import INTERPRET as _INTERPRET
 
 IGNORE_INDEX = -100
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (vocabulary elements per step of a row's walk, warps): among the fastest of the sweep of
 # benchmarks/bench_ce.py on an H100 (4,096 x 50,304 bf16; grad 406 us against inductor's 575,
 # nll 146 against 301; neighbouring launches within a few percent)

@@ -25,20 +25,12 @@ Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .triton_env import FLOAT_DTYPES as _DTYPES
+from .triton_env import HAS_TRITON, tl, triton
+from .triton_env import INTERPRET as _INTERPRET
 
 
 def supported(x: Tensor) -> bool:

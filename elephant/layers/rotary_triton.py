@@ -21,20 +21,12 @@ Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from .triton_env import FLOAT_DTYPES as _DTYPES
+from .triton_env import HAS_TRITON, tl, triton
+from .triton_env import INTERPRET as _INTERPRET
 
 
 def supported(y: Tensor, heads: int, head_dim: int) -> bool:
@@ -47,6 +39,21 @@ def supported(y: Tensor, heads: int, head_dim: int) -> bool:
 
 
 if HAS_TRITON:
+    @triton.jit
+    def _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H: tl.constexpr, HD: tl.constexpr,
+               HALF: tl.constexpr):
+        """This program's token (b, s): its index b * S + s, its row of y, its cos and sin
+        (1, HALF), the starts of its H rows in (B, H, S, HD) (H, 1), and the head and half-row
+        ranges (H, 1) and (1, HALF)."""
+        tok = tl.program_id(0).to(tl.int64)
+        b = tok // S
+        s = tok % S
+        rows = tl.arange(0, H)[:, None]
+        cols = tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_ptr + tok * HALF + cols)
+        sin = tl.load(sin_ptr + tok * HALF + cols)
+        return tok, y_ptr + b * s_yb + s * s_ys, cos, sin, ((b * H + rows) * S + s) * HD, rows, cols
+
     @triton.jit
     def _fwd_rows(src, dst, w_ptr, cos, sin, eps, rows, cols, HALF: tl.constexpr,
                   HD: tl.constexpr, NORM: tl.constexpr):
@@ -67,15 +74,8 @@ if HAS_TRITON:
                         NORM: tl.constexpr):
         """One token (b, s): q and k of all heads normalized and rotated, v copied, each to
         (B, H, S, HD)."""
-        tok = tl.program_id(0).to(tl.int64)
-        b = tok // S
-        s = tok % S
-        rows = tl.arange(0, H)[:, None]
-        cols = tl.arange(0, HALF)[None, :]
-        src = y_ptr + b * s_yb + s * s_ys
-        cos = tl.load(cos_ptr + tok * HALF + cols)                         # (1, HALF) float32
-        sin = tl.load(sin_ptr + tok * HALF + cols)
-        out = ((b * H + rows) * S + s) * HD                               # (H, 1) row starts
+        tok, src, cos, sin, out, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H, HD,
+                                                     HALF)
         _fwd_rows(src, q_ptr + out, wq_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
         _fwd_rows(src + H * HD, k_ptr + out, wk_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
         full = tl.arange(0, HD)[None, :]
@@ -112,16 +112,9 @@ if HAS_TRITON:
                         HALF: tl.constexpr, NORM: tl.constexpr):
         """One token: its whole row of dLoss/dy (B, S, 3 H HD, contiguous) and its partial sums of
         the norm weights' gradients (B * S, HD)."""
-        tok = tl.program_id(0).to(tl.int64)
-        b = tok // S
-        s = tok % S
-        rows = tl.arange(0, H)[:, None]
-        cols = tl.arange(0, HALF)[None, :]
-        src = y_ptr + b * s_yb + s * s_ys
+        tok, src, cos, sin, out, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H, HD,
+                                                     HALF)
         dst = dy_ptr + tok * 3 * H * HD
-        cos = tl.load(cos_ptr + tok * HALF + cols)
-        sin = tl.load(sin_ptr + tok * HALF + cols)
-        out = ((b * H + rows) * S + s) * HD
         _bwd_rows(src, dq_ptr + out, dst, wq_ptr, dwq_ptr + tok * HD, cos, sin, eps, rows, cols,
                   HALF, HD, NORM)
         _bwd_rows(src + H * HD, dk_ptr + out, dst + H * HD, wk_ptr, dwk_ptr + tok * HD, cos, sin,

@@ -1,0 +1,20 @@
+"""What the Triton kernel modules (ce_triton, conv_triton, rotary_triton) share: Triton itself when
+it imports (None and HAS_TRITON False when it does not: the plain paths run instead), whether its
+interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1: the tests), and the float dtypes
+whose math the kernels do in float32."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    triton = tl = None
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
