@@ -232,8 +232,9 @@ class ElephantLM(nn.Module):
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD and conv on CUDA, SDPA and the fused q/k/v kernel, fused elephant
         MLP) or the reference paths (PyTorch SSD and conv, explicit-mask attention, autograd MLP):
-        the equivalence tests and the benchmarks switch between them. The SSD choice is process-wide (layers.ssd.set_backend).
-        The loss takes the blocked linear + cross-entropy (layers/head.py) or the whole logits."""
+        the equivalence tests and the benchmarks switch between them. The SSD choice is
+        process-wide (layers.ssd.set_backend). The loss takes the blocked linear + cross-entropy
+        (layers/head.py) or the whole logits."""
         from .layers import ssd
         ssd.set_backend("auto" if fast else "ref")
         self.blocked_head = fast

@@ -32,14 +32,9 @@ from torch import Tensor, nn
 
 from elephant.layers import inline_in_graph
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # triton is optional: the eager path needs nothing
-    HAS_TRITON = False
-
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Triton is optional: the eager path needs nothing
+from elephant.layers.triton_env import FLOAT_DTYPES as _TRITON_DTYPES
+from elephant.layers.triton_env import HAS_TRITON, tl, triton
 
 
 # ------------------------------------------------------------------------------- reference

@@ -184,6 +184,7 @@ def qkv_prepare(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tens
                 eps: float, heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """q and k normalized (with wq / wk) and rotated, and v, each (B, H, S, hd) in y's dtype, from
     the qkv projection's output y (B, S, 3 * heads * hd); cos / sin (B, S, hd / 2) float32."""
-    torch._check((wq is None) == (wk is None), lambda: "qkv_prepare: give both norm weights or none")
+    torch._check((wq is None) == (wk is None),
+                 lambda: "qkv_prepare: give both norm weights or none")
     return _fwd_op(y, cos.float(), sin.float(), None if wq is None else wq.float(),
                    None if wk is None else wk.float(), float(eps), heads)

@@ -55,12 +55,10 @@ import torch.nn.functional as F
 
 from elephant.layers.ssd import check_shapes
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:  # the reference path runs everywhere; this one needs Triton
-    HAVE_TRITON = False
+# the reference path runs everywhere; this one needs Triton
+from elephant.layers.triton_env import FLOAT_DTYPES
+from elephant.layers.triton_env import HAS_TRITON as HAVE_TRITON
+from elephant.layers.triton_env import tl, triton
 
 
 def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
@@ -68,7 +66,7 @@ def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
     b, l, h, p = x.shape
     n = B.shape[-1]
     padded = b * (l + chunk_size) * h
-    return (HAVE_TRITON and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (HAVE_TRITON and x.dtype in FLOAT_DTYPES
             and chunk_size in (16, 32, 64, 128) and p <= 128 and n <= 128
             # float32 tiles of chunk x 128 with chunk 128 overflow shared memory on H100 (seen:
             # 256 KiB asked, 227 KiB there); those shapes take the PyTorch path

@@ -1,7 +1,7 @@
-"""What the Triton kernel modules (ce_triton, conv_triton, rotary_triton) share: Triton itself when
-it imports (None and HAS_TRITON False when it does not: the plain paths run instead), whether its
-interpreter runs the kernels on CPU tensors (TRITON_INTERPRET=1: the tests), and the float dtypes
-whose math the kernels do in float32."""
+"""What the Triton kernel modules (layers' ssd, elephant, ce, conv and rotary kernels, optim's
+gram kernel) share: Triton itself when it imports (None and HAS_TRITON False when it does not:
+the plain paths run instead), whether its interpreter runs the kernels on CPU tensors
+(TRITON_INTERPRET=1: the tests), and the float dtypes whose math the kernels do in float32."""
 from __future__ import annotations
 
 import os

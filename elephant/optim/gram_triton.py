@@ -17,19 +17,13 @@ Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernel runs on CPU 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from elephant.layers.triton_env import FLOAT_DTYPES
+from elephant.layers.triton_env import HAS_TRITON as HAVE_TRITON
+from elephant.layers.triton_env import INTERPRET as _INTERPRET
+from elephant.layers.triton_env import tl, triton
 
 
 def gram_reference(X: Tensor, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
@@ -40,8 +34,7 @@ def gram_reference(X: Tensor, alpha: float = 1.0, beta: float = 0.0) -> Tensor:
 
 
 def supports(X: Tensor) -> bool:
-    return HAVE_TRITON and (X.is_cuda or _INTERPRET) and X.ndim == 3 and X.dtype in (
-        torch.bfloat16, torch.float16, torch.float32)
+    return HAVE_TRITON and (X.is_cuda or _INTERPRET) and X.ndim == 3 and X.dtype in FLOAT_DTYPES
 
 
 if HAVE_TRITON:
