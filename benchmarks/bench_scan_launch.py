@@ -1,5 +1,5 @@
-"""The SSD scan's forward and backward (ssd_triton._fwd and _bwd: chunk_state, state pass,
-chunk_scan, and the sums after them) over the chunk-scan kernels' launch: warps and pipeline stages.
+"""The SSD scan's forward and backward (ssd_triton._fwd and _bwd: a state kernel, the chunk scan
+and the sums after them) over the chunk-scan kernels' launch: warps and pipeline stages.
 
     python benchmarks/bench_scan_launch.py [--segments] [--before FILE]
         # CUDA: benchmarks/results/scan_launch[_segments]_<gpu>.json
@@ -42,6 +42,57 @@ def close(a, b) -> bool:
     return rel_close(a, b, 2e-3)
 
 
+class Problem:
+    """One chunk step's scan at the recipe's shape (see the module docstring), with or without
+    document boundaries; `fwd(launch, mod, state_launch)` and `bwd(launch, states, mod,
+    state_launch)` run a module's `_fwd` / `_bwd` on it (launch None: the module's own)."""
+
+    def __init__(self, device, segments: bool):
+        b, l, h, g, p, n, Q = 32, 8 + 512 + 8, 16, 1, 64, 64, 64
+        self.shape = {"lanes": b, "tokens": l, "heads": h, "groups": g, "P": p, "N": n, "chunk": Q,
+                      "dtype": "bfloat16"}
+        nc = triton.cdiv(l, Q)
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.x = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
+        self.dt = (torch.rand(b, l, h, generator=gen, device=device) * 0.1 + 0.01)
+        A = -torch.rand(h, generator=gen, device=device) - 0.5
+        self.B = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
+        self.C = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
+        self.D = torch.randn(h, device=device, generator=gen)
+        self.init = torch.randn(b, h, p, n, device=device, generator=gen) * 0.1
+        self.dy = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
+        self.dfinal = torch.randn(b, h, p, n, device=device, generator=gen)
+        self.Q = Q
+        if segments:
+            seg = (torch.rand(b, l, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
+            self.segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).contiguous()
+            self.cs = ssd_triton._segment_cumsum_op((self.dt * A).contiguous(), self.segp, Q)
+            self.sinit = torch.randn(h, p, n, device=device, generator=gen) * 0.1
+        else:
+            self.segp, self.sinit = None, None
+            dA = torch.nn.functional.pad(self.dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+            self.cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
+
+    def _args(self):
+        return (self.x, self.dt, self.cs, self.segp, self.B, self.C, self.D, self.init, self.sinit)
+
+    def fwd(self, launch=None, mod=ssd_triton, state_launch=None):
+        kw = {} if state_launch is None else {"state_launch": state_launch}
+        return mod._fwd(*self._args(), self.Q, launch=launch, **kw)
+
+    def bwd(self, launch, states, mod=ssd_triton, state_launch=None):
+        kw = {} if state_launch is None else {"state_launch": state_launch}
+        return mod._bwd(*self._args(), states, self.dy, self.dfinal, self.Q, launch=launch, **kw)
+
+
+def load_module(path: str):
+    """Another copy of ssd_triton.py (e.g. `git show <rev>:elephant/layers/ssd_triton.py`)."""
+    spec = importlib.util.spec_from_file_location("ssd_triton_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main() -> None:
     ap = sweep_parser(30, 5, "with document boundaries and the segments' initial state (packed rows)")
     ap.add_argument("--warps", default="2,4,8")
@@ -49,35 +100,14 @@ def main() -> None:
     ap.add_argument("--before", help="another copy of ssd_triton.py, timed beside this one")
     args = ap.parse_args()
     device = cuda_or_exit("bench_scan_launch")
-    b, l, h, g, p, n, Q = 32, 8 + 512 + 8, 16, 1, 64, 64, 64
-    nc = triton.cdiv(l, Q)
     S = args.segments
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
-    dt = (torch.rand(b, l, h, generator=gen, device=device) * 0.1 + 0.01)
-    A = -torch.rand(h, generator=gen, device=device) - 0.5
-    Bm = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
-    Cm = torch.randn(b, l, g, n, generator=gen, device=device).to(torch.bfloat16) * 0.3
-    D = torch.randn(h, device=device, generator=gen)
-    init = torch.randn(b, h, p, n, device=device, generator=gen) * 0.1
-    dy = torch.randn(b, l, h, p, generator=gen, device=device).to(torch.bfloat16)
-    dfinal = torch.randn(b, h, p, n, device=device, generator=gen)
-    if S:
-        seg = (torch.rand(b, l, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
-        segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).contiguous()
-        cs = ssd_triton._segment_cumsum_op((dt * A).contiguous(), segp, Q)
-        sinit = torch.randn(h, p, n, device=device, generator=gen) * 0.1
-    else:
-        segp, sinit = None, None
-        dA = torch.nn.functional.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
-        cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
+    prob = Problem(device, S)
 
     def fwd(launch, mod=ssd_triton):
-        return mod._fwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, Q, launch=launch)
+        return prob.fwd(launch, mod)
 
     def bwd(launch, states, mod=ssd_triton):
-        return mod._bwd(x, dt, cs, segp, Bm, Cm, D, init, sinit, states, dy, dfinal, Q,
-                        launch=launch)
+        return prob.bwd(launch, states, mod)
 
     def timed(fn):
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
@@ -103,9 +133,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     ab = None
     if args.before:  # the other module at today's launch, beside this one, in turns
-        spec = importlib.util.spec_from_file_location("ssd_triton_before", args.before)
-        before_mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(before_mod)
+        before_mod = load_module(args.before)
         ab = {"file": args.before, "now": {}, "before": {}}
         for k in ("fwd", "bwd"):
             launch = ssd_triton._scan_launch(k == "bwd", S, False)
@@ -127,8 +155,7 @@ def main() -> None:
     chosen = {k: ssd_triton._scan_launch(k == "bwd", S, False) for k in ("fwd", "bwd")}
     cmd = " ".join(["python benchmarks/bench_scan_launch.py"] + sys.argv[1:])
     out = {**environment(device), "command": cmd, "segments": S,
-           "shape": {"lanes": b, "tokens": l, "heads": h, "groups": g, "P": p, "N": n, "chunk": Q,
-                     "dtype": "bfloat16"},
+           "shape": prob.shape,
            "before": {k: {"launch": BEFORE[k], "us": before[k]} for k in before},
            "best": best, "chosen": chosen, "configs": rows, "before_module": ab}
     path = result_path("scan_launch_segments" if S else "scan_launch", False)

@@ -186,7 +186,7 @@ def bf16_autocast(device):
 KERNEL_KINDS = (  # (kind, pattern on the kernel's name), first match wins
     ("matmul", r"nvjet|gemm|cutlass|xmma|cublas"),
     ("attention", r"sdpa|flash|fmha|attention"),
-    ("ssd scan", r"_chunk_scan|_chunk_state|_state_pass|_segment_cumsum"),
+    ("ssd scan", r"_chunk_scan|_chunk_state|_state_pass|_states_|_segment_cumsum"),
     ("conv", r"_conv_(fwd|bwd)_kernel"),
     ("elephant activation", r"^_(fwd|bwd)_kernel"),
     ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy|^_ce_kernel"),

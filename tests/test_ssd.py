@@ -318,6 +318,7 @@ triton_cases = [  # b, l, h, g, p, n, init, D
     (2, 70, 2, 1, 16, 16, True, True),     # length not a multiple of the chunk
     (1, 64, 4, 2, 16, 32, False, False),   # two groups, no initial state, no D
     (1, 5, 2, 1, 20, 16, True, True),      # shorter than a chunk; head_dim not a power of 2
+    (1, 40, 2, 1, 48, 16, True, True),     # head_dim over two programs of the state kernels
 ]
 
 
@@ -393,6 +394,7 @@ def test_triton_half_precision_path():
     (2, 70, 2, 1, 16, 16, True, True),     # boundaries inside chunks, at a chunk edge, at the end
     (2, 40, 4, 2, 16, 32, False, True),    # two groups, no initial state
     (2, 5, 2, 1, 20, 16, True, False),     # shorter than a chunk
+    (2, 40, 2, 1, 48, 16, True, True),     # head_dim over two programs of the state kernels
 ])
 def test_triton_with_boundaries_equals_chunked(b, l, h, g, p, n, init, D):
     _needs_triton()
@@ -411,6 +413,7 @@ def test_triton_with_boundaries_equals_chunked(b, l, h, g, p, n, init, D):
     (37, [[0, 1, 2, 16, 32, 36], [5, 6, 17], []], 2, 1, 16, 16, True, True),
     (70, [[1, 15, 16, 17, 69], [0, 20, 55]], 4, 2, 16, 32, False, True),   # a segment over 3 chunks
     (5, [[1, 4], [0]], 2, 1, 20, 16, True, False),                        # shorter than a chunk
+    (40, [[3, 17, 33], [16]], 2, 1, 48, 16, True, True),   # head_dim over two state programs
 ])
 def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
     # the kernels starting each later segment from segment_init == the chunked reference taking it

@@ -5,19 +5,23 @@ log-decay cs_i = sum_{k <= i} dt_k A (formed before the scan kernels, in PyTorch
 by its own small kernel; it is tiny, and autograd carries the gradient of cs back into dt and A):
 
     forward
-      chunk_state  S_c   = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T            (P, N) per chunk
-      state_pass   H_0   = initial state;  H_{c+1} = exp(cs_end) H_c + S_c;  final = H_C
-      chunk_scan   y_i   = sum_{j <= i} exp(cs_i - cs_j) (C_i . B_j) dt_j x_j + exp(cs_i) H_c C_i + D x_i
+      states      H_0 = initial state;  H_{c+1} = exp(cs_end) H_c + S_c,
+                  S_c = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T (P, N);  final = H_C
+      chunk_scan  y_i = sum_{j <= i} exp(cs_i - cs_j) (C_i . B_j) dt_j x_j + exp(cs_i) H_c C_i + D x_i
     backward (G_c = dLoss/dH_c)
-      chunk_state  dHy_c = sum_i exp(cs_i) dy_i C_i^T        (the same kernel, other operands)
-      state_pass   G_C = dfinal;  G_c = dHy_c + exp(cs_end) G_{c+1};  dS_c = G_{c+1};  dinit = G_0
-      chunk_scan   everything else for one chunk in one program: dx, ddt, dcs, dB, dC, dD
+      states      G_C = dfinal;  G_c = exp(cs_end) G_{c+1} + sum_i exp(cs_i) dy_i C_i^T;  dinit = G_0
+      chunk_scan  everything else for one chunk in one program, given dS_c = G_{c+1} and H_c:
+                  dx, ddt, dcs (with cs_end's share exp(cs_end) <G_{c+1}, H_c>), dB, dC, dD
 
-Each program of the chunk kernels holds one whole chunk (Q x P, Q x N, Q x Q tiles), so there are no
-cross-program reductions except those over heads sharing a B/C group and over chunks for D (summed in
-PyTorch, deterministic). The states entering each chunk (b, chunks, h, p, n) in float32 are saved
-for the backward. Matmul operands are cast to x's dtype (bf16 on GPU training) with float32
-accumulation; float32 inputs use 3xTF32 products (FP32_PRECISION).
+The state kernels walk each lane's chunks in order (backward: from the last), one program per
+(rows of P, lane, head) holding its part of the state in registers: S_c and the backward's per-chunk
+sums are formed and added on the way, never written (the states entering the chunks, H_c, and the
+gradients G_{c+1} are written once each, for the chunk scan). The chunk-scan kernels hold one
+whole chunk each (Q x P, Q x N, Q x Q tiles), so there are no cross-program reductions except those
+over heads sharing a B/C group and over chunks for D (summed in PyTorch, deterministic). The states
+entering each chunk (b, chunks, h, p, n) in float32 are saved for the backward. Matmul operands are
+cast to x's dtype (bf16 on GPU training) with float32 accumulation; float32 inputs use 3xTF32
+products (FP32_PRECISION).
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
 boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a segmented
@@ -35,12 +39,12 @@ compiles the kernels without any of it.
 Segment initial state (`segment_init` S0 (h, p, n), see ssd._ssd_chunked): a segment that starts
 inside chunk c starts from S0 instead of zero. Its tokens add exp(cs_i) S0 C_i (chunk_scan, the
 tokens not in the segment entering the chunk), and a chunk with a boundary passes on
-exp(cs_end) S0 + S_c instead of S_c (state_pass: the state a chunk decays is H_c when it passes,
-S0 when it does not). Backward: dC and dcs of the first term in chunk_scan; dS0 is summed over the
-chunks with a boundary in state_pass (exp(cs_end) G_{c+1} through the pass, plus
-sum_i exp(cs_i) dy_i C_i^T over the new segments' tokens, formed by chunk_state beside dHy_c), and
-dcs_end there becomes exp(cs_end) <G_{c+1}, H_c or S0>. Chunks without a boundary skip all of it
-(a branch on the chunk's segment ids). HAS_SINIT=False compiles the kernels without it.
+exp(cs_end) S0 + S_c instead of S_c (the states kernel: the state a chunk decays is H_c when it
+passes, S0 when it does not). Backward: dC and dcs of the first term in chunk_scan; dS0 is summed
+by the states kernel over the chunks with a boundary (exp(cs_end) G_{c+1}, plus
+sum_i exp(cs_i) dy_i C_i^T over the new segments' tokens), and dcs_end becomes
+exp(cs_end) <G_{c+1}, H_c or S0> (chunk_scan). Chunks without a boundary skip all of it (a branch on
+the chunk's segment ids). HAS_SINIT=False compiles the kernels without it.
 
 Imports without CUDA or Triton; under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
 """
@@ -141,150 +145,125 @@ if HAVE_TRITON:
             tl.store(out_ptr + ((b * H + h[None, :]) * NC + c) * Q + i[:, None], out, mask=hmask)
 
     @triton.jit
-    def _chunk_state_kernel(
-        u_ptr, dt_ptr, v_ptr, cs_ptr, seg_ptr, out_ptr, out_new_ptr,
-        L, H, NC, P, N, HEADS_PER_GROUP,
-        s_ub, s_ul, s_uh, s_up,
+    def _states_fwd_kernel(
+        x_ptr, dt_ptr, b_ptr, cs_ptr, seg_ptr, init_ptr, sinit_ptr, states_ptr, final_ptr,
+        L, H, P, N, HEADS_PER_GROUP,
+        s_xb, s_xl, s_xh, s_xp,
         s_db, s_dl, s_dh,
-        s_vb, s_vl, s_vg, s_vn,
-        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-        BACKWARD: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
+        s_bb, s_bl, s_bg, s_bn,
+        NC: tl.constexpr, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        PREC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
-        """out[b, c, h] = sum_j w_j u_j v_j^T over the chunk's tokens j, (P, N) in float32.
-        forward:  u = dt * x, v = B, w = exp(cs_end - cs_j)   (the chunk's own state)
-        backward: u = dy,     v = C, w = exp(cs_j)            (the gradient w.r.t. the incoming state)
-        backward with HAS_SINIT, in a chunk with a boundary: also out_new[b, c, h], the same sum over
-        the tokens of the segments that start in the chunk (their part of the gradient w.r.t. S0)."""
-        c = tl.program_id(0)
+        """The state entering every chunk, H_c (b, c, h, p, n) in float32, and the final state: one
+        program per (rows of P, lane, head) walks the lane's chunks in order, holding H in
+        registers, and adds each chunk's own state S_c = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T
+        as it goes (never written: the old chunk_state kernel wrote every S_c and a state pass
+        read them back). With boundaries only the chunk's last segment writes S_c, and a chunk
+        holding one passes on S_c plus its last segment's start decayed: exp(cs_end) S0 with
+        HAS_SINIT, nothing without."""
+        pb = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
         g = h // HEADS_PER_GROUP
-        DT: tl.constexpr = u_ptr.dtype.element_ty
+        DT: tl.constexpr = x_ptr.dtype.element_ty
         i = tl.arange(0, Q)
-        p = tl.arange(0, BP)
+        p = pb * BP + tl.arange(0, BP)
         n = tl.arange(0, BN)
-        t = c * Q + i
-        tmask = t < L
-        u = tl.load(u_ptr + b * s_ub + t[:, None] * s_ul + h * s_uh + p[None, :] * s_up,
-                    mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)       # (Q, P)
-        v = tl.load(v_ptr + b * s_vb + t[:, None] * s_vl + g * s_vg + n[None, :] * s_vn,
-                    mask=tmask[:, None] & (n[None, :] < N), other=0.0)                       # (Q, N)
-        cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
-        cs = tl.load(cs_base + i)
-        if HAS_SEG:
-            seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
-        if BACKWARD:
-            if HAS_SEG:  # only the tokens that read the incoming state
-                w = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))
-            else:
-                w = tl.exp(cs)
+        pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        hpn = (h * P + p[:, None]) * N + n[None, :]                       # (BP, BN) within (h, p, n)
+        if HAS_INIT:
+            s = tl.load(init_ptr + b * H * P * N + hpn, mask=pn_mask, other=0.0).to(tl.float32)
         else:
-            cs_end = tl.load(cs_base + Q - 1)
+            s = tl.zeros((BP, BN), dtype=tl.float32)
+        if HAS_SINIT:
+            s0 = tl.load(sinit_ptr + hpn, mask=pn_mask, other=0.0)
+        for c in tl.range(0, NC, num_stages=STAGES):
+            tl.store(states_ptr + (b * NC + c) * H * P * N + hpn, s, mask=pn_mask)
+            t = c * Q + i
+            tmask = t < L
+            u = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
+                        mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)  # (Q, BP)
+            v = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
+                        mask=tmask[:, None] & (n[None, :] < N), other=0.0)                 # (Q, BN)
             dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
-            if HAS_SEG:  # only the chunk's last segment writes the state it passes on
+            cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
+            cs = tl.load(cs_base + i)
+            cs_end = tl.load(cs_base + Q - 1)
+            decay = tl.exp(cs_end)
+            if HAS_SEG:
+                seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
                 w = tl.exp(tl.where(seg == seg_end, cs_end - cs, float("-inf"))) * dt
+                own = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                         # (BP, BN)
+                passes = seg_end == seg_prev    # no boundary in the chunk
+                if HAS_SINIT:
+                    s = decay * tl.where(passes, s, s0) + own
+                else:
+                    s = tl.where(passes, decay, 0.0) * s + own
             else:
                 w = tl.exp(cs_end - cs) * dt
-        acc = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                                    # (P, N)
-        pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
+                s = decay * s + _dot(tl.trans(u * w[:, None]), v, DT, PREC)
+        tl.store(final_ptr + b * H * P * N + hpn, s, mask=pn_mask)
+
+    @triton.jit
+    def _states_bwd_kernel(
+        dy_ptr, c_ptr, cs_ptr, seg_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, dsinit_ptr,
+        L, H, P, N, HEADS_PER_GROUP,
+        s_yb, s_yl, s_yh, s_yp,
+        s_cb, s_cl, s_cg, s_cn,
+        NC: tl.constexpr, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        PREC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):
+        """The gradient w.r.t. every chunk's own state, G_{c+1} into dstates (b, c, h, p, n), with
+        G_C = dfinal and G_c = exp(cs_end) G_{c+1} + sum_i exp(cs_i) dy_i C_i^T (what chunk c's
+        outputs ask of the state entering it), walked from the last chunk with G in registers;
+        dinit = G_0. With boundaries G passes back only through chunks without one, only the
+        tokens of the segment entering the chunk read that state, and with HAS_SINIT this lane's
+        dLoss/dS0 (b, h, p, n) sums, over the chunks with a boundary, exp(cs_end) G_{c+1} and the
+        new segments' tokens' sum_i exp(cs_i) dy_i C_i^T. (dLoss/dcs_end needs H_c too: the chunk
+        scan's backward, which reads both, adds it.)"""
+        pb = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        g = h // HEADS_PER_GROUP
+        DT: tl.constexpr = dy_ptr.dtype.element_ty
+        i = tl.arange(0, Q)
+        p = pb * BP + tl.arange(0, BP)
+        n = tl.arange(0, BN)
         pn_mask = (p[:, None] < P) & (n[None, :] < N)
-        tl.store(out_ptr + pn_off, acc, mask=pn_mask)
-        if BACKWARD and HAS_SINIT:
-            if seg_end != seg_prev:  # a segment starts in this chunk (else nothing is written)
-                w_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
-                acc_new = _dot(tl.trans(u * w_new[:, None]), v, DT, PREC)                   # (P, N)
-                tl.store(out_new_ptr + pn_off, acc_new, mask=pn_mask)
-
-    @triton.jit
-    def _passes(seg_ptr, b, c, NC, Q: tl.constexpr):
-        """Whether chunk c holds no boundary (its last token is in the segment entering it)."""
-        base = seg_ptr + b * NC * Q + c * Q
-        return tl.load(base + Q - 1) == tl.load(base - 1, mask=c > 0, other=0)
-
-    @triton.jit
-    def _state_pass_fwd_kernel(
-        states_ptr, init_ptr, sinit_ptr, final_ptr, cs_ptr, seg_ptr,
-        H, NC, PN,
-        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_SINIT: tl.constexpr,
-    ):
-        """In place over states (b, c, h, p*n): chunk c's own state S_c in, the state entering it out."""
-        blk = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        e = blk * BLOCK + tl.arange(0, BLOCK)
-        emask = e < PN
-        if HAS_INIT:
-            s = tl.load(init_ptr + (b * H + h) * PN + e, mask=emask, other=0.0).to(tl.float32)
-        else:
-            s = tl.zeros([BLOCK], dtype=tl.float32)
+        hpn = (h * P + p[:, None]) * N + n[None, :]
+        grad = tl.load(dfinal_ptr + b * H * P * N + hpn, mask=pn_mask, other=0.0)
         if HAS_SINIT:
-            s0 = tl.load(sinit_ptr + h * PN + e, mask=emask, other=0.0)
-        c = 0
-        while c < NC:  # a while loop: the interpreter cannot take range() over a runtime argument
-            ptr = states_ptr + ((b * NC + c) * H + h) * PN + e
-            own = tl.load(ptr, mask=emask, other=0.0)
-            tl.store(ptr, s, mask=emask)
-            decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
+            ds0 = tl.zeros((BP, BN), dtype=tl.float32)
+        for k in tl.range(0, NC, num_stages=STAGES):
+            c = NC - 1 - k
+            tl.store(dstates_ptr + (b * NC + c) * H * P * N + hpn, grad, mask=pn_mask)
+            t = c * Q + i
+            tmask = t < L
+            u = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
+                        mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)  # (Q, BP)
+            v = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
+                        mask=tmask[:, None] & (n[None, :] < N), other=0.0)                 # (Q, BN)
+            cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
+            cs = tl.load(cs_base + i)
+            decay = tl.exp(tl.load(cs_base + Q - 1))
             if HAS_SEG:
-                if HAS_SINIT:  # a chunk with a boundary passes on its last segment's start, S0, decayed
-                    s = decay * tl.where(_passes(seg_ptr, b, c, NC, Q), s, s0) + own
-                else:  # a chunk with a boundary passes nothing on
-                    s = tl.where(_passes(seg_ptr, b, c, NC, Q), decay, 0.0) * s + own
+                seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
+                w = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))  # tokens reading H_c
+                from_y = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                      # (BP, BN)
+                passes = seg_end == seg_prev
+                if HAS_SINIT:
+                    if seg_end != seg_prev:   # a segment starts in the chunk: S0's share
+                        w_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
+                        ds0 += decay * grad + _dot(tl.trans(u * w_new[:, None]), v, DT, PREC)
+                grad = from_y + tl.where(passes, decay, 0.0) * grad
             else:
-                s = decay * s + own
-            c += 1
-        tl.store(final_ptr + (b * H + h) * PN + e, s, mask=emask)
-
-    @triton.jit
-    def _state_pass_bwd_kernel(
-        dstates_ptr, states_ptr, dfinal_ptr, dinit_ptr, dcs_end_ptr, cs_ptr, seg_ptr,
-        sinit_ptr, dnew_ptr, dsinit_ptr,
-        H, NC, PN, NBLK,
-        Q: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr,
-        HAS_SINIT: tl.constexpr,
-    ):
-        """In place over dstates (b, c, h, p*n): dLoss/dH_c through chunk c's outputs in, the gradient
-        w.r.t. chunk c's own state S_c (= G_{c+1}) out. Also the partial sums of dLoss/dcs_end per
-        block, (b, h, c, NBLK), and dinit = G_0. HAS_SINIT: dLoss/dS0 of this lane, (b, h, p*n), from
-        the chunks with a boundary: exp(cs_end) G_{c+1} plus their new segments' part dnew (b, c, h, p*n)."""
-        blk = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        e = blk * BLOCK + tl.arange(0, BLOCK)
-        emask = e < PN
-        grad = tl.load(dfinal_ptr + (b * H + h) * PN + e, mask=emask, other=0.0)
-        if HAS_SINIT:
-            s0 = tl.load(sinit_ptr + h * PN + e, mask=emask, other=0.0)
-            ds0 = tl.zeros([BLOCK], dtype=tl.float32)
-        c = NC - 1
-        while c >= 0:
-            ptr = dstates_ptr + ((b * NC + c) * H + h) * PN + e
-            from_y = tl.load(ptr, mask=emask, other=0.0)
-            tl.store(ptr, grad, mask=emask)
-            s_in = tl.load(states_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask, other=0.0)
-            decay = tl.exp(tl.load(cs_ptr + ((b * H + h) * NC + c) * Q + Q - 1))
-            if HAS_SEG:
-                passes = _passes(seg_ptr, b, c, NC, Q)
-                if HAS_SINIT:  # the state the chunk decays: H_c, or S0 when a segment starts in it
-                    base = tl.where(passes, s_in, s0)
-                    tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * base) * decay)
-                    # a chunk that passes has no new segment: dnew is read only where it was written
-                    new = tl.load(dnew_ptr + ((b * NC + c) * H + h) * PN + e, mask=emask & (passes == 0),
-                                  other=0.0)
-                    ds0 += tl.where(passes, 0.0, decay) * grad + new
-                else:
-                    tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk,
-                             tl.sum(grad * s_in) * tl.where(passes, decay, 0.0))
-                decay = tl.where(passes, decay, 0.0)
-            else:
-                tl.store(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, tl.sum(grad * s_in) * decay)
-            grad = from_y + decay * grad
-            c -= 1
+                grad = _dot(tl.trans(u * tl.exp(cs)[:, None]), v, DT, PREC) + decay * grad
         if HAS_INIT:
-            tl.store(dinit_ptr + (b * H + h) * PN + e, grad, mask=emask)
+            tl.store(dinit_ptr + b * H * P * N + hpn, grad, mask=pn_mask)
         if HAS_SINIT:
-            tl.store(dsinit_ptr + (b * H + h) * PN + e, ds0, mask=emask)
+            tl.store(dsinit_ptr + b * H * P * N + hpn, ds0, mask=pn_mask)
 
     @triton.jit
     def _chunk_scan_fwd_kernel(
@@ -409,12 +388,21 @@ if HAVE_TRITON:
         s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
         dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
         dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
+        # the state passed on, exp(cs_end) H_c + S_c, through its decay: dcs_end gets
+        # exp(cs_end) <dS_c, H_c> (S0 in H_c's place where a segment starts in the chunk; nothing
+        # there without S0: such a chunk passes only S_c)
+        dcs_end = tl.sum(tl.sum(ds * s_in, axis=1), axis=0) * tl.exp(cs_end)
+        if HAS_SEG:
+            if not HAS_SINIT:
+                dcs_end = tl.where(seg_end == seg_prev, dcs_end, 0.0)
         if HAS_SINIT:
             if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
                 s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask, other=0.0)
                 e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
                 dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
                 dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
+                dcs_end = tl.sum(tl.sum(ds * s0, axis=1), axis=0) * tl.exp(cs_end)
+        dcs += tl.where(i == Q - 1, dcs_end, 0.0)
 
         # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
@@ -454,17 +442,17 @@ def _blocks(p: int, n: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(p)), max(16, triton.next_power_of_2(n))
 
 
-def _state_pass_launch(pn: int, backward: bool, has_seg: bool) -> tuple[int, int]:
-    """(state elements per program, warps) of a state pass. A pass walks its chunks in order, one
-    dependent load per chunk, so it is bound by how many loads each thread keeps in flight, not by
-    the memory's bandwidth: few warps over large blocks measured fastest on an H100
-    (benchmarks/bench_state_pass.py, P = N = 64, against 1024 x 4 warps before: forward 2048 x 1
-    89 us against 173, with segments 102 against 204; backward 4096 x 8 142 us against 231, with
-    segments, whose loop holds more, 256 x 1 228 us against 339)."""
-    if backward:
-        return (min(256, triton.next_power_of_2(pn)), 1) if has_seg else \
-            (min(4096, triton.next_power_of_2(pn)), 8)
-    return min(2048, triton.next_power_of_2(pn)), 1
+# (rows of P per program, warps, pipeline stages) of the two state kernels, forward and backward;
+# set from benchmarks/bench_state_pass.py
+STATES_LAUNCH = {"fwd": (32, 2, 2), "bwd": (32, 4, 2)}
+
+
+def _states_launch(p: int, backward: bool) -> tuple[int, int, int]:
+    """(rows of P per program, warps, stages) of a state kernel. Each program walks one lane's
+    chunks in order for its rows of one head's (P, N) state, so the grid is (P / rows) x lanes x
+    heads: fewer rows, more programs in flight."""
+    rows, warps, stages = STATES_LAUNCH["bwd" if backward else "fwd"]
+    return max(16, min(rows, triton.next_power_of_2(p))), warps, stages
 
 
 def _scan_launch(backward: bool, has_seg: bool, big: bool) -> dict:
@@ -480,26 +468,24 @@ def _scan_launch(backward: bool, has_seg: bool, big: bool) -> dict:
     return {"num_warps": 4}
 
 
-def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None):
+def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None, state_launch=None):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
     BP, BN = _blocks(p, n)
     prec = _precision(x)
-    states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
     has_seg = seg is not None
     seg = seg if has_seg else cs  # a placeholder pointer when there are no boundaries
     has_sinit = sinit is not None
-    _chunk_state_kernel[(nc, b, h)](
-        x, dt, B, cs, seg, states, states, l, h, nc, p, n, h // g,
-        *x.stride(), *dt.stride(), *B.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=False, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=False, num_warps=4)
+    states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
-    block, warps = _state_pass_launch(p * n, backward=False, has_seg=has_seg)
-    _state_pass_fwd_kernel[(triton.cdiv(p * n, block), b, h)](
-        states, init if init is not None else final, sinit if has_sinit else final, final, cs, seg,
-        h, nc, p * n, Q=Q, BLOCK=block, HAS_INIT=init is not None, HAS_SEG=has_seg,
-        HAS_SINIT=has_sinit, num_warps=warps)
+    rows, warps, stages = state_launch or _states_launch(p, backward=False)
+    _states_fwd_kernel[(triton.cdiv(p, rows), b, h)](
+        x, dt, B, cs, seg, init if init is not None else final, sinit if has_sinit else final,
+        states, final, l, h, p, n, h // g,
+        *x.stride(), *dt.stride(), *B.stride(),
+        NC=nc, Q=Q, BP=rows, BN=BN, PREC=prec, HAS_INIT=init is not None, HAS_SEG=has_seg,
+        HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
     y = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     _chunk_scan_fwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, y,
@@ -510,35 +496,28 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None):
     return y, final, states
 
 
-def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=None):
+def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=None,
+         state_launch=None):
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
     BP, BN = _blocks(p, n)
     prec = _precision(x)
     f32 = dict(device=x.device, dtype=torch.float32)
-    # gradient w.r.t. the state entering each chunk through that chunk's outputs
-    dstates = torch.empty(b, nc, h, p, n, **f32)
     has_seg = seg is not None
     seg = seg if has_seg else cs
     has_sinit = sinit is not None
-    # the new segments' part of dS0, per chunk; written and read only for chunks with a boundary
-    dnew = torch.empty(b, nc, h, p, n, **f32) if has_sinit else dstates
-    _chunk_state_kernel[(nc, b, h)](
-        dy, dt, C, cs, seg, dstates, dnew, l, h, nc, p, n, h // g,
-        *dy.stride(), *dt.stride(), *C.stride(),
-        Q=Q, BP=BP, BN=BN, BACKWARD=True, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
-        num_warps=4)
-    block, warps = _state_pass_launch(p * n, backward=True, has_seg=has_seg)
-    nblk = triton.cdiv(p * n, block)
-    dcs_end = torch.empty(b, h, nc, nblk, **f32)
+    # the gradient w.r.t. each chunk's own state (= w.r.t. the state leaving it)
+    dstates = torch.empty(b, nc, h, p, n, **f32)
     dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
     dsinit = torch.empty(b, h, p, n, **f32) if has_sinit else None  # per lane, summed below
-    _state_pass_bwd_kernel[(nblk, b, h)](
-        dstates, states, dfinal.float().contiguous(), dinit if dinit is not None else dcs_end,
-        dcs_end, cs, seg, sinit if has_sinit else dcs_end, dnew, dsinit if has_sinit else dcs_end,
-        h, nc, p * n, nblk, Q=Q, BLOCK=block, HAS_INIT=init is not None,
-        HAS_SEG=has_seg, HAS_SINIT=has_sinit, num_warps=warps)
+    rows, warps, stages = state_launch or _states_launch(p, backward=True)
+    _states_bwd_kernel[(triton.cdiv(p, rows), b, h)](
+        dy, C, cs, seg, dfinal.float().contiguous(), dstates,
+        dinit if dinit is not None else dstates, dsinit if has_sinit else dstates,
+        l, h, p, n, h // g, *dy.stride(), *C.stride(),
+        NC=nc, Q=Q, BP=rows, BN=BN, PREC=prec, HAS_INIT=init is not None, HAS_SEG=has_seg,
+        HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
     dB = torch.empty(b, l, h, n, **f32)
@@ -552,7 +531,6 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
         Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
-    dcs[..., -1] += dcs_end.sum(-1)
     dB = dB.view(b, l, g, h // g, n).sum(3)
     dC = dC.view(b, l, g, h // g, n).sum(3)
     dD = dD.sum((0, 1)) if dD is not None else None
