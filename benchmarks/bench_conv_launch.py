@@ -10,13 +10,17 @@ segments' tail inputs (the packed path). Each configuration is captured as a CUD
 calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
 --iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
 out; backward: read x and the output's gradient, write dx), and its outputs checked against those
-of the launch before this benchmark (32 tokens x 128 channels, 4 warps).
+of the launch before this benchmark (32 tokens x 128 channels, 4 warps). --before FILE times
+another copy of conv_triton.py (e.g. `git show <rev>:elephant/layers/conv_triton.py >
+/tmp/conv_before.py`) at its own launch beside this one, in turns: the A/B of a kernel change in
+one run (its ops registered under another namespace, so that both can load).
 """
 from __future__ import annotations
 
 import itertools
 import json
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -34,11 +38,22 @@ def close(a, b) -> bool:
     return rel_close(a, b, 1e-3)
 
 
+def load_before(path: str):
+    """Another copy of conv_triton.py as a module of elephant.layers, its torch.library ops
+    renamed (elephant:: -> elephant_before::) so that they do not clash with this one's."""
+    source = Path(path).read_text().replace('"elephant::', '"elephant_before::')
+    mod = types.ModuleType("elephant.layers._conv_before")
+    mod.__package__ = "elephant.layers"
+    exec(compile(source, path, "exec"), mod.__dict__)
+    return mod
+
+
 def main() -> None:
     ap = sweep_parser(30, 5, "with document boundaries and the segments' tail inputs (packed rows)")
     ap.add_argument("--tokens", default="32,16,64")
     ap.add_argument("--channels", default="128,64,256")
     ap.add_argument("--warps", default="4,2,8")
+    ap.add_argument("--before", help="another copy of conv_triton.py, timed beside this one")
     args = ap.parse_args()
     device = cuda_or_exit("bench_conv_launch")
     B, L, C, K, width = 32, 8 + 512 + 8, 1152, 4, 2192
@@ -57,11 +72,11 @@ def main() -> None:
     else:
         seg = since = tail = None
 
-    def fwd():
-        return conv_triton._conv_op(x, state, weight, bias, seg, since, tail)
+    def fwd(mod=conv_triton):
+        return mod._conv_op(x, state, weight, bias, seg, since, tail)
 
-    def bwd():
-        return conv_triton._conv_bwd_op(g, x, state, weight, seg, since, tail)
+    def bwd(mod=conv_triton):
+        return mod._conv_bwd_op(g, x, state, weight, seg, since, tail)
 
     def timed(fn):   # as a CUDA graph: eagerly, the small sums' launches are what is timed
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
@@ -74,7 +89,7 @@ def main() -> None:
         rows = []
         configs = list(itertools.product(*[[int(v) for v in a.split(",")]
                                            for a in (args.tokens, args.channels, args.warps)]))
-        meta = {"command": "python benchmarks/bench_conv_launch.py" + (" --segments" if S else ""),
+        meta = {"command": " ".join(["python benchmarks/bench_conv_launch.py"] + sys.argv[1:]),
                 "segments": S, "chosen": saved, "configs_asked": len(configs),
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
         for bl, bc, warps in configs:
@@ -94,6 +109,17 @@ def main() -> None:
             write(rows, meta, device)   # after each row: a sweep cut off keeps what it measured
     finally:
         conv_triton.LAUNCH.update(saved)
+    if args.before:   # both modules at their own launches, in turns
+        mods = {"now": conv_triton, "before": load_before(args.before)}
+        ab = {name: {"equal_fwd": close(fwd(m), ref_f),
+                     "equal_bwd": all(close(a, r) for a, r in zip(bwd(m), ref_b)),
+                     "fwd_us": [], "bwd_us": []} for name, m in mods.items()}
+        for _ in range(3):
+            for name, m in mods.items():
+                ab[name]["fwd_us"].append(timed(lambda: fwd(m)) * 1e3)
+                ab[name]["bwd_us"].append(timed(lambda: bwd(m)) * 1e3)
+        meta["before_module"] = {"file": args.before, **ab}
+        print("a/b", json.dumps(meta["before_module"]), flush=True)
     out = write(rows, meta, device)
     print("before", json.dumps(out["before"]))
     print("best", json.dumps(out["best"]))

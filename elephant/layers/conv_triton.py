@@ -94,16 +94,23 @@ if HAS_TRITON:
     @triton.jit
     def _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
              sxb, sxl, sxc, ssb, ssc, ssk, s: tl.constexpr, K: tl.constexpr,
-             HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr):
-        """The input that tap s (s tokens back) of outputs t reads, float32 (BL, BC)."""
+             HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr, FIRST: tl.constexpr):
+        """The input that tap s (s tokens back) of outputs t reads, float32 (BL, BC). FIRST: the
+        tile may reach back into the carried inputs (its first token is under K-1): only such a
+        tile loads them (st: (B, K-1, C), see `_channels_last`)."""
         src = t - s
-        inx = src >= 0
         m2 = cm[None, :]
-        xv = tl.load(x_ptr + b * sxb + src[:, None] * sxl + c[None, :] * sxc,
-                     mask=(tm & inx)[:, None] & m2, other=0.0)
-        sv = tl.load(st_ptr + b * ssb + c[None, :] * ssc + (K - 1 + src)[:, None] * ssk,
-                     mask=(tm & (src < 0))[:, None] & m2, other=0.0)
-        v = tl.where(inx[:, None], xv.to(tl.float32), sv.to(xv.dtype).to(tl.float32))
+        if FIRST:
+            inx = src >= 0
+            xv = tl.load(x_ptr + b * sxb + src[:, None] * sxl + c[None, :] * sxc,
+                         mask=(tm & inx)[:, None] & m2, other=0.0)
+            sv = tl.load(st_ptr + b * ssb + c[None, :] * ssc + (K - 1 + src)[:, None] * ssk,
+                         mask=(tm & (src < 0))[:, None] & m2, other=0.0)
+            v = tl.where(inx[:, None], xv.to(tl.float32), sv.to(xv.dtype).to(tl.float32))
+        else:
+            xv = tl.load(x_ptr + b * sxb + src[:, None] * sxl + c[None, :] * sxc,
+                         mask=tm[:, None] & m2, other=0.0)
+            v = xv.to(tl.float32)
         if HAS_SEG:
             sseg = tl.load(seg_ptr + b * L + src, mask=tm & inx, other=0)
             same = sseg == sg
@@ -133,7 +140,7 @@ if HAS_TRITON:
     def _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
                        L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
                        K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                       BL: tl.constexpr, BC: tl.constexpr):
+                       BL: tl.constexpr, BC: tl.constexpr, FIRST: tl.constexpr):
         t = lb * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
@@ -143,7 +150,7 @@ if HAS_TRITON:
         for s in tl.static_range(K):
             w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
             v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
-                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL)
+                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL, FIRST)
             acc += w[None, :] * v
         tl.store(out_ptr + b * sob + t[:, None] * sol + c[None, :] * soc,
                  acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
@@ -159,20 +166,25 @@ if HAS_TRITON:
         if HAS_SEG:
             plain = _one_segment(seg_ptr, b, lb, L, K, BL, 0)
         if plain:
-            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                           L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, False, False, BL, BC)
+            if lb * BL >= K - 1:   # reads nothing carried
+                _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                               out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                               K, False, False, BL, BC, False)
+            else:
+                _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                               out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                               K, False, False, BL, BC, True)
         else:
             _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
                            L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, HAS_SEG, HAS_TAIL, BL, BC)
+                           K, HAS_SEG, HAS_TAIL, BL, BC, True)
 
     @triton.jit
     def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
                        dw_ptr, db_ptr, dtail_ptr,
                        L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb,
                        K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                       BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+                       BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr):
         """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
         and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1; zeros
         where no tail is read: the caller's)."""
@@ -190,7 +202,7 @@ if HAS_TRITON:
             w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
             # the weight: what tap s read, times the output's gradient
             v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
-                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL)
+                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL, FIRST)
             tl.store(dw_ptr + (part * C + c) * K + (K - 1 - s), tl.sum(g * v, axis=0), mask=cm)
             # the input at t: read by output t + s through tap s, if in the same segment
             ts = t + s
@@ -231,20 +243,26 @@ if HAS_TRITON:
         if HAS_SEG:   # the inputs' gradients reach the outputs K-1 tokens on
             plain = _one_segment(seg_ptr, b, lb, L, K, BL, K - 1)
         if plain:
-            _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                           dw_ptr, db_ptr, dtail_ptr,
-                           L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                           b, lb, K, False, False, BL, BC, KP)
+            if lb * BL >= K - 1:   # reads nothing carried
+                _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                               dw_ptr, db_ptr, dtail_ptr,
+                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                               b, lb, K, False, False, BL, BC, KP, False)
+            else:
+                _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                               dw_ptr, db_ptr, dtail_ptr,
+                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                               b, lb, K, False, False, BL, BC, KP, True)
         else:
             _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
                            dw_ptr, db_ptr, dtail_ptr,
                            L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                           b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP)
+                           b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP, True)
 
 
 # (tokens, channels, warps) per program on the GPU, forward and backward; set from
 # benchmarks/bench_conv_launch.py
-LAUNCH = {"fwd": (32, 128, 4), "bwd": (32, 128, 4)}
+LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4)}
 
 
 def _blocks(backward: bool) -> tuple[int, int, int]:
@@ -252,6 +270,14 @@ def _blocks(backward: bool) -> tuple[int, int, int]:
     if _INTERPRET:
         return 16, 16, 4
     return LAUNCH["bwd" if backward else "fwd"]
+
+
+def _channels_last(conv_state: Tensor) -> Tensor:
+    """The carried inputs (B, C, K-1) as (B, K-1, C), contiguous: the kernels read them like the
+    chunk's inputs, a row of channels at a time (a tiny copy; read in place, strided along the
+    channels, each element was a load of its own, and their addresses alone filled a program's
+    registers: 255 and spilling, against 126 now at the launch in use)."""
+    return conv_state.transpose(1, 2).contiguous()
 
 
 def _args(x, seg, since, tail):
@@ -271,10 +297,10 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
     BL, BC, warps = _blocks(False)
     grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
+    st = _channels_last(conv_state)
     torch.library.wrap_triton(_conv_fwd_kernel)[grid](
-        x, conv_state, weight, bias, seg_, since_, tail_, out, L, C,
-        x.stride(0), x.stride(1), x.stride(2),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        x, st, weight, bias, seg_, since_, tail_, out, L, C,
+        x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, num_warps=warps)
     return out
@@ -295,10 +321,10 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
     dtail = torch.zeros(P if tail is not None else 1, C, K - 1, device=x.device, dtype=torch.float32)
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
     grid = (B, NL, triton.cdiv(C, BC))
+    st = _channels_last(conv_state)
     torch.library.wrap_triton(_conv_bwd_kernel)[grid](
-        x, conv_state, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
-        x.stride(0), x.stride(1), x.stride(2),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        x, st, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
+        x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
         g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
         K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, KP=triton.next_power_of_2(K - 1),
         num_warps=warps)

@@ -179,7 +179,8 @@ if HAVE_TRITON:
         if HAS_SINIT:
             s0 = tl.load(sinit_ptr + hpn, mask=pn_mask, other=0.0)
         for c in tl.range(0, NC, num_stages=STAGES):
-            tl.store(states_ptr + (b * NC + c) * H * P * N + hpn, s, mask=pn_mask)
+            tl.store(states_ptr + (b * NC + c) * H * P * N + hpn, s.to(states_ptr.dtype.element_ty),
+                     mask=pn_mask)
             t = c * Q + i
             tmask = t < L
             u = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
@@ -207,7 +208,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _states_bwd_kernel(
-        dy_ptr, c_ptr, cs_ptr, seg_ptr, dfinal_ptr, dstates_ptr, dinit_ptr, dsinit_ptr,
+        dy_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, sinit_ptr, dfinal_ptr, dstates_ptr,
+        dcs_end_ptr, dinit_ptr, dsinit_ptr,
         L, H, P, N, HEADS_PER_GROUP,
         s_yb, s_yl, s_yh, s_yp,
         s_cb, s_cl, s_cg, s_cn,
@@ -221,8 +223,10 @@ if HAVE_TRITON:
         dinit = G_0. With boundaries G passes back only through chunks without one, only the
         tokens of the segment entering the chunk read that state, and with HAS_SINIT this lane's
         dLoss/dS0 (b, h, p, n) sums, over the chunks with a boundary, exp(cs_end) G_{c+1} and the
-        new segments' tokens' sum_i exp(cs_i) dy_i C_i^T. (dLoss/dcs_end needs H_c too: the chunk
-        scan's backward, which reads both, adds it.)"""
+        new segments' tokens' sum_i exp(cs_i) dy_i C_i^T. dcs_end (b, h, c, P / BP): this program's
+        part of dLoss/dcs_end through the state the chunk passes on, exp(cs_end) <G_{c+1}, H_c>
+        (S0 in H_c's place in a chunk with a boundary; nothing there without S0), for the chunk
+        scan's backward to add."""
         pb = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -236,9 +240,14 @@ if HAVE_TRITON:
         grad = tl.load(dfinal_ptr + b * H * P * N + hpn, mask=pn_mask, other=0.0)
         if HAS_SINIT:
             ds0 = tl.zeros((BP, BN), dtype=tl.float32)
+            s0 = tl.load(sinit_ptr + hpn, mask=pn_mask, other=0.0)
+        NBLK = tl.num_programs(0)
         for k in tl.range(0, NC, num_stages=STAGES):
             c = NC - 1 - k
-            tl.store(dstates_ptr + (b * NC + c) * H * P * N + hpn, grad, mask=pn_mask)
+            tl.store(dstates_ptr + (b * NC + c) * H * P * N + hpn,
+                     grad.to(dstates_ptr.dtype.element_ty), mask=pn_mask)
+            s_in = tl.load(states_ptr + (b * NC + c) * H * P * N + hpn, mask=pn_mask,
+                           other=0.0).to(tl.float32)
             t = c * Q + i
             tmask = t < L
             u = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
@@ -248,17 +257,24 @@ if HAVE_TRITON:
             cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
             cs = tl.load(cs_base + i)
             decay = tl.exp(tl.load(cs_base + Q - 1))
+            end_ptr = dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + pb
             if HAS_SEG:
                 seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
                 w = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))  # tokens reading H_c
                 from_y = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                      # (BP, BN)
                 passes = seg_end == seg_prev
                 if HAS_SINIT:
+                    tl.store(end_ptr, tl.sum(tl.sum(grad * tl.where(passes, s_in, s0), axis=1),
+                                             axis=0) * decay)
                     if seg_end != seg_prev:   # a segment starts in the chunk: S0's share
                         w_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
                         ds0 += decay * grad + _dot(tl.trans(u * w_new[:, None]), v, DT, PREC)
+                else:
+                    tl.store(end_ptr, tl.sum(tl.sum(grad * s_in, axis=1), axis=0)
+                             * tl.where(passes, decay, 0.0))
                 grad = from_y + tl.where(passes, decay, 0.0) * grad
             else:
+                tl.store(end_ptr, tl.sum(tl.sum(grad * s_in, axis=1), axis=0) * decay)
                 grad = _dot(tl.trans(u * tl.exp(cs)[:, None]), v, DT, PREC) + decay * grad
         if HAS_INIT:
             tl.store(dinit_ptr + b * H * P * N + hpn, grad, mask=pn_mask)
@@ -325,14 +341,14 @@ if HAVE_TRITON:
     @triton.jit
     def _chunk_scan_bwd_kernel(
         x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, sinit_ptr, d_ptr, dy_ptr, dstates_ptr,
-        dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
-        L, H, NC, P, N, HEADS_PER_GROUP,
+        dcs_end_ptr, dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
+        L, H, NC, P, N, HEADS_PER_GROUP, NBLK,
         s_xb, s_xl, s_xh, s_xp,
         s_db, s_dl, s_dh,
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
         s_yb, s_yl, s_yh, s_yp,
-        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BBLK: tl.constexpr,
         HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
@@ -388,21 +404,16 @@ if HAVE_TRITON:
         s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
         dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
         dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
-        # the state passed on, exp(cs_end) H_c + S_c, through its decay: dcs_end gets
-        # exp(cs_end) <dS_c, H_c> (S0 in H_c's place where a segment starts in the chunk; nothing
-        # there without S0: such a chunk passes only S_c)
-        dcs_end = tl.sum(tl.sum(ds * s_in, axis=1), axis=0) * tl.exp(cs_end)
-        if HAS_SEG:
-            if not HAS_SINIT:
-                dcs_end = tl.where(seg_end == seg_prev, dcs_end, 0.0)
         if HAS_SINIT:
             if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
                 s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask, other=0.0)
                 e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
                 dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
                 dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
-                dcs_end = tl.sum(tl.sum(ds * s0, axis=1), axis=0) * tl.exp(cs_end)
-        dcs += tl.where(i == Q - 1, dcs_end, 0.0)
+        # the state passed on through its decay: the state kernel's parts of dLoss/dcs_end
+        blk = tl.arange(0, BBLK)
+        end = tl.sum(tl.load(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, mask=blk < NBLK, other=0.0))
+        dcs += tl.where(i == Q - 1, end, 0.0)
 
         # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
         decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
@@ -477,7 +488,7 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None, state_launch=None
     has_seg = seg is not None
     seg = seg if has_seg else cs  # a placeholder pointer when there are no boundaries
     has_sinit = sinit is not None
-    states = torch.empty(b, nc, h, p, n, device=x.device, dtype=torch.float32)
+    states = torch.empty(b, nc, h, p, n, device=x.device, dtype=x.dtype)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     rows, warps, stages = state_launch or _states_launch(p, backward=False)
     _states_fwd_kernel[(triton.cdiv(p, rows), b, h)](
@@ -508,13 +519,15 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
     seg = seg if has_seg else cs
     has_sinit = sinit is not None
     # the gradient w.r.t. each chunk's own state (= w.r.t. the state leaving it)
-    dstates = torch.empty(b, nc, h, p, n, **f32)
+    dstates = torch.empty(b, nc, h, p, n, device=x.device, dtype=x.dtype)
     dinit = torch.empty(b, h, p, n, **f32) if init is not None else None
     dsinit = torch.empty(b, h, p, n, **f32) if has_sinit else None  # per lane, summed below
     rows, warps, stages = state_launch or _states_launch(p, backward=True)
-    _states_bwd_kernel[(triton.cdiv(p, rows), b, h)](
-        dy, C, cs, seg, dfinal.float().contiguous(), dstates,
-        dinit if dinit is not None else dstates, dsinit if has_sinit else dstates,
+    nblk = triton.cdiv(p, rows)
+    dcs_end = torch.empty(b, h, nc, nblk, **f32)  # parts of dLoss/dcs_end, per program of rows
+    _states_bwd_kernel[(nblk, b, h)](
+        dy, C, cs, seg, states, sinit if has_sinit else dstates, dfinal.float().contiguous(),
+        dstates, dcs_end, dinit if dinit is not None else dstates, dsinit if has_sinit else dstates,
         l, h, p, n, h // g, *dy.stride(), *C.stride(),
         NC=nc, Q=Q, BP=rows, BN=BN, PREC=prec, HAS_INIT=init is not None, HAS_SEG=has_seg,
         HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
@@ -526,10 +539,10 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
     _chunk_scan_bwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, dy,
-        dstates, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
-        l, h, nc, p, n, h // g,
+        dstates, dcs_end, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
+        l, h, nc, p, n, h // g, nblk,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        Q=Q, BP=BP, BN=BN, HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
     dB = dB.view(b, l, g, h // g, n).sum(3)
     dC = dC.view(b, l, g, h // g, n).sum(3)
@@ -623,7 +636,7 @@ def _(x, dt, cs, seg, B, C, D, init, sinit, Q):
     b, l, h, p = x.shape
     n, nc = B.shape[3], cs.shape[2]
     return (x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=torch.float32),
-            x.new_empty(b, nc, h, p, n, dtype=torch.float32))
+            x.new_empty(b, nc, h, p, n))
 
 
 @torch.library.custom_op("elephant::ssd_backward", mutates_args=())
