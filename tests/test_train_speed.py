@@ -98,6 +98,8 @@ def test_kernel_kinds():
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma": "attention",
         "_chunk_scan_bwd_kernel": "ssd scan",
+        "_states_bwd_kernel": "ssd scan",
+        "_state_pass_bwd_kernel": "ssd scan",   # (the kernel before 2026-11-25, in older profiles)
         "_conv_fwd_kernel": "conv",
         "_bwd_kernel": "elephant activation",
         "triton_red_fused__to_copy_arange_eq_exp_gather_logsumexp_mul": "loss",

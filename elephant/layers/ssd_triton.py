@@ -145,6 +145,34 @@ if HAVE_TRITON:
             tl.store(out_ptr + ((b * H + h[None, :]) * NC + c) * Q + i[:, None], out, mask=hmask)
 
     @triton.jit
+    def _state_program(HEADS_PER_GROUP, P, N, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+        """A state kernel's program: its rows-of-P block pb, lane b, head h and the head's B/C
+        group g; the chunk's token offsets i (Q,); its rows p and columns n of the state, their
+        mask and offsets within one lane's (h, p, n) state (BP, BN)."""
+        pb = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        i = tl.arange(0, Q)
+        p = pb * BP + tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        pn_mask = (p[:, None] < P) & (n[None, :] < N)
+        hpn = (h * P + p[:, None]) * N + n[None, :]
+        return pb, b, h, h // HEADS_PER_GROUP, i, p, n, pn_mask, hpn
+
+    @triton.jit
+    def _chunk_operands(u_ptr, v_ptr, b, c, h, g, p, n, i, L, P, N, Q: tl.constexpr,
+                        s_ub, s_ul, s_uh, s_up, s_vb, s_vl, s_vg, s_vn):
+        """Chunk c's tokens t (Q,), which are in the sequence, and the state kernels' two operands
+        there: u (Q, rows p) of head h in float32 (x or dy) and v (Q, N) of group g (B or C)."""
+        t = c * Q + i
+        tmask = t < L
+        u = tl.load(u_ptr + b * s_ub + t[:, None] * s_ul + h * s_uh + p[None, :] * s_up,
+                    mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + b * s_vb + t[:, None] * s_vl + g * s_vg + n[None, :] * s_vn,
+                    mask=tmask[:, None] & (n[None, :] < N), other=0.0)
+        return t, tmask, u, v
+
+    @triton.jit
     def _states_fwd_kernel(
         x_ptr, dt_ptr, b_ptr, cs_ptr, seg_ptr, init_ptr, sinit_ptr, states_ptr, final_ptr,
         L, H, P, N, HEADS_PER_GROUP,
@@ -162,16 +190,8 @@ if HAVE_TRITON:
         read them back). With boundaries only the chunk's last segment writes S_c, and a chunk
         holding one passes on S_c plus its last segment's start decayed: exp(cs_end) S0 with
         HAS_SINIT, nothing without."""
-        pb = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        g = h // HEADS_PER_GROUP
+        pb, b, h, g, i, p, n, pn_mask, hpn = _state_program(HEADS_PER_GROUP, P, N, Q, BP, BN)
         DT: tl.constexpr = x_ptr.dtype.element_ty
-        i = tl.arange(0, Q)
-        p = pb * BP + tl.arange(0, BP)
-        n = tl.arange(0, BN)
-        pn_mask = (p[:, None] < P) & (n[None, :] < N)
-        hpn = (h * P + p[:, None]) * N + n[None, :]                       # (BP, BN) within (h, p, n)
         if HAS_INIT:
             s = tl.load(init_ptr + b * H * P * N + hpn, mask=pn_mask, other=0.0).to(tl.float32)
         else:
@@ -181,12 +201,8 @@ if HAVE_TRITON:
         for c in tl.range(0, NC, num_stages=STAGES):
             tl.store(states_ptr + (b * NC + c) * H * P * N + hpn, s.to(states_ptr.dtype.element_ty),
                      mask=pn_mask)
-            t = c * Q + i
-            tmask = t < L
-            u = tl.load(x_ptr + b * s_xb + t[:, None] * s_xl + h * s_xh + p[None, :] * s_xp,
-                        mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)  # (Q, BP)
-            v = tl.load(b_ptr + b * s_bb + t[:, None] * s_bl + g * s_bg + n[None, :] * s_bn,
-                        mask=tmask[:, None] & (n[None, :] < N), other=0.0)                 # (Q, BN)
+            t, tmask, u, v = _chunk_operands(x_ptr, b_ptr, b, c, h, g, p, n, i, L, P, N, Q,
+                                             s_xb, s_xl, s_xh, s_xp, s_bb, s_bl, s_bg, s_bn)
             dt = tl.load(dt_ptr + b * s_db + t * s_dl + h * s_dh, mask=tmask, other=0.0).to(tl.float32)
             cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
             cs = tl.load(cs_base + i)
@@ -227,16 +243,8 @@ if HAVE_TRITON:
         part of dLoss/dcs_end through the state the chunk passes on, exp(cs_end) <G_{c+1}, H_c>
         (S0 in H_c's place in a chunk with a boundary; nothing there without S0), for the chunk
         scan's backward to add."""
-        pb = tl.program_id(0)
-        b = tl.program_id(1)
-        h = tl.program_id(2)
-        g = h // HEADS_PER_GROUP
+        pb, b, h, g, i, p, n, pn_mask, hpn = _state_program(HEADS_PER_GROUP, P, N, Q, BP, BN)
         DT: tl.constexpr = dy_ptr.dtype.element_ty
-        i = tl.arange(0, Q)
-        p = pb * BP + tl.arange(0, BP)
-        n = tl.arange(0, BN)
-        pn_mask = (p[:, None] < P) & (n[None, :] < N)
-        hpn = (h * P + p[:, None]) * N + n[None, :]
         grad = tl.load(dfinal_ptr + b * H * P * N + hpn, mask=pn_mask, other=0.0)
         if HAS_SINIT:
             ds0 = tl.zeros((BP, BN), dtype=tl.float32)
@@ -248,12 +256,8 @@ if HAVE_TRITON:
                      grad.to(dstates_ptr.dtype.element_ty), mask=pn_mask)
             s_in = tl.load(states_ptr + (b * NC + c) * H * P * N + hpn, mask=pn_mask,
                            other=0.0).to(tl.float32)
-            t = c * Q + i
-            tmask = t < L
-            u = tl.load(dy_ptr + b * s_yb + t[:, None] * s_yl + h * s_yh + p[None, :] * s_yp,
-                        mask=tmask[:, None] & (p[None, :] < P), other=0.0).to(tl.float32)  # (Q, BP)
-            v = tl.load(c_ptr + b * s_cb + t[:, None] * s_cl + g * s_cg + n[None, :] * s_cn,
-                        mask=tmask[:, None] & (n[None, :] < N), other=0.0)                 # (Q, BN)
+            _, _, u, v = _chunk_operands(dy_ptr, c_ptr, b, c, h, g, p, n, i, L, P, N, Q,
+                                         s_yb, s_yl, s_yh, s_yp, s_cb, s_cl, s_cg, s_cn)
             cs_base = cs_ptr + ((b * H + h) * NC + c) * Q
             cs = tl.load(cs_base + i)
             decay = tl.exp(tl.load(cs_base + Q - 1))
