@@ -18,10 +18,12 @@ The state kernels walk each lane's chunks in order (backward: from the last), on
 sums are formed and added on the way, never written (the states entering the chunks, H_c, and the
 gradients G_{c+1} are written once each, for the chunk scan). The chunk-scan kernels hold one
 whole chunk each (Q x P, Q x N, Q x Q tiles), so there are no cross-program reductions except those
-over heads sharing a B/C group and over chunks for D (summed in PyTorch, deterministic). The states
-entering each chunk (b, chunks, h, p, n) in float32 are saved for the backward. Matmul operands are
-cast to x's dtype (bf16 on GPU training) with float32 accumulation; float32 inputs use 3xTF32
-products (FP32_PRECISION).
+over heads sharing a B/C group and over chunks for D (summed in PyTorch, deterministic). Matmul
+operands are cast to x's dtype (bf16 on GPU training) with float32 accumulation; float32 inputs use
+3xTF32 products (FP32_PRECISION). So the states entering the chunks (b, chunks, h, p, n), saved for
+the backward, and the gradients w.r.t. the chunks' own states are stored in x's dtype, which is all
+the chunk scan's products read of them (half the bytes in bf16); the state carried along the
+chunks, the final state and every sum stay float32.
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
 boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a segmented
@@ -183,13 +185,13 @@ if HAVE_TRITON:
         PREC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
         STAGES: tl.constexpr,
     ):
-        """The state entering every chunk, H_c (b, c, h, p, n) in float32, and the final state: one
-        program per (rows of P, lane, head) walks the lane's chunks in order, holding H in
-        registers, and adds each chunk's own state S_c = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T
-        as it goes (never written: the old chunk_state kernel wrote every S_c and a state pass
-        read them back). With boundaries only the chunk's last segment writes S_c, and a chunk
-        holding one passes on S_c plus its last segment's start decayed: exp(cs_end) S0 with
-        HAS_SINIT, nothing without."""
+        """The state entering every chunk, H_c (b, c, h, p, n) in states' dtype (x's), and the
+        final state in float32: one program per (rows of P, lane, head) walks the lane's chunks in
+        order, holding H in float32 registers, and adds each chunk's own state
+        S_c = sum_j exp(cs_end - cs_j) dt_j x_j B_j^T as it goes (never written: until 2026-11-25
+        a chunk_state kernel wrote every S_c and a state pass read them back). With boundaries
+        only the chunk's last segment writes S_c, and a chunk holding one passes on S_c plus its
+        last segment's start decayed: exp(cs_end) S0 with HAS_SINIT, nothing without."""
         pb, b, h, g, i, p, n, pn_mask, hpn = _state_program(HEADS_PER_GROUP, P, N, Q, BP, BN)
         DT: tl.constexpr = x_ptr.dtype.element_ty
         if HAS_INIT:
@@ -356,7 +358,8 @@ if HAVE_TRITON:
         HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
-        (dS0 is formed by chunk_state and state_pass; here S0's term adds to dC and dcs.)
+        (dS0 is formed by the backward state kernel; here S0's term adds to dC and dcs, and the
+        state kernel's parts of dcs_end, NBLK of them, to dcs.)
         dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
