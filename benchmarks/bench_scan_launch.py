@@ -102,12 +102,7 @@ def main() -> None:
     device = cuda_or_exit("bench_scan_launch")
     S = args.segments
     prob = Problem(device, S)
-
-    def fwd(launch, mod=ssd_triton):
-        return prob.fwd(launch, mod)
-
-    def bwd(launch, states, mod=ssd_triton):
-        return prob.bwd(launch, states, mod)
+    fwd, bwd = prob.fwd, prob.bwd   # (launch, [states,] module)
 
     def timed(fn):
         return median_ms(fn, device, args.iters, args.warmup, graph=True)

@@ -112,7 +112,7 @@ if HAS_TRITON:
                          mask=tm[:, None] & m2, other=0.0)
             v = xv.to(tl.float32)
         if HAS_SEG:
-            sseg = tl.load(seg_ptr + b * L + src, mask=tm & inx, other=0)
+            sseg = tl.load(seg_ptr + b * L + src, mask=tm & (src >= 0), other=0)
             same = sseg == sg
             if HAS_TAIL:
                 inner = (~same) & (sg > 0) & tm

@@ -264,24 +264,24 @@ if HAVE_TRITON:
             cs = tl.load(cs_base + i)
             decay = tl.exp(tl.load(cs_base + Q - 1))
             end_ptr = dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + pb
+            # the state the chunk decays, cs_end's factor on <G_{c+1}, that state>, and the
+            # factor G_{c+1} passes back to G_c with
+            base, scale, through = s_in, decay, decay
             if HAS_SEG:
                 seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
-                w = tl.exp(tl.where(seg == seg_prev, cs, float("-inf")))  # tokens reading H_c
-                from_y = _dot(tl.trans(u * w[:, None]), v, DT, PREC)                      # (BP, BN)
-                passes = seg_end == seg_prev
+                reads = tl.where(seg == seg_prev, cs, float("-inf"))  # the tokens reading H_c
+                through = tl.where(seg_end == seg_prev, decay, 0.0)   # no boundary in the chunk
                 if HAS_SINIT:
-                    tl.store(end_ptr, tl.sum(tl.sum(grad * tl.where(passes, s_in, s0), axis=1),
-                                             axis=0) * decay)
+                    base = tl.where(seg_end == seg_prev, s_in, s0)
                     if seg_end != seg_prev:   # a segment starts in the chunk: S0's share
                         w_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
                         ds0 += decay * grad + _dot(tl.trans(u * w_new[:, None]), v, DT, PREC)
                 else:
-                    tl.store(end_ptr, tl.sum(tl.sum(grad * s_in, axis=1), axis=0)
-                             * tl.where(passes, decay, 0.0))
-                grad = from_y + tl.where(passes, decay, 0.0) * grad
+                    scale = through
             else:
-                tl.store(end_ptr, tl.sum(tl.sum(grad * s_in, axis=1), axis=0) * decay)
-                grad = _dot(tl.trans(u * tl.exp(cs)[:, None]), v, DT, PREC) + decay * grad
+                reads = cs
+            tl.store(end_ptr, tl.sum(tl.sum(grad * base, axis=1), axis=0) * scale)
+            grad = _dot(tl.trans(u * tl.exp(reads)[:, None]), v, DT, PREC) + through * grad
         if HAS_INIT:
             tl.store(dinit_ptr + b * H * P * N + hpn, grad, mask=pn_mask)
         if HAS_SINIT:
@@ -419,7 +419,8 @@ if HAVE_TRITON:
                 dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
         # the state passed on through its decay: the state kernel's parts of dLoss/dcs_end
         blk = tl.arange(0, BBLK)
-        end = tl.sum(tl.load(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, mask=blk < NBLK, other=0.0))
+        end = tl.sum(tl.load(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, mask=blk < NBLK,
+                             other=0.0))
         dcs += tl.where(i == Q - 1, end, 0.0)
 
         # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
@@ -549,7 +550,8 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         dstates, dcs_end, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g, nblk,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec, HAS_SEG=has_seg, HAS_SINIT=has_sinit,
+        Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec,
+        HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
     dB = dB.view(b, l, g, h // g, n).sum(3)
     dC = dC.view(b, l, g, h // g, n).sum(3)
