@@ -22,8 +22,9 @@ over heads sharing a B/C group and over chunks for D (summed in PyTorch, determi
 operands are cast to x's dtype (bf16 on GPU training) with float32 accumulation; float32 inputs use
 3xTF32 products (FP32_PRECISION). So the states entering the chunks (b, chunks, h, p, n), saved for
 the backward, and the gradients w.r.t. the chunks' own states are stored in x's dtype, which is all
-the chunk scan's products read of them (half the bytes in bf16); the state carried along the
-chunks, the final state and every sum stay float32.
+the chunk scan's products read of them (half the bytes in bf16); so are each head's parts of dB
+and dC (rounded once, as the bf16 gradient they sum to is), summed over the heads in float32. The
+state carried along the chunks, the final state and every sum stay float32.
 
 Document boundaries (`seg`, see ssd.py): cs is then the cumulative log-decay restarting at each
 boundary, formed by one small kernel (`_segment_cumsum_kernel`, forward and backward) as a segmented
@@ -360,7 +361,7 @@ if HAVE_TRITON:
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
         (dS0 is formed by the backward state kernel; here S0's term adds to dC and dcs, and the
         state kernel's parts of dcs_end, NBLK of them, to dcs.)
-        dB, dC are written per head (b, l, h, n); dcs per (b, h, c, Q); dD per (b, c, h)."""
+        dB, dC are written per head (b, l, h, n) in x's dtype; dcs per (b, h, c, Q); dD per (b, c, h)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -430,8 +431,8 @@ if HAVE_TRITON:
         dC += _dot(dK, Bm, DT, PREC)
         dB += _dot(tl.trans(dK), Cm, DT, PREC)
         qn_off = ((b * L + t[:, None]) * H + h) * N + n[None, :]
-        tl.store(db_ptr + qn_off, dB, mask=qn_mask)
-        tl.store(dc_ptr + qn_off, dC, mask=qn_mask)
+        tl.store(db_ptr + qn_off, dB.to(db_ptr.dtype.element_ty), mask=qn_mask)
+        tl.store(dc_ptr + qn_off, dC.to(dc_ptr.dtype.element_ty), mask=qn_mask)
         M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
         dxdt += _dot(tl.trans(M), dy, DT, PREC)                                             # (Q, P)
         R = dM * M
@@ -541,8 +542,10 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
-    dB = torch.empty(b, l, h, n, **f32)
-    dC = torch.empty(b, l, h, n, **f32)
+    # per head in x's dtype (bf16 in training: half the bytes of the largest outputs), summed over
+    # the group's heads in float32 below
+    dB = torch.empty(b, l, h, n, device=x.device, dtype=x.dtype)
+    dC = torch.empty(b, l, h, n, device=x.device, dtype=x.dtype)
     dcs = torch.empty(b, h, nc, Q, **f32)
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
     _chunk_scan_bwd_kernel[(nc, b, h)](
@@ -553,8 +556,8 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec,
         HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
-    dB = dB.view(b, l, g, h // g, n).sum(3)
-    dC = dC.view(b, l, g, h // g, n).sum(3)
+    dB = dB.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
+    dC = dC.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
     dD = dD.sum((0, 1)) if dD is not None else None
     dsinit = dsinit.sum(0) if dsinit is not None else None
     return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
