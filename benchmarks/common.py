@@ -184,8 +184,9 @@ def bf16_autocast(device):
 
 
 KERNEL_KINDS = (  # (kind, pattern on the kernel's name), first match wins
-    ("matmul", r"nvjet|gemm|cutlass|xmma|cublas"),
+    # attention first: FlashAttention-2's kernels name their cutlass types
     ("attention", r"sdpa|flash|fmha|attention"),
+    ("matmul", r"nvjet|gemm|cutlass|xmma|cublas"),
     # (_chunk_state and _state_pass: the state kernels of profiles before 2026-11-25)
     ("ssd scan", r"_chunk_scan|_states_|_segment_cumsum|_chunk_state|_state_pass"),
     ("conv", r"_conv_(fwd|bwd)_kernel"),

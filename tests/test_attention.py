@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 from elephant.config import ModelConfig
 from elephant.layers.attention import (Attention, apply_rotary, attend, attend_flex,
-                                       attend_reference, attention_mask, masked_sdpa,
-                                       rotary_cos_sin)
+                                       attend_reference, attend_varlen, attention_mask,
+                                       masked_sdpa, rotary_cos_sin, varlen_bounds,
+                                       varlen_supported)
 
 B, D, H = 3, 32, 4
 HD = D // H
@@ -230,6 +231,58 @@ def test_keys_padded_to_an_alignment_change_nothing(n):
         torch.testing.assert_close(got, naive_attention(q, k, v, m), rtol=1e-12, atol=1e-12)
         for g, w in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), grads):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """What FlashAttention's varlen kernel computes, sequence by sequence: q (total_q, H, hd)
+    against k, v (total_k, H, hd), causal aligned to each sequence's last key; a sequence
+    without queries computes nothing."""
+    out = torch.zeros_like(q)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = (int(t) for t in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        nq, nk = q1 - q0, k1 - k0
+        assert nq <= max_q and nk <= max_k
+        if nq == 0:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        p = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out = out.index_copy(0, torch.arange(q0, q1), torch.einsum("hqk,khd->qhd", p, v[k0:k1]))
+    return out
+
+
+def test_varlen_bounds_split_each_lane_at_its_first_valid_slot():
+    cu_q, cu_k = varlen_bounds(torch.tensor([4, 0, 2]), S=3, W=4)
+    assert cu_q.dtype == cu_k.dtype == torch.int32
+    # lane 0: all 4 slots valid (an empty first sequence); lane 1: none; lane 2: the last 2
+    assert cu_q.tolist() == [0, 0, 3, 3, 6, 6, 9]
+    assert cu_k.tolist() == [0, 0, 7, 11, 14, 16, 21]
+
+
+def test_varlen_layout_equals_the_masked_reference():
+    """attend_varlen's sequences (its bounds and its flattened [cache | chunk] rows) with the
+    kernel replaced by what FlashAttention computes: the masked reference's values and gradients,
+    for windows full, empty and partly valid (a suffix of the window, as KVCache keeps it)."""
+    S, W = 5, 6
+    q, k, v = (garbage(4, H, S, HD, seed=s).requires_grad_() for s in (50, 51, 52))
+    ck, cv = garbage(4, H, W, HD, seed=53), garbage(4, H, W, HD, seed=54)
+    n_valid = torch.tensor([W, 0, 1, 4])
+    valid = torch.arange(W)[None, :] >= (W - n_valid)[:, None]
+    got = attend_varlen(q, k, v, ck, cv, valid, kernel=varlen_reference)
+    want = attend_reference(q, k, v, ck, cv, valid)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dy = garbage(*want.shape, seed=55)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dy), torch.autograd.grad(want, (q, k, v), dy)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    # the invalid slots' garbage reaches nothing
+    ck2 = torch.where(valid[:, None, :, None], ck, garbage(4, H, W, HD, seed=56))
+    torch.testing.assert_close(attend_varlen(q, k, v, ck2, cv, valid, kernel=varlen_reference), got,
+                               rtol=0, atol=0)
+
+
+def test_varlen_path_is_cuda_16_bit_only():
+    q = torch.zeros(1, 1, 2, 8)
+    assert not varlen_supported(q, q) and not varlen_supported(q.half(), q.half())
 
 
 @pytest.mark.filterwarnings("ignore")

@@ -9,7 +9,7 @@ import torch
 
 from elephant.config import ModelConfig
 from elephant.layers import elephant as E
-from elephant.layers.attention import Attention, attend, attend_reference
+from elephant.layers.attention import Attention, attend, attend_reference, varlen_supported
 from elephant.layers.elephant import ElephantMLP, elephant, elephant_glu, elephant_glu_ref
 
 pytestmark = pytest.mark.gpu
@@ -140,6 +140,40 @@ def test_attention_kernel_matches_reference(backend, cache, dtype):
     for a, b, name in ((got, want, "out"), (q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"),
                        (v.grad, v64.grad, "dv")):
         assert rel_err(a, b) < tol, f"{backend} {dtype} {name}: {rel_err(a, b):.2e}"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_attention_equals_reference_on_cuda(dtype, compiled):
+    # the window's valid slots a suffix of it (KVCache's invariant): full, empty, one, a third, all
+    # but one; FlashAttention's variable-length kernel against the float64 masked reference,
+    # eager and compiled whole (the kernel and its backward as custom ops: no graph break)
+    B, H, S, W, hd = 5, 4, 200, 96, 64
+    q, k, v = (randn(B, H, S, hd, dtype=dtype, seed=s).requires_grad_() for s in (30, 31, 32))
+    ck, cv = randn(B, H, W, hd, dtype=dtype, seed=33), randn(B, H, W, hd, dtype=dtype, seed=34)
+    n_valid = torch.tensor([W, 0, 1, W // 3, W - 1], device=DEVICE)
+    valid = torch.arange(W, device=DEVICE)[None, :] >= (W - n_valid)[:, None]
+    assert varlen_supported(q, v)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = attend_reference(q64, k64, v64, ck.double(), cv.double(), valid)
+    do = randn(*want.shape, seed=35)
+    want.backward(do.double())
+    fn = lambda *a: attend(*a, valid_suffix=True)  # noqa: E731
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True, dynamic=False)
+    got = fn(q, k, v, ck, cv, valid)
+    got.backward(do.to(dtype))
+    assert got.dtype == dtype
+    for a, b, name in ((got, want, "out"), (q.grad, q64.grad, "dq"), (k.grad, k64.grad, "dk"),
+                       (v.grad, v64.grad, "dv")):
+        assert rel_err(a, b) < 1e-2, f"{dtype} {name}: {rel_err(a, b):.2e}"
+    # what an invalid slot holds reaches nothing: bitwise the same output
+    junk = randn(B, H, W, hd, dtype=dtype, seed=36) * 100
+    ck2 = torch.where(valid[:, None, :, None], ck, junk)
+    cv2 = torch.where(valid[:, None, :, None], cv, junk)
+    assert torch.equal(fn(q, k, v, ck2, cv2, valid), got)
 
 
 def run_chunks(attn, x, pos, sizes, W):

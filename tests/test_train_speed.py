@@ -97,6 +97,8 @@ def test_kernel_kinds():
     names = {   # kernel names as the H100 profiles show them, and their kind
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma": "attention",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, "
+        "false, cutlass::bfloat16_t>": "attention",
         "_chunk_scan_bwd_kernel": "ssd scan",
         "_states_bwd_kernel": "ssd scan",
         "_state_pass_bwd_kernel": "ssd scan",   # (the kernel before 2026-11-25, in older profiles)

@@ -122,6 +122,114 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+# ------------------------------------------------------------------------------- variable length
+# On CUDA in 16 bits, a chunk's attention over [cache | chunk] whose valid cache slots are a suffix of
+# each lane's window (what KVCache keeps: slots fill from the end, a new document empties them) runs
+# as FlashAttention-2's variable-length kernel with no mask at all: per lane two sequences of the
+# flattened [cache | chunk] keys, first the invalid slots with no queries, then the lane's S queries
+# over [valid slots | chunk], whose causal form is aligned to the last key (lower right), i.e.
+# every valid slot and the chunk's keys j <= i. The masked SDPA it replaces reads a (B, S, W + S)
+# mask and computes every masked tile (1.01 ms against 0.61 forward and backward at the recipe's
+# shape, benchmarks/bench_attention_paths.py). ELEPHANT_ATTN_VARLEN=0: the masked path (A/B).
+VARLEN = os.environ.get("ELEPHANT_ATTN_VARLEN", "1") != "0"
+
+
+def varlen_supported(q: Tensor, v: Tensor) -> bool:
+    """Whether `attend_varlen` runs for queries q and values v (CUDA, 16-bit, one head dim that
+    FlashAttention takes: not the doubled query and key dims of position-free memory)."""
+    return (VARLEN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+            and torch.backends.cuda.is_flash_attention_available())
+
+
+def varlen_bounds(n_valid: Tensor, S: int, W: int) -> tuple[Tensor, Tensor]:
+    """cu_q, cu_k (2B + 1,) int32 of the sequences `attend_varlen` runs: for lane b, its W - n_valid[b]
+    invalid slots with no queries, then its S queries over [its n_valid[b] valid slots | chunk]
+    (keys flattened lane by lane as [cache (W) | chunk (S)], queries as S per lane)."""
+    B = n_valid.shape[0]
+    L = W + S
+    lane = torch.arange(B, device=n_valid.device)
+    k_starts = torch.stack([lane * L, lane * L + W - n_valid.to(lane.dtype)], 1).flatten()
+    q_starts = (lane * S).repeat_interleave(2)
+    end = torch.full((1,), B, dtype=lane.dtype, device=lane.device)  # no host copy: graph-safe
+    return (torch.cat([q_starts, end * S]).to(torch.int32),
+            torch.cat([k_starts, end * L]).to(torch.int32))
+
+
+@torch.library.custom_op("elephant::flash_varlen", mutates_args=())
+def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+               scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FlashAttention-2 varlen, causal (lower right per sequence): (out, logsumexp, and the two
+    tensors its backward takes back). q (total_q, H, hd), k, v (total_k, H, hd)."""
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True, False,
+        scale=scale)
+    return out, lse, rng, unused
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)   # its meta shapes
+    return out, lse, rng, unused
+
+
+@torch.library.custom_op("elephant::flash_varlen_backward", mutates_args=())
+def _varlen_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, rng: Tensor, unused: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_q, cu_k,
+        max_q, max_k, 0.0, True, rng, unused, scale=scale)
+    return dq, dk, dv
+
+
+@_varlen_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, rng, unused, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale = inputs
+    out, lse, rng, unused = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+    ctx.args = (max_q, max_k, scale)
+
+
+def _varlen_grad(ctx, dout, dlse, drng, dunused):
+    q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
+    max_q, max_k, scale = ctx.args
+    dq, dk, dv = _varlen_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, rng, unused, scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("elephant::flash_varlen", _varlen_grad, setup_context=_varlen_setup)
+
+
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                 max_k: int, scale: float) -> Tensor:
+    """The kernel `attend_varlen` calls (a custom op with its backward, so torch.compile and CUDA
+    graphs take it whole); (total_q, H, hd)."""
+    return _varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, scale)[0]
+
+
+def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
+                  cache_valid: Tensor, kernel=flash_varlen) -> Tensor:
+    """Attention over [cache | chunk] as `attend_reference`, for a cache whose valid slots are a
+    suffix of each lane's window (cache_valid (B, W), not checked: KVCache's invariant), by
+    variable-length sequences (see VARLEN). q, k, v (B, H, S, hd) -> (B, H, S, hd), a view of
+    (B, S, H, hd) rows (the layer's output projection reads them as they are). `kernel`: the
+    varlen attention (the CPU tests pass a reference)."""
+    B, H, S, hd = q.shape
+    W = cache_k.shape[2]
+    Q = q.transpose(1, 2).reshape(B * S, H, hd)
+    K = torch.cat([cache_k.to(k.dtype).transpose(1, 2), k.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
+    V = torch.cat([cache_v.to(v.dtype).transpose(1, 2), v.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
+    cu_q, cu_k = varlen_bounds(cache_valid.sum(1), S, W)
+    out = kernel(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
+    return out.view(B, S, H, hd).transpose(1, 2)
+
+
 def _with_cache(k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> tuple[Tensor, Tensor]:
     # (B, H, W + S, hd); Attention.forward has detached the window (the kept tokens' values keep
     # the gradient of their keep score)
@@ -168,14 +276,18 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tenso
 
 def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
            cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
-           backend: str = "sdpa") -> Tensor:
-    """The fast path: is_causal SDPA without a cache, else the backend's masked kernel."""
+           backend: str = "sdpa", valid_suffix: bool = False) -> Tensor:
+    """The fast path: is_causal SDPA without a cache, else the backend's kernel: for sdpa, the
+    variable-length kernel where it runs and the cache's valid slots are a suffix of each lane's
+    window (`valid_suffix`: the caller's promise), else SDPA with the explicit mask."""
     if backend == "reference":
         return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
     if cache_k is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if backend == "flex":
         return attend_flex(q, k, v, cache_k, cache_v, cache_valid)
+    if valid_suffix and varlen_supported(q, v):
+        return attend_varlen(q, k, v, cache_k, cache_v, cache_valid)
     return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
 
 
@@ -336,7 +448,9 @@ class Attention(nn.Module):
             cache_k = None if cache_k is None else pad_sequence_keys(cache_k)
             prefix_k = None if prefix_k is None else pad_memory_keys(prefix_k)
         if seg is None:
-            y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend)  # (B, H, S, hd)
+            # the window's valid slots are a suffix of it (KVCache), the kept tokens' are not
+            y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend,
+                       valid_suffix=kept is None)                              # (B, H, S, hd)
         else:
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
         y = y.transpose(1, 2).reshape(B, S, D)
