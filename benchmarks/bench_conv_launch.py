@@ -83,8 +83,9 @@ def main() -> None:
 
     saved = dict(conv_triton.LAUNCH)
     moved = x.numel() * 2
+    kinds = ("fwd_seg", "bwd_seg") if S else ("fwd", "bwd")   # the launches this form takes
     try:
-        conv_triton.LAUNCH.update(fwd=BEFORE, bwd=BEFORE)
+        conv_triton.LAUNCH.update({kind: BEFORE for kind in kinds})
         ref_f, ref_b = fwd(), bwd()
         rows = []
         configs = list(itertools.product(*[[int(v) for v in a.split(",")]
@@ -94,7 +95,7 @@ def main() -> None:
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
         for bl, bc, warps in configs:
             row = {"tokens": bl, "channels": bc, "warps": warps}
-            conv_triton.LAUNCH.update(fwd=(bl, bc, warps), bwd=(bl, bc, warps))
+            conv_triton.LAUNCH.update({kind: (bl, bc, warps) for kind in kinds})
             try:
                 row["equal_fwd"] = close(fwd(), ref_f)
                 row["equal_bwd"] = all(close(a, r) for a, r in zip(bwd(), ref_b))

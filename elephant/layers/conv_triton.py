@@ -260,16 +260,18 @@ if HAS_TRITON:
                            b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP, True)
 
 
-# (tokens, channels, warps) per program on the GPU, forward and backward; set from
-# benchmarks/bench_conv_launch.py
-LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4)}
+# (tokens, channels, warps) per program on the GPU, forward and backward, without and with segments;
+# set from benchmarks/bench_conv_launch.py [--segments]. The backward's best differs: 64 tokens
+# without segments (185 us against 247 at 32), 32 with them (321 us against 733 at 64: a 64-token
+# tile holds a boundary twice as often, and the boundary form is the slow one)
+LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bwd_seg": (32, 128, 4)}
 
 
-def _blocks(backward: bool) -> tuple[int, int, int]:
+def _blocks(backward: bool, has_seg: bool) -> tuple[int, int, int]:
     """(tokens, channels, warps) per program: small tiles under the interpreter, LAUNCH on the GPU."""
     if _INTERPRET:
         return 16, 16, 4
-    return LAUNCH["bwd" if backward else "fwd"]
+    return LAUNCH[("bwd" if backward else "fwd") + ("_seg" if has_seg else "")]
 
 
 def _channels_last(conv_state: Tensor) -> Tensor:
@@ -295,7 +297,7 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
-    BL, BC, warps = _blocks(False)
+    BL, BC, warps = _blocks(False, has_seg)
     grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
     st = _channels_last(conv_state)
     torch.library.wrap_triton(_conv_fwd_kernel)[grid](
@@ -312,7 +314,7 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, L, C = x.shape
     K = weight.shape[-1]
-    BL, BC, warps = _blocks(True)
+    BL, BC, warps = _blocks(True, seg is not None)
     NL = triton.cdiv(L, BL)
     P = B * NL
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
