@@ -13,9 +13,12 @@ every query scores the memory tokens' keys without rotary (`free_scores`: one ke
 doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
-validity mask of the cache, which flash kernels cannot take. So:
+validity mask of the cache, which a flash kernel takes only as variable-length sequences. So:
   * no cache:     SDPA with is_causal=True (flash / cuDNN on GPU);
-  * with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`: on GPU the
+  * with a cache whose valid slots are a suffix of the window (KVCache's invariant; no kept
+                  tokens), on CUDA in 16 bits: FlashAttention-2's variable-length kernel, no mask
+                  (`attend_varlen`, see VARLEN);
+  * otherwise with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`: on GPU the
                   keys padded to a multiple of KEY_ALIGN; also the reference path, forward and
                   backward on CPU), or FlexAttention
                   with a block mask (`backend="flex"`, CUDA + torch.compile; no CPU backward).
