@@ -22,7 +22,8 @@ the chunk), the rest a random suffix. Paths:
 Each path's forward is timed as a CUDA graph (flex: as compiled), its forward and backward eagerly
 (fwd_bwd_ms: the host's launches included) and by the device time of its kernels in the profiler
 (fwd_bwd_device_ms), the mask or the K / V concatenation inside, the sequence bounds outside (built
-once per chunk for all its layers). Every path's output and gradients (q, the chunk's k and v) are checked against `masked`.
+once per chunk for all its layers). Every path's output and gradients (q, the chunk's k and v)
+are checked against `masked`.
 """
 from __future__ import annotations
 

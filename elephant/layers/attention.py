@@ -18,10 +18,10 @@ validity mask of the cache, which a flash kernel takes only as variable-length s
   * with a cache whose valid slots are a suffix of the window (KVCache's invariant; no kept
                   tokens), on CUDA in 16 bits: FlashAttention-2's variable-length kernel, no mask
                   (`attend_varlen`, see VARLEN);
-  * otherwise with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`: on GPU the
-                  keys padded to a multiple of KEY_ALIGN; also the reference path, forward and
-                  backward on CPU), or FlexAttention
-                  with a block mask (`backend="flex"`, CUDA + torch.compile; no CPU backward).
+  * otherwise with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`:
+                  on GPU the keys padded to a multiple of KEY_ALIGN; also the reference path,
+                  forward and backward on CPU), or FlexAttention with a block mask
+                  (`backend="flex"`, CUDA + torch.compile; no CPU backward).
 Shapes depend only on (B, S, W), never on how many cache slots are valid, so torch.compile
 compiles once.
 
