@@ -21,7 +21,9 @@ from torch import Tensor
 class KVCache:
     k: Tensor       # (B, H, W, hd) rotated keys, oldest first
     v: Tensor       # (B, H, W, hd)
-    valid: Tensor   # (B, W) bool: slots that hold a key of the lane's current document
+    # (B, W) bool: slots that hold a key of the lane's current document; always the window's last
+    # slots (a suffix), which attention's varlen path relies on (tests/test_packing.py holds it)
+    valid: Tensor
     # long-term kept tokens (model.kv_keep = K > 0, else None): keys before rotary (they are
     # rotated at a position relative to the chunk that reads them), values, the layer's normalized
     # input (the learned keep score is computed from it with gradient, see Attention.keep_score),

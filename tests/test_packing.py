@@ -354,3 +354,27 @@ def test_chunk_without_inner_start_takes_the_unpacked_path_exactly(n_mem, kv_kee
     assert (packed - plain).abs().max() < 1e-12
     for name, t in s1.tensors().items():
         assert (t.double() - s2.tensors()[name].double()).abs().max() < 1e-12, name
+
+
+@pytest.mark.parametrize("kv_window", [8, 16, 30])
+def test_window_valid_slots_stay_a_suffix(kv_window):
+    # attention.attend_varlen (the CUDA path over the window) relies on it: every lane's valid
+    # window slots are its last ones, after any chunk, with documents starting inside chunks and
+    # at their first token, lanes reset, and windows shorter and longer than a chunk
+    model = make(n_mem=2, kv_window=kv_window)
+    B, T = 4, 12
+    gen = torch.Generator().manual_seed(3)
+    state = None
+    seen_partial = False
+    for c in range(8):
+        tokens = torch.randint(0, V, (B, T), generator=gen)
+        starts = torch.rand(B, T, generator=gen) < 0.12
+        reset = torch.rand(B, generator=gen) < 0.2
+        _, state = model(tokens, state, reset, starts=starts if c % 3 else None)
+        for cache in state.kv:
+            if cache is None:
+                continue
+            v = cache.valid.int()
+            assert (v[:, 1:] >= v[:, :-1]).all(), (c, cache.valid)
+            seen_partial |= bool(((v.sum(1) > 0) & (v.sum(1) < kv_window)).any())
+    assert seen_partial   # the windows were not all full or all empty
