@@ -11,18 +11,19 @@ the chunk), the rest a random suffix. Paths:
   masked      today's: SDPA with the explicit boolean mask (B, 1, S, W + S), keys padded to 16
   fa2_causal  FlashAttention-2's causal form with more keys than queries, which is lower-right
               aligned: the mask as if every cache slot were valid (a bound, not a candidate)
-  varlen      FlashAttention-2 varlen over 2B sequences: per lane a sequence of the invalid cache
-              slots with no queries, then the queries over [valid slots | chunk], lower-right
-              causal; q, k, v in (B, S, H, hd) rows as the varlen kernel reads them
+  varlen      the model's path, attention.attend_varlen: FlashAttention-2 varlen over 2B sequences,
+              per lane a sequence of the invalid cache slots with no queries, then the queries over
+              [valid slots | chunk], lower-right causal; q, k, v here in (B, S, H, hd) rows, as the
+              varlen kernel reads them
   varlen_empty  the same with 64 more empty sequences per lane (what a layout with room for a
               document's segments per lane would launch)
-(The model's path, attention.attend_varlen, is `varlen` on the layer's (B, H, S, hd) tensors.)
-  flex        FlexAttention compiled with a block mask built in the same graph
+  flex        attention.attend_flex compiled, its block mask built in the same graph
   chunk_only  causal SDPA over the chunk alone (the work without the window, a floor)
 Each path's forward is timed as a CUDA graph (flex: as compiled), its forward and backward eagerly
 (fwd_bwd_ms: the host's launches included) and by the device time of its kernels in the profiler
-(fwd_bwd_device_ms), the mask or the K / V concatenation inside, the sequence bounds outside (built
-once per chunk for all its layers). Every path's output and gradients (q, the chunk's k and v)
+(fwd_bwd_device_ms), the mask, the K / V concatenation and the sequence bounds inside (the
+results of 2026-11-25 10:59 were taken with the bounds outside and the layout written out here;
+the same kernels). Every path's output and gradients (q, the chunk's k and v)
 are checked against `masked`.
 """
 from __future__ import annotations
@@ -39,17 +40,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import (cuda_or_exit, environment, median_ms, profile,  # noqa: E402
                                result_path)
-from elephant.layers.attention import attend_reference, flash_varlen, varlen_bounds  # noqa: E402
+from elephant.layers.attention import (attend_flex, attend_reference, attend_varlen,  # noqa: E402
+                                       flash_varlen)
 
 
-def bounds_with_empty(n_valid, S, W, empty: int = 0):
-    """attention.varlen_bounds, then `empty` sequences of nothing per lane (all at the end: the
-    kernel's cost of a layout with room for more sequences than a chunk has)."""
-    cu_q, cu_k = varlen_bounds(n_valid, S, W)
-    if not empty:
-        return cu_q, cu_k
-    pad = lambda cu: torch.cat([cu, cu[-1:].expand(n_valid.shape[0] * empty)])  # noqa: E731
-    return pad(cu_q), pad(cu_k)
+def with_empty(empty: int):
+    """The varlen kernel with `empty` sequences of nothing per lane appended to its bounds (all at
+    the end): the cost of a layout with room for more sequences than a chunk has."""
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        pad = lambda cu: torch.cat([cu, cu[-1:].expand((len(cu) - 1) // 2 * empty)])  # noqa: E731
+        return flash_varlen(q, k, v, pad(cu_q), pad(cu_k), max_q, max_k, scale)
+    return kernel
 
 
 def main():
@@ -91,13 +92,11 @@ def main():
         return heads(out)
 
     def varlen(empty=0):
-        cu_q, cu_k = bounds_with_empty(n_valid, S, W, empty)   # once a chunk, for all its layers
+        kernel = with_empty(empty) if empty else flash_varlen
 
-        def run():
-            K = torch.cat([cache_k, k_rows], 1).flatten(0, 1)
-            V = torch.cat([cache_v, v_rows], 1).flatten(0, 1)
-            out = flash_varlen(q_rows.flatten(0, 1), K, V, cu_q, cu_k, S, W + S, scale)
-            return out.view(B, S, H, hd)
+        def run():   # the model's path (the bounds built inside, as each layer does)
+            return heads(attend_varlen(heads(q_rows), heads(k_rows), heads(v_rows), heads(cache_k),
+                                       heads(cache_v), valid, kernel=kernel))
         return run
 
     def chunk_only():
@@ -107,18 +106,7 @@ def main():
     paths = {"masked": masked, "fa2_causal": fa2_causal, "varlen": varlen(),
              "varlen_empty": varlen(64), "chunk_only": chunk_only}
     if not args.no_flex:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        def flex_fn(q, k, v, ck, cv, valid):
-            K = torch.cat([ck, k], 2)
-            V = torch.cat([cv, v], 2)
-            kv_valid = torch.cat([valid, valid.new_ones(B, S)], 1)
-
-            def mask_mod(b, h, qi, kj):
-                return kv_valid[b, kj] & (kj - W <= qi)
-            bm = create_block_mask(mask_mod, B, None, S, W + S, device=q.device)
-            return flex_attention(q, K, V, block_mask=bm)
-        flex_c = torch.compile(flex_fn, dynamic=False)
+        flex_c = torch.compile(attend_flex, dynamic=False)   # its block mask built in the graph
 
         def flex():
             return heads(flex_c(heads(q_rows), heads(k_rows), heads(v_rows), heads(cache_k),

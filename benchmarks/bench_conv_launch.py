@@ -20,15 +20,14 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-import types
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import (cuda_or_exit, environment, fastest, median_ms,  # noqa: E402
-                               rel_close, result_path, sweep_parser)
+from benchmarks.common import (cuda_or_exit, environment, fastest, load_before,  # noqa: E402
+                               median_ms, rel_close, result_path, sweep_parser)
 from elephant.layers import conv_triton  # noqa: E402
 
 BEFORE = (32, 128, 4)
@@ -36,16 +35,6 @@ BEFORE = (32, 128, 4)
 
 def close(a, b) -> bool:
     return rel_close(a, b, 1e-3)
-
-
-def load_before(path: str):
-    """Another copy of conv_triton.py as a module of elephant.layers, its torch.library ops
-    renamed (elephant:: -> elephant_before::) so that they do not clash with this one's."""
-    source = Path(path).read_text().replace('"elephant::', '"elephant_before::')
-    mod = types.ModuleType("elephant.layers._conv_before")
-    mod.__package__ = "elephant.layers"
-    exec(compile(source, path, "exec"), mod.__dict__)
-    return mod
 
 
 def main() -> None:
@@ -111,7 +100,7 @@ def main() -> None:
     finally:
         conv_triton.LAUNCH.update(saved)
     if args.before:   # both modules at their own launches, in turns
-        mods = {"now": conv_triton, "before": load_before(args.before)}
+        mods = {"now": conv_triton, "before": load_before(args.before, "_conv_before")}
         ab = {name: {"equal_fwd": close(fwd(m), ref_f),
                      "equal_bwd": all(close(a, r) for a, r in zip(bwd(m), ref_b)),
                      "fwd_us": [], "bwd_us": []} for name, m in mods.items()}

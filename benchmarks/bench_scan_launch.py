@@ -20,7 +20,6 @@ sums too) and its every output checked against those of the launch before this b
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import sys
@@ -31,8 +30,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import (cuda_or_exit, environment, fastest, median_ms,  # noqa: E402
-                               rel_close, result_path, sweep_parser)
+from benchmarks.common import (cuda_or_exit, environment, fastest, load_before,  # noqa: E402
+                               median_ms, rel_close, result_path, sweep_parser)
 from elephant.layers import ssd_triton  # noqa: E402
 
 BEFORE = {"fwd": {"num_warps": 4}, "bwd": {"num_warps": 8}}  # the launch before this benchmark
@@ -85,14 +84,6 @@ class Problem:
         return mod._bwd(*self._args(), states, self.dy, self.dfinal, self.Q, launch=launch, **kw)
 
 
-def load_module(path: str):
-    """Another copy of ssd_triton.py (e.g. `git show <rev>:elephant/layers/ssd_triton.py`)."""
-    spec = importlib.util.spec_from_file_location("ssd_triton_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = sweep_parser(30, 5, "with document boundaries and the segments' initial state (packed rows)")
     ap.add_argument("--warps", default="2,4,8")
@@ -128,7 +119,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     ab = None
     if args.before:  # the other module at today's launch, beside this one, in turns
-        before_mod = load_module(args.before)
+        before_mod = load_before(args.before, "_ssd_before")
         ab = {"file": args.before, "now": {}, "before": {}}
         for k in ("fwd", "bwd"):
             launch = ssd_triton._scan_launch(k == "bwd", S, False)

@@ -23,13 +23,12 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bench_scan_launch import Problem, close, load_module  # noqa: E402
-from benchmarks.common import (cuda_or_exit, environment, fastest, median_ms,  # noqa: E402
-                               result_path, sweep_parser)
+from benchmarks.bench_scan_launch import Problem, close  # noqa: E402
+from benchmarks.common import (cuda_or_exit, environment, fastest, load_before,  # noqa: E402
+                               median_ms, result_path, sweep_parser)
 from elephant.layers import ssd_triton  # noqa: E402
 
 
@@ -67,7 +66,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     ab = None
     if args.before:  # both modules at their own launches, in turns
-        mods = {"now": ssd_triton, "before": load_module(args.before)}
+        mods = {"now": ssd_triton, "before": load_before(args.before, "_ssd_before")}
         ab = {"file": args.before, **{name: {} for name in mods}}
         states = {}
         for name, mod in mods.items():

@@ -1,8 +1,11 @@
 """Shared by the benchmark scripts (and the memory tests): timing with CUDA events on GPU,
-perf_counter on CPU; the bytes autograd saves for a backward; the top kernels of a profiled step."""
+perf_counter on CPU; the bytes autograd saves for a backward; the top kernels of a profiled step;
+another copy of a kernel module for an A/B in one run."""
 import re
 import statistics
 import time
+import types
+from pathlib import Path
 
 import torch
 
@@ -247,3 +250,15 @@ def profile(step, steps: int, device, title: str, top: int = 20,
                "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                "ranges": spans, "kernels": [k for k in kernels if k["ms_per_step"] >= 1e-3]}
     return kernels[:top], table, summary
+
+
+def load_before(path: str, name: str):
+    """Another copy of a module of elephant.layers (e.g. `git show <rev>:elephant/layers/
+    conv_triton.py > /tmp/before.py`), loaded as elephant.layers.<name> so that its imports
+    resolve, with its torch.library ops renamed (elephant:: -> elephant_before::) so that they
+    do not clash with (or replace) this copy's: the --before A/B of the launch benchmarks."""
+    source = Path(path).read_text().replace('"elephant::', '"elephant_before::')
+    mod = types.ModuleType(f"elephant.layers.{name}")
+    mod.__package__ = "elephant.layers"
+    exec(compile(source, path, "exec"), mod.__dict__)
+    return mod
