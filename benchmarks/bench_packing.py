@@ -48,7 +48,7 @@ from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
 from benchmarks.common import bf16_autocast, environment, profile, result_path, timer  # noqa: E402
 from elephant.layers import ssd  # noqa: E402
-from elephant.layers.attention import Attention, attend, attend_segments  # noqa: E402
+from elephant.layers.attention import Attention, attend, attend_segments, segment_room  # noqa: E402
 from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
@@ -141,7 +141,8 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
                 if prefix == "chunk":
                     state.prefix = None
                 nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
-                                   loss_mask=mask, reduction="sum", starts=starts, prefix=given)
+                                   loss_mask=mask, reduction="sum", starts=starts, prefix=given,
+                                   inner_starts=inner)
                 loss = loss + nll
                 if i >= warmup:
                     real += mask.sum()
@@ -213,8 +214,9 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool, only: str = "")
         t = torch.randn(*shape, generator=gen, device=device, dtype=dtype) * scale
         return t.requires_grad_(grad)
 
+    room = segment_room(B, int(inner.sum()))
     out = {"lanes": B, "tokens_per_layer_call": S,
-           "boundaries_per_row": float(inner.sum(1).float().mean())}
+           "boundaries_per_row": float(inner.sum(1).float().mean()), "varlen_room": room}
     mamba = Mamba2(cfg).to(device)
     C, K = mamba.conv_dim, mamba.d_conv
     H, P, N = mamba.heads, mamba.head_dim, mamba.d_state
@@ -268,6 +270,9 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool, only: str = "")
         "attention_cache_masked_sdpa": (lambda q_, k_, v_: attend(q_, k_, v_, ck, cv, valid), (q, k, v)),
         "attention_by_document_with_prefix": (lambda q_, k_, v_, a, b: attend_segments(
             q_, k_, v_, seg, ck, cv, valid, a, b), (q, k, v, pk, pv)),
+        # the variable-length kernel, a sequence per document (when the starts fit its room)
+        "attention_by_document_varlen": (lambda q_, k_, v_, a, b: attend_segments(
+            q_, k_, v_, seg, ck, cv, valid, a, b, room=room), (q, k, v, pk, pv)),
         "mamba_layer_no_seg": (lambda x, c, s_: mamba(x, c, s_), (x_layer, conv0, ssm0)),
         "mamba_layer_seg_and_init": (lambda x, c, s_, t, i: mamba(x, c, s_, seg=seg, init=(t, i)),
                                      (x_layer, conv0, ssm0, tail, init_ssm)),
@@ -277,6 +282,8 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool, only: str = "")
         "attention_layer_cache": (lambda x: attn(x, pos, ck, cv, valid), (x_layer,)),
         "attention_layer_by_document": (lambda x, a, b: attn(x, pos, ck, cv, valid, seg=seg, prefix_k=a,
                                                              prefix_v=b), (x_layer, pk, pv)),
+        "attention_layer_by_document_varlen": (lambda x, a, b: attn(
+            x, pos, ck, cv, valid, seg=seg, prefix_k=a, prefix_v=b, room=room), (x_layer, pk, pv)),
     }
     if only:  # --pieces: the pieces whose names start with one of these
         pieces = {n: p for n, p in pieces.items() if n.startswith(tuple(only.split(",")))}

@@ -48,8 +48,9 @@ class Batch:
     doc_ids: torch.Tensor  # (B,) int64: corpus index of the lane's document at the chunk start, -1: idle
     starts: torch.Tensor | None = None  # (B, T) bool: input t is the first token of a document
     token_doc_ids: torch.Tensor | None = None  # (B, T) int64: document of input t, -1 for padding
-    inner_starts: bool = False  # some document starts inside the chunk (t > 0): decided on the host,
-    # so a consumer can skip the boundary work (starts=None, reset) for chunks without one
+    inner_starts: int = 0  # how many documents start inside the chunk (t > 0), over all lanes: counted
+    # on the host, so a consumer can skip the boundary work (starts=None, reset) for chunks without
+    # one, and size per-document kernels (ElephantLM.forward's inner_starts)
 
 
 class RollingChunkBatcher:
@@ -163,7 +164,7 @@ class RollingChunkBatcher:
         starts_t = torch.from_numpy(starts)
         return Batch(torch.from_numpy(tokens), starts_t[:, 0].clone(), torch.from_numpy(loss_mask),
                      torch.from_numpy(doc_ids), starts_t, torch.from_numpy(token_doc[:, :T].copy()),
-                     inner_starts=bool(starts[:, 1:].any()))
+                     inner_starts=int(starts[:, 1:].sum()))
 
     def _draw(self) -> int:
         """The next document of this rank's stream, moving to the next epoch when `loop`; -1 at the end."""

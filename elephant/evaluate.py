@@ -205,7 +205,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
                 # the boundary path only for chunks where a document starts inside (a host flag)
                 inner = starts if pack and batch.inner_starts else None
                 nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:],
-                                   loss_mask=mask, reduction="none", starts=inner, prefix=prefix)
+                                   loss_mask=mask, reduction="none", starts=inner, prefix=prefix,
+                                   inner_starts=batch.inner_starts)
             if cuda_graph and not pack:   # from the next chunk on: the static step
                 static = StaticChunkStep(model, state, tokens, mask, autocast, graph=device.type == "cuda")
         nll = nll.double()                                             # (B, T) zero where masked

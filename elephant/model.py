@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers.attention import Attention
+from .layers.attention import Attention, segment_room
 from .layers.elephant import ElephantMLP
 from .layers.head import cross_entropy_reference, linear_cross_entropy
 from .layers.mamba import Mamba2
@@ -51,14 +51,15 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
                 init: tuple | None = None, start: Tensor | None = None,
-                free: Tensor | None = None) -> tuple[Tensor, tuple]:
+                free: Tensor | None = None, room: int = 0) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
         attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
         token in the lane's carried document (for kept tokens). `free` (S,) bool: the memory
         tokens, scored without rotary by attention (mem_rotary "free"). The new state of an
         attention layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized
-        input)."""
+        input). `room`: how many documents may start inside the chunk for attention's
+        variable-length kernel (0: none; see attention.SEGMENT_ROOM)."""
         h = self.norm1(x)
         if self.kind == "M":
             conv, ssm = layer_state
@@ -69,7 +70,8 @@ class Block(nn.Module):
             new_state = (conv, ssm)
         else:
             cache: KVCache | None = layer_state
-            extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0], prefix_v=init and init[1])
+            extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0],
+                                                 prefix_v=init and init[1], room=room)
             if free is not None:
                 extra["free"] = free
             if cache is None:
@@ -287,7 +289,8 @@ class ElephantLM(nn.Module):
     def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
                 targets: Tensor | None = None, loss_mask: Tensor | None = None,
                 reduction: str = "mean", starts: Tensor | None = None,
-                prefix: list[tuple] | None = None) -> tuple[Tensor, RecurrentState]:
+                prefix: list[tuple] | None = None, inner_starts: int | None = None
+                ) -> tuple[Tensor, RecurrentState]:
         """One chunk of every lane.
 
         tokens (B, T) int64; state from the previous chunk (None: a fresh state); reset (B,) bool
@@ -303,7 +306,11 @@ class ElephantLM(nn.Module):
         for several chunks (the parameters do not change between them; its graph is shared, so it is
         for chunks that are backpropagated together); None: the state's (`RecurrentState.prefix`),
         else computed inside this chunk's step (one graph with it when compiled) when `starts` needs
-        it, and carried on in the returned state to the window's later chunks.
+        it, and carried on in the returned state to the window's later chunks. `inner_starts`: how
+        many documents start inside the chunk (t > 0) over all lanes, known on the host (the
+        batcher's `Batch.inner_starts`; counted here when `starts` is a CPU tensor): attention runs
+        the chunk by its variable-length kernel when they fit its layout (attention.SEGMENT_ROOM),
+        else by the explicit mask.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -315,6 +322,8 @@ class ElephantLM(nn.Module):
         if starts is not None:
             if starts.shape != (B, T):
                 raise ValueError(f"starts must be (B, T) = {(B, T)} bool, got {tuple(starts.shape)}")
+            if inner_starts is None and starts.device.type == "cpu":
+                inner_starts = int(starts[:, 1:].sum())
             starts = starts.to(device=tokens.device, dtype=torch.bool)
             reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
         if state.chunks >= cfg.bptt_chunks:
@@ -329,8 +338,9 @@ class ElephantLM(nn.Module):
             path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
         core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
                               memory=state.memory, chunks=state.chunks)
+        room = 0 if starts is None else segment_room(B, inner_starts)
         h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
-                                                           path is not None)
+                                                           path is not None, room)
         out = self._output(h, gate, targets, loss_mask, reduction)
         new.links = links
         new.prefix = used if used is not None else prefix   # a chunk without starts uses none
@@ -358,12 +368,14 @@ class ElephantLM(nn.Module):
         return loss
 
     def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
-               starts: Tensor | None, prefix: list[tuple] | None, want_written: bool):
+               starts: Tensor | None, prefix: list[tuple] | None, want_written: bool,
+               room: int = 0):
         """The chunk itself, after `forward`'s checks and detach: the reset, the blocks, the KV
         append and the memory update. Returns (the final normalized hidden states (B, T, D), new
         state without the memory path, the write slots' outputs detached (with `want_written`),
         the lanes whose last document began in this chunk (packed) or None, the memory gates or
-        None, the initial memory's prefix it used or None). What compile_for("model") compiles."""
+        None, the initial memory's prefix it used or None). `room`: see Block.forward. What
+        compile_for("model") compiles."""
         B, T = tokens.shape
         cfg = self.cfg
         if reset is not None:
@@ -426,7 +438,7 @@ class ElephantLM(nn.Module):
             else:
                 cache = state.kv[i]
                 x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos,
-                                         free=free)
+                                         free=free, room=room)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:

@@ -371,7 +371,8 @@ class Trainer:
                 nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
                                         targets=tokens[:, 1:],
                                         loss_mask=to_device(b.loss_mask, rt.device),
-                                        reduction="sum", starts=starts)
+                                        reduction="sum", starts=starts,
+                                        inner_starts=b.inner_starts)
             loss = loss + nll
         if on_loss is not None:
             on_loss(loss.detach().double())

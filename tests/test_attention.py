@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers.attention import (Attention, apply_rotary, attend, attend_flex,
-                                       attend_reference, attend_varlen, attention_mask,
-                                       masked_sdpa, rotary_cos_sin, varlen_bounds,
-                                       varlen_supported)
+from elephant.layers.attention import (SEGMENT_ROOM, Attention, apply_rotary, attend,
+                                       attend_flex, attend_reference, attend_segments,
+                                       attend_segments_varlen, attend_varlen, attention_mask,
+                                       masked_sdpa, rotary_cos_sin, segment_layout, segment_room,
+                                       varlen_bounds, varlen_supported)
 
 B, D, H = 3, 32, 4
 HD = D // H
@@ -278,6 +279,70 @@ def test_varlen_layout_equals_the_masked_reference():
     ck2 = torch.where(valid[:, None, :, None], ck, garbage(4, H, W, HD, seed=56))
     torch.testing.assert_close(attend_varlen(q, k, v, ck2, cv, valid, kernel=varlen_reference), got,
                                rtol=0, atol=0)
+
+
+# packed chunks: lane 0 one document; lane 1 three; lane 2 four, one of a single token; lane 3 two
+SEGS = torch.tensor([[0] * 9, [0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 1, 2, 3, 3, 3, 3, 3, 3],
+                     [0, 0, 0, 0, 0, 0, 1, 1, 1]])
+
+
+def test_segment_layout_bounds():
+    """The sequences of a packed chunk: each lane's documents in order, lane after lane; then empty
+    ones and query-less ones over the unused rows, none longer than max(W, M) + S keys."""
+    W, M, S = 5, 3, 9
+    n_valid = torch.tensor([5, 0, 2, 3])
+    room = 8                                                        # 6 inner starts: 2 to spare
+    idx, cu_q, cu_k = segment_layout(SEGS, n_valid, W, M, room)
+    total = 4 * (W + S) + room * M
+    assert idx.shape == (total,) and cu_q.dtype == cu_k.dtype == torch.int32
+    n_q, n_k = cu_q.diff().tolist(), cu_k.diff().tolist()
+    # lane 0: 5 valid slots + 9 tokens; lane 1: 2 tokens, then [3 prefix keys | 3], [3 | 4]; ...
+    assert n_q[:10] == [9, 2, 3, 4, 1, 1, 1, 6, 6, 3]
+    assert n_k[:10] == [14, 2, 6, 7, 3, 4, 4, 9, 9, 6]
+    assert n_q[10:] == [0] * (len(n_q) - 10) and cu_k[-1] == total
+    assert max(n_k) <= max(W, M) + S and min(n_k) >= 0
+    # the gathered rows of lane 1's second document: the prefix (rows after window and chunk), then
+    # its own tokens (chunk rows of lane 1, tokens 2-4)
+    first = int(cu_k[2])
+    prefix_rows = [4 * W + 4 * S + m for m in range(M)]
+    assert idx[first:first + 6].tolist() == prefix_rows + [4 * W + S + t for t in (2, 3, 4)]
+
+
+@pytest.mark.parametrize("cache, prefix", [(True, True), (True, False), (False, True),
+                                           (False, False)])
+def test_segment_varlen_layout_equals_the_masked_reference(cache, prefix):
+    """attend_segments_varlen (its gathered keys and bounds) with the kernel replaced by what
+    FlashAttention computes: attend_segments' masked values and gradients (prefix included), with
+    the layout full (room = the inner starts) and with room to spare; the invalid window slots'
+    contents reach nothing."""
+    S, W, M = SEGS.shape[1], 5, 3
+    n_valid = torch.tensor([5, 0, 2, 3])
+    valid = torch.arange(W)[None, :] >= (W - n_valid)[:, None]
+    q, k, v = (garbage(4, H, S, HD, seed=s).requires_grad_() for s in (60, 61, 62))
+    ck, cv = garbage(4, H, W, HD, seed=63), garbage(4, H, W, HD, seed=64)
+    pk, pv = (garbage(1, H, M, HD, seed=s).requires_grad_() for s in (65, 66))
+    win = (ck, cv, valid) if cache else (None, None, None)
+    pre = (pk, pv) if prefix else (None, None)
+    inputs = (q, k, v, pk, pv) if prefix else (q, k, v)
+    want = attend_segments(q, k, v, SEGS, *win, *pre)
+    dy = garbage(*want.shape, seed=67)
+    grads = torch.autograd.grad(want, inputs, dy)
+    inner = int(SEGS[:, -1].sum())
+    for room in (inner, inner + 5):
+        got = attend_segments_varlen(q, k, v, SEGS, room, *win, *pre, kernel=varlen_reference)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for g, w in zip(torch.autograd.grad(got, inputs, dy), grads):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    if cache:
+        ck2 = torch.where(valid[:, None, :, None], ck, garbage(4, H, W, HD, seed=68))
+        again = attend_segments_varlen(q, k, v, SEGS, inner, ck2, cv, valid, *pre,
+                                       kernel=varlen_reference)
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_segment_room_fits_the_inner_starts_or_is_zero():
+    assert segment_room(4, 0) == segment_room(4, 4 * SEGMENT_ROOM) == 4 * SEGMENT_ROOM
+    assert segment_room(4, 4 * SEGMENT_ROOM + 1) == 0 and segment_room(4, None) == 0
 
 
 def test_varlen_path_is_cuda_16_bit_only():

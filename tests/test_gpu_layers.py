@@ -9,7 +9,8 @@ import torch
 
 from elephant.config import ModelConfig
 from elephant.layers import elephant as E
-from elephant.layers.attention import Attention, attend, attend_reference, varlen_supported
+from elephant.layers.attention import (Attention, attend, attend_reference, attend_segments,
+                                       varlen_supported)
 from elephant.layers.elephant import ElephantMLP, elephant, elephant_glu, elephant_glu_ref
 
 pytestmark = pytest.mark.gpu
@@ -174,6 +175,49 @@ def test_varlen_attention_equals_reference_on_cuda(dtype, compiled):
     ck2 = torch.where(valid[:, None, :, None], ck, junk)
     cv2 = torch.where(valid[:, None, :, None], cv, junk)
     assert torch.equal(fn(q, k, v, ck2, cv2, valid), got)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_segment_varlen_attention_equals_reference_on_cuda(dtype, compiled):
+    # packed chunks: a sequence per document by FlashAttention's variable-length kernel (the window
+    # for each lane's first, the initial memory's prefix for the later ones) against the float64
+    # masked reference, eager and compiled whole, with the layout full and with room to spare
+    B, H, S, W, M, hd = 4, 4, 200, 96, 8, 64
+    seg = torch.zeros(B, S, dtype=torch.long, device=DEVICE)
+    for lane, cols in enumerate(([], [7, 150], [1, 2, 3, 120, 199], [100])):
+        for c in cols:
+            seg[lane, c:] += 1
+    inner = int(seg[:, -1].sum())
+    q, k, v = (randn(B, H, S, hd, dtype=dtype, seed=s).requires_grad_() for s in (40, 41, 42))
+    pk, pv = (randn(1, H, M, hd, dtype=dtype, seed=s).requires_grad_() for s in (43, 44))
+    ck, cv = randn(B, H, W, hd, dtype=dtype, seed=45), randn(B, H, W, hd, dtype=dtype, seed=46)
+    n_valid = torch.tensor([W, 0, 5, W // 3], device=DEVICE)
+    valid = torch.arange(W, device=DEVICE)[None, :] >= (W - n_valid)[:, None]
+    assert varlen_supported(q, v)
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v, pk, pv)]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = attend_segments(*ins64[:3], seg, ck.double(), cv.double(), valid, *ins64[3:])
+    do = randn(*want.shape, seed=47)
+    want.backward(do.double())
+    for room in (inner, inner + 6):
+        fn = lambda *a: attend_segments(*a, room=room)  # noqa: E731
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True, dynamic=False)
+        ins = (q, k, v, pk, pv)
+        for t in ins:
+            t.grad = None
+        got = fn(q, k, v, seg, ck, cv, valid, pk, pv)
+        got.backward(do.to(dtype))
+        assert got.dtype == dtype
+        for a, b, name in zip((got, *(t.grad for t in ins)), (want, *(t.grad for t in ins64)),
+                              ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v")):
+            assert rel_err(a, b) < 1e-2, f"{dtype} room {room} {name}: {rel_err(a, b):.2e}"
+        junk = randn(B, H, W, hd, dtype=dtype, seed=48) * 100
+        ck2 = torch.where(valid[:, None, :, None], ck, junk)
+        cv2 = torch.where(valid[:, None, :, None], cv, junk)
+        assert torch.equal(fn(q, k, v, seg, ck2, cv2, valid, pk, pv), got)
 
 
 def run_chunks(attn, x, pos, sizes, W):

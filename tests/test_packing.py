@@ -378,3 +378,49 @@ def test_window_valid_slots_stay_a_suffix(kv_window):
             assert (v[:, 1:] >= v[:, :-1]).all(), (c, cache.valid)
             seen_partial |= bool(((v.sum(1) > 0) & (v.sum(1) < kv_window)).any())
     assert seen_partial   # the windows were not all full or all empty
+
+
+@pytest.mark.parametrize("n_mem, kv_window", [(3, 16), (0, 16), (3, 0)])
+def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n_mem, kv_window):
+    """The model's packed chunks through attention's variable-length layout (its kernel replaced by
+    what FlashAttention computes, as on the GPU) give the masked path's logits, states and
+    gradients; a chunk with more inner starts than the layout's room takes the masked path."""
+    from elephant.layers import attention
+    from test_attention import varlen_reference
+    model = make(n_mem=n_mem, kv_window=kv_window, layers="AMA")
+    B, T = 2, 12
+    gen = torch.Generator().manual_seed(3)
+    chunks = torch.randint(0, V, (3, B, T), generator=gen)
+    many = starts_at(B, T, 1, 3, 4, 6, 8)                             # 10 inner starts > room 4
+    starts = [starts_at(B, T, 0, 5), starts_at(B, T, 2, 9), many]
+    starts[1][1, 2] = False                                           # lane 1: one start
+
+    def run():
+        model.zero_grad()
+        state, outs = None, []
+        for c in range(3):
+            logits, state = model(chunks[c], state, starts=starts[c])
+            outs.append(logits)
+        sum(o.square().sum() for o in outs).backward()
+        return outs, state, {n: p.grad.clone() for n, p in model.named_parameters()
+                             if p.grad is not None}
+
+    want = run()
+    calls = []
+    plain = attention.attend_segments_varlen
+
+    def counted(*args, **kw):
+        calls.append(args[4])                                         # room
+        return plain(*args, **kw)
+    monkeypatch.setattr(attention, "varlen_supported", lambda q, v: True)
+    monkeypatch.setattr(attention, "flash_varlen", varlen_reference)
+    monkeypatch.setattr(attention, "attend_segments_varlen", counted)
+    got = run()
+    assert calls == [B * attention.SEGMENT_ROOM] * 4                  # two A layers, two chunks
+    for g, w in zip(got[0], want[0]):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    for name, t in got[1].tensors().items():
+        torch.testing.assert_close(t, want[1].tensors()[name], rtol=1e-10, atol=1e-10)
+    assert got[2].keys() == want[2].keys()
+    for name, g in got[2].items():
+        torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)

@@ -28,9 +28,12 @@ compiles once.
 Packed documents (`seg` (B, S): segment ids, 0 = the lane's carried document): a query sees the keys
 of its own segment (causally), the cache only when it is in segment 0, and the optional `prefix` K/V
 (M keys shared by all lanes: the initial memory's, with gradient) only when it is in a later segment,
-i.e. a document that started inside the chunk. One explicit boolean mask over [prefix | cache | chunk]
-through SDPA (`attend_segments`), whatever the backend. `benchmarks/bench_layers.py` times the two cache paths; the default is
-`ELEPHANT_ATTN` from the environment (sdpa | flex | reference), else sdpa.
+i.e. a document that started inside the chunk (`attend_segments`): on CUDA in 16 bits, when the caller
+knows that few enough documents start inside the chunk (`room`, see SEGMENT_ROOM), FlashAttention-2's
+variable-length kernel over a sequence per document (`attend_segments_varlen`); otherwise one
+explicit boolean mask over [prefix | cache | chunk] through SDPA, whatever the backend.
+`benchmarks/bench_layers.py` times the two cache paths; the default is `ELEPHANT_ATTN` from the
+environment (sdpa | flex | reference), else sdpa.
 """
 from __future__ import annotations
 
@@ -217,19 +220,20 @@ def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
 
 
 def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
-                  cache_valid: Tensor, kernel=flash_varlen) -> Tensor:
+                  cache_valid: Tensor, kernel=None) -> Tensor:
     """Attention over [cache | chunk] as `attend_reference`, for a cache whose valid slots are a
     suffix of each lane's window (cache_valid (B, W), not checked: KVCache's invariant), by
     variable-length sequences (see VARLEN). q, k, v (B, H, S, hd) -> (B, H, S, hd), a view of
     (B, S, H, hd) rows (the layer's output projection reads them as they are). `kernel`: the
-    varlen attention (the CPU tests pass a reference)."""
+    varlen attention (default `flash_varlen`, looked up at the call: the CPU tests replace it by a
+    reference)."""
     B, H, S, hd = q.shape
     W = cache_k.shape[2]
     Q = q.transpose(1, 2).reshape(B * S, H, hd)
     K = torch.cat([cache_k.to(k.dtype).transpose(1, 2), k.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
     V = torch.cat([cache_v.to(v.dtype).transpose(1, 2), v.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
     cu_q, cu_k = varlen_bounds(cache_valid.sum(1), S, W)
-    out = kernel(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
+    out = (kernel or flash_varlen)(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
     return out.view(B, S, H, hd).transpose(1, 2)
 
 
@@ -296,9 +300,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
 
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tensor | None = None,
                     cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
-                    prefix_k: Tensor | None = None, prefix_v: Tensor | None = None) -> Tensor:
+                    prefix_k: Tensor | None = None, prefix_v: Tensor | None = None,
+                    room: int = 0) -> Tensor:
     """Attention masked by document: q, k, v (B, H, S, hd), seg (B, S) nondecreasing segment ids;
-    prefix_k/v (1 or B, H, M, hd) seen by segments > 0, the cache by segment 0. -> (B, H, S, hd)."""
+    prefix_k/v (1 or B, H, M, hd) seen by segments > 0, the cache by segment 0. -> (B, H, S, hd).
+    `room` > 0: the caller's promise that the cache's valid slots are a suffix of each lane's window
+    and that at most `room` documents start inside the chunk; then the variable-length kernel where
+    it runs (`attend_segments_varlen`), else SDPA with the explicit mask."""
+    if room and varlen_supported(q, v) and (prefix_k is None or prefix_k.shape[0] == 1):
+        return attend_segments_varlen(q, k, v, seg, room, cache_k, cache_v, cache_valid, prefix_k,
+                                      prefix_v)
     B, H, S, hd = q.shape
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     keys, values = [k], [v]
@@ -314,6 +325,104 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tenso
     mask = torch.cat(masks, dim=-1)[:, None]                               # (B, 1, S, M + W + S)
     K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     return masked_sdpa(q, K, V, mask)
+
+
+# ------------------------------------------------------------------------------- packed, variable length
+# A packed chunk's attention by the same variable-length kernel: a sequence per document of each lane,
+# whose keys are gathered into a layout where each sequence's keys are contiguous and its queries'
+# causal form is aligned to its last key: the lane's first document (segment 0) over [its valid window
+# slots | its tokens], every later one over [the initial memory's prefix | its tokens] (a copy of the
+# M prefix keys before each). The number of sequences must be fixed for a compiled graph, so the layout
+# has room for SEGMENT_ROOM documents starting inside the chunk per lane on average (summed over the
+# lanes: `room`); the unused sequences are empty, and the unused key rows (invalid window slots, unused
+# prefix copies) are left to the last sequences, which have no queries and at most max_k keys. The caller counts the starts on the host and passes room = 0 (the masked path) for a chunk
+# that has more (ElephantLM.forward).
+SEGMENT_ROOM = 2
+
+
+def segment_room(lanes: int, inner_starts: int | None) -> int:
+    """The room of the variable-length layout for a chunk of `lanes` lanes with `inner_starts`
+    documents starting inside it (counted on the host; None: unknown), or 0 when it does not fit."""
+    room = SEGMENT_ROOM * lanes
+    return room if inner_starts is not None and inner_starts <= room else 0
+
+
+def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """The gather index and the bounds of `attend_segments_varlen`.
+
+    seg (B, S) nondecreasing segment ids from 0 (every lane starts with segment 0, and segment s + 1
+    follows s); n_valid (B,) the valid (last) slots of each lane's window of W; M prefix keys; room >=
+    the number of segments s > 0 over all lanes (not checked). The keys are gathered from the rows
+    [window (B * W) | chunk (B * S) | prefix (M) | a zero row] into B * (W + S) + room * M rows:
+    idx (those rows,) int64; cu_q, cu_k (n + 1,) int32 of n sequences over the B * S queries in
+    lane order, none longer than max(W, M) + S keys."""
+    B, S = seg.shape
+    dev = seg.device
+    t = torch.arange(S, device=dev)
+    lane = torch.arange(B, device=dev)[:, None]                                   # (B, 1)
+    nv = n_valid.long()[:, None]                                                  # (B, 1)
+    extra = seg[:, -1:]                                                           # (B, 1) segments > 0
+    keys = nv + S + extra * M                                                     # (B, 1) keys a lane gathers
+    key_off = keys.cumsum(0) - keys                                               # (B, 1) its first row
+    seq_off = (extra + 1).cumsum(0) - (extra + 1)                                 # (B, 1) its first sequence
+    total = B * (W + S) + room * M
+    max_k = max(W, M) + S
+    # the documents, then empty sequences (room left) and sequences without queries over the unused
+    # rows, max_k at most each (at most B * W + room * M rows are unused)
+    n_seq = B + room + -(-(B * W + room * M) // max_k)
+    zero_row = B * (W + S) + M
+    first = torch.ones_like(seg, dtype=torch.bool)
+    first[:, 1:] = seg[:, 1:] != seg[:, :-1]                                      # (B, S) a document's first token
+    tok_row = key_off + nv + t + seg * M                                          # (B, S) where a token's key goes
+    # the gather index, by scattering every source row to its place (or to a dump slot at `total`)
+    idx = torch.full((total + 1,), zero_row, dtype=torch.long, device=dev)
+    slot = torch.arange(W, device=dev)
+    win_row = torch.where(slot >= W - nv, key_off + slot - (W - nv), total)      # (B, W)
+    idx.scatter_(0, win_row.flatten(), (lane * W + slot).flatten())
+    idx.scatter_(0, tok_row.flatten(), (B * W + lane * S + t).flatten())
+    if M:
+        m = torch.arange(M, device=dev)
+        later = (first & (seg > 0))[:, :, None]                                   # (B, S, 1)
+        pre_row = torch.where(later, (tok_row - M)[:, :, None] + m, total)       # (B, S, M)
+        idx.scatter_(0, pre_row.flatten(), (B * (W + S) + m).expand(B, S, M).flatten())
+    # the bounds: each document's first query and first key, in sequence order
+    seq = torch.where(first, seq_off + seg, n_seq + 1)                            # (B, S), dump: n_seq + 1
+    cu_q = torch.full((n_seq + 2,), B * S, dtype=torch.long, device=dev)
+    cu_q.scatter_(0, seq.flatten(), (lane * S + t).flatten())
+    k_first = torch.where(seg > 0, tok_row - M, key_off)                          # (B, S)
+    after = (torch.arange(n_seq + 2, device=dev) - (B + extra.sum())).clamp_min(0)  # past the documents
+    cu_k = (keys.sum() + after * max_k).clamp_max(total)
+    cu_k.scatter_(0, seq.flatten(), k_first.flatten())
+    return idx[:total], cu_q[:n_seq + 1].to(torch.int32), cu_k[:n_seq + 1].to(torch.int32)
+
+
+def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: int,
+                           cache_k: Tensor | None = None, cache_v: Tensor | None = None,
+                           cache_valid: Tensor | None = None, prefix_k: Tensor | None = None,
+                           prefix_v: Tensor | None = None, kernel=None) -> Tensor:
+    """`attend_segments` by the variable-length kernel (see SEGMENT_ROOM), for a window whose valid
+    slots are a suffix of each lane's (KVCache's invariant, not checked) and at most `room`
+    documents starting inside the chunk over all lanes (not checked). q, k, v (B, H, S, hd) ->
+    (B, H, S, hd), a view of (B, S, H, hd) rows. `kernel`: as for `attend_varlen`."""
+    B, H, S, hd = q.shape
+    W = 0 if cache_k is None else cache_k.shape[2]
+    M = 0 if prefix_k is None else prefix_k.shape[2]
+    n_valid = seg.new_zeros(B) if cache_k is None else cache_valid.sum(1)
+    idx, cu_q, cu_k = segment_layout(seg, n_valid, W, M, room)
+
+    def rows(chunk: Tensor, cache: Tensor | None, prefix: Tensor | None) -> Tensor:
+        parts = [] if cache is None else [cache.to(chunk.dtype).transpose(1, 2).reshape(B * W, H, hd)]
+        parts.append(chunk.transpose(1, 2).reshape(B * S, H, hd))
+        if prefix is not None:
+            parts.append(prefix[0].to(chunk.dtype).transpose(0, 1))              # (M, H, hd)
+        parts.append(chunk.new_zeros(1, H, hd))
+        return torch.cat(parts).index_select(0, idx)
+
+    Q = q.transpose(1, 2).reshape(B * S, H, hd)
+    out = (kernel or flash_varlen)(Q, rows(k, cache_k, prefix_k), rows(v, cache_v, prefix_v), cu_q,
+                                   cu_k, S, max(W, M) + S, 1.0 / math.sqrt(hd))
+    return out.view(B, S, H, hd).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------- free memory
@@ -422,9 +531,10 @@ class Attention(nn.Module):
                 cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
                 seg: Tensor | None = None, prefix_k: Tensor | None = None,
                 prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None,
-                free: Tensor | None = None):
+                free: Tensor | None = None, room: int = 0):
         """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
-        seg (B, S) segment ids of packed documents and prefix_k/v: see `attend_segments`.
+        seg (B, S) segment ids of packed documents, prefix_k/v and room (how many documents may
+        start inside the chunk for the variable-length kernel, 0: none): see `attend_segments`.
         kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
         chunk's first position), before the window and like it (`kept_tokens`).
         free (S,) bool: the memory tokens, whose keys every query scores without rotary
@@ -455,6 +565,7 @@ class Attention(nn.Module):
             y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend,
                        valid_suffix=kept is None)                              # (B, H, S, hd)
         else:
-            y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v)
+            y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
+                                room=room if kept is None else 0)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
