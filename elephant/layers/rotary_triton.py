@@ -8,6 +8,13 @@ q_norm / k_norm weights, or None for no norm. The same contract as `Attention.pr
 path, which the tests hold this to: float32 math, q and k RMS-normalized over hd (eps) and
 scaled, then rotated (rotate-half pairs (i, i + hd/2)), v as it is; outputs in y's dtype.
 
+Layout: each output is a (B, H, S, hd) view of its own (B, S, H, hd) storage (token-major, as y's
+heads are and as FlashAttention's varlen kernel takes its (B * S, H, hd) rows), so flattening it
+for that kernel (`attention.attend_varlen`) is a view, not a copy. The backward reads the three
+outputs' gradients in place at any strides over b, h and s (the varlen path's come back as
+token-major views, its keys' and values' as slices of them; SDPA's as (B, H, S, hd)); one strided
+over hd is copied first.
+
 Why: compiled, the plain path is a permute, a norm (a reduction kernel, then a pointwise kernel),
 the rotation (a gather of the two halves) and, in the backward, a stack of the three gradients:
 about 125 us forward and 190 us backward per attention layer's chunk at the wt103-70m shape
@@ -42,9 +49,8 @@ if HAS_TRITON:
     @triton.jit
     def _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H: tl.constexpr, HD: tl.constexpr,
                HALF: tl.constexpr):
-        """This program's token (b, s): its index b * S + s, its row of y, its cos and sin
-        (1, HALF), the starts of its H rows in (B, H, S, HD) (H, 1), and the head and half-row
-        ranges (H, 1) and (1, HALF)."""
+        """This program's token (b, s): its index b * S + s, b and s, its row of y, its cos and sin
+        (1, HALF), and the head and half-row ranges (H, 1) and (1, HALF)."""
         tok = tl.program_id(0).to(tl.int64)
         b = tok // S
         s = tok % S
@@ -52,7 +58,7 @@ if HAS_TRITON:
         cols = tl.arange(0, HALF)[None, :]
         cos = tl.load(cos_ptr + tok * HALF + cols)
         sin = tl.load(sin_ptr + tok * HALF + cols)
-        return tok, y_ptr + b * s_yb + s * s_ys, cos, sin, ((b * H + rows) * S + s) * HD, rows, cols
+        return tok, b, s, y_ptr + b * s_yb + s * s_ys, cos, sin, rows, cols
 
     @triton.jit
     def _fwd_rows(src, dst, w_ptr, cos, sin, eps, rows, cols, HALF: tl.constexpr,
@@ -72,10 +78,11 @@ if HAS_TRITON:
     def _qkv_fwd_kernel(y_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, S, s_yb, s_ys,
                         eps, H: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
                         NORM: tl.constexpr):
-        """One token (b, s): q and k of all heads normalized and rotated, v copied, each to
-        (B, H, S, HD)."""
-        tok, src, cos, sin, out, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H, HD,
-                                                     HALF)
+        """One token (b, s): q and k of all heads normalized and rotated, v copied, each to its
+        H rows of (B, S, H, HD) storage."""
+        tok, b, s, src, cos, sin, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H,
+                                                      HD, HALF)
+        out = (tok * H + rows) * HD                                        # (H, 1)
         _fwd_rows(src, q_ptr + out, wq_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
         _fwd_rows(src + H * HD, k_ptr + out, wk_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
         full = tl.arange(0, HD)[None, :]
@@ -108,19 +115,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _qkv_bwd_kernel(y_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, dq_ptr, dk_ptr, dv_ptr, dy_ptr,
-                        dwq_ptr, dwk_ptr, S, s_yb, s_ys, eps, H: tl.constexpr, HD: tl.constexpr,
-                        HALF: tl.constexpr, NORM: tl.constexpr):
+                        dwq_ptr, dwk_ptr, S, s_yb, s_ys, s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb,
+                        s_vh, s_vs, eps, H: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+                        NORM: tl.constexpr):
         """One token: its whole row of dLoss/dy (B, S, 3 H HD, contiguous) and its partial sums of
-        the norm weights' gradients (B * S, HD)."""
-        tok, src, cos, sin, out, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H, HD,
-                                                     HALF)
+        the norm weights' gradients (B * S, HD). dq, dk, dv (B, H, S, HD) at strides s_*b, s_*h,
+        s_*s over b, h, s, and 1 over HD."""
+        tok, b, s, src, cos, sin, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H,
+                                                      HD, HALF)
         dst = dy_ptr + tok * 3 * H * HD
-        _bwd_rows(src, dq_ptr + out, dst, wq_ptr, dwq_ptr + tok * HD, cos, sin, eps, rows, cols,
-                  HALF, HD, NORM)
-        _bwd_rows(src + H * HD, dk_ptr + out, dst + H * HD, wk_ptr, dwk_ptr + tok * HD, cos, sin,
-                  eps, rows, cols, HALF, HD, NORM)
+        _bwd_rows(src, dq_ptr + b * s_qb + s * s_qs + rows * s_qh, dst, wq_ptr, dwq_ptr + tok * HD,
+                  cos, sin, eps, rows, cols, HALF, HD, NORM)
+        _bwd_rows(src + H * HD, dk_ptr + b * s_kb + s * s_ks + rows * s_kh, dst + H * HD, wk_ptr,
+                  dwk_ptr + tok * HD, cos, sin, eps, rows, cols, HALF, HD, NORM)
         full = tl.arange(0, HD)[None, :]
-        tl.store(dst + 2 * H * HD + rows * HD + full, tl.load(dv_ptr + out + full))
+        tl.store(dst + 2 * H * HD + rows * HD + full,
+                 tl.load(dv_ptr + b * s_vb + s * s_vs + rows * s_vh + full))
 
 
 def _dims(y: Tensor, heads: int) -> tuple[int, int, int, int]:
@@ -135,7 +145,8 @@ def _dims(y: Tensor, heads: int) -> tuple[int, int, int, int]:
 def _fwd_op(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor | None, eps: float,
             heads: int) -> tuple[Tensor, Tensor, Tensor]:
     B, S, H, hd = _dims(y, heads)
-    q, k, v = (torch.empty(B, H, S, hd, device=y.device, dtype=y.dtype) for _ in range(3))
+    q, k, v = (torch.empty(B, S, H, hd, device=y.device, dtype=y.dtype).transpose(1, 2)
+               for _ in range(3))                                       # (B, H, S, hd) views
     norm = wq is not None
     if B * S:
         torch.library.wrap_triton(_qkv_fwd_kernel)[(B * S,)](
@@ -154,11 +165,15 @@ def _bwd_op(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor |
     dy = torch.empty(B, S, 3 * H * hd, device=y.device, dtype=y.dtype)
     f32 = dict(device=y.device, dtype=torch.float32)
     dwq, dwk = (torch.empty(B * S if norm else 1, hd, **f32) for _ in range(2))
+    # any strides over b, h, s; a gradient strided over hd (which none of attention's paths
+    # makes) is copied, so that the kernel's row loads stay contiguous
+    dq, dk, dv = (g if g.stride(3) == 1 else g.contiguous() for g in (dq, dk, dv))
     if B * S:
         torch.library.wrap_triton(_qkv_bwd_kernel)[(B * S,)](
             y, cos.contiguous(), sin.contiguous(), wq if norm else cos, wk if norm else cos,
-            dq.contiguous(), dk.contiguous(), dv.contiguous(), dy, dwq, dwk, S, y.stride(0),
-            y.stride(1), eps, H=H, HD=hd, HALF=hd // 2, NORM=norm,
+            dq, dk, dv, dy, dwq, dwk, S, y.stride(0), y.stride(1),
+            dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2), eps, H=H, HD=hd, HALF=hd // 2, NORM=norm,
             num_warps=1 if _INTERPRET else 2)
     return dy, dwq.sum(0), dwk.sum(0)
 
@@ -183,7 +198,9 @@ torch.library.register_autograd("elephant::qkv_prepare", _grad, setup_context=_s
 def qkv_prepare(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor | None,
                 eps: float, heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """q and k normalized (with wq / wk) and rotated, and v, each (B, H, S, hd) in y's dtype, from
-    the qkv projection's output y (B, S, 3 * heads * hd); cos / sin (B, S, hd / 2) float32."""
+    the qkv projection's output y (B, S, 3 * heads * hd); cos / sin (B, S, hd / 2) float32.
+    Each output is a view of (B, S, H, hd) storage: `q.transpose(1, 2)` is contiguous; their
+    gradients may come at any strides (unit stride over hd read without a copy)."""
     torch._check((wq is None) == (wk is None),
                  lambda: "qkv_prepare: give both norm weights or none")
     return _fwd_op(y, cos.float(), sin.float(), None if wq is None else wq.float(),
