@@ -74,6 +74,8 @@ SUMMARY = {
                                           "fill1_packing_with_boundaries_prefix_per_step", "tokens_per_s"),
     "fill_gain": ("lognormal_packed", "lognormal_unpacked", "fill"),
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
+    "real_tokens_per_s_gain_masked_attention": ("lognormal_packed_masked_attention",
+                                                "lognormal_unpacked", "real_tokens_per_s"),
 }
 
 
@@ -109,14 +111,16 @@ def batches_from(corpus, B, T, n, pack, device):
 
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
-            prefix: str = "state", graphs: bool = False) -> dict:
+            prefix: str = "state", graphs: bool = False, count: bool = True) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
     choice); prefix: where the initial-memory prefix is computed, "state" (the trainer's way: in
     the step of the window's first chunk with an inner start, carried on by the state), "step"
     (once per step in a call and, compiled, a graph of its own) or "chunk" (in every chunk's step);
     graphs: the model replays CUDA graphs (compile_for("graphs")): each step is marked, and the
-    state carried past it is cloned out of the graphs' memory."""
+    state carried past it is cloned out of the graphs' memory. count: the model is given the host's
+    count of inner starts (the trainer's way; attention by document by the variable-length kernel
+    when they fit), else not (the explicit mask)."""
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device)
@@ -142,7 +146,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
                     state.prefix = None
                 nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
                                    loss_mask=mask, reduction="sum", starts=starts, prefix=given,
-                                   inner_starts=inner)
+                                   inner_starts=inner if count else None)
                 loss = loss + nll
                 if i >= warmup:
                     real += mask.sum()
@@ -268,6 +272,8 @@ def breakdown(model, cfg, starts, device, autocast, smoke: bool, only: str = "")
         "segment_init_alone": (lambda y, dt, C_, init: ssd.add_segment_init(
             y, s0.detach(), dt, A, C_, seg, init, cfg.ssd_chunk), (y_scan, dt_scan, Cm, init_ssm)),
         "attention_cache_masked_sdpa": (lambda q_, k_, v_: attend(q_, k_, v_, ck, cv, valid), (q, k, v)),
+        "attention_cache_varlen": (lambda q_, k_, v_: attend(q_, k_, v_, ck, cv, valid, valid_suffix=True),
+                                   (q, k, v)),
         "attention_by_document_with_prefix": (lambda q_, k_, v_, a, b: attend_segments(
             q_, k_, v_, seg, ck, cv, valid, a, b), (q, k, v, pk, pv)),
         # the variable-length kernel, a sequence per document (when the starts fit its room)
@@ -394,6 +400,8 @@ def main() -> None:
                 [(t, r, full_mask, s, i) for t, r, _, s, i in packed], {"prefix": "chunk"}),
             "lognormal_unpacked": (unpacked, {}),
             "lognormal_packed": (packed, {}),
+            # the same without the host's count of inner starts: attention by the explicit mask
+            "lognormal_packed_masked_attention": (packed, {"count": False}),
         }
         if args.paths:
             wanted = args.paths.split(",")

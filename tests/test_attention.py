@@ -292,7 +292,7 @@ def test_segment_layout_bounds():
     W, M, S = 5, 3, 9
     n_valid = torch.tensor([5, 0, 2, 3])
     room = 8                                                        # 6 inner starts: 2 to spare
-    idx, cu_q, cu_k = segment_layout(SEGS, n_valid, W, M, room)
+    idx, _, _, _, cu_q, cu_k = segment_layout(SEGS, n_valid, W, M, room)
     total = 4 * (W + S) + room * M
     assert idx.shape == (total,) and cu_q.dtype == cu_k.dtype == torch.int32
     n_q, n_k = cu_q.diff().tolist(), cu_k.diff().tolist()

@@ -135,6 +135,46 @@ def test_packed_fast_model_equals_reference_model(n_mem):
     assert_fast_equals_reference(model, tokens, starts)
 
 
+@pytest.mark.parametrize("n_mem", [0, 4])
+def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem):
+    """bf16, the trainer's way (the inner starts counted on the host): packed chunks whose attention
+    runs by the variable-length kernel, a sequence per document, give the masked path's logits and
+    gradients (the same model with the count unknown); the variable-length kernel ran for the
+    chunks whose starts fit its room, the masked path for the other."""
+    from elephant.layers import attention
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, layers="AMA", bptt_chunks=3)).cuda()
+    tokens = torch.randint(0, 512, (3, 4, 96), device="cuda")
+    starts = random_starts(3, 4, 96, 60)          # 5, 6 and 11 inner starts: the last over the room
+    calls = []
+    plain = attention.attend_segments_varlen
+
+    def counted(*args, **kw):
+        calls.append(args[4])
+        return plain(*args, **kw)
+    results = []
+    for count in (True, False):
+        model.zero_grad()
+        state, loss = None, 0.0
+        attention.attend_segments_varlen = counted
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                for c in range(3):
+                    inner = int(starts[c][:, 1:].sum()) if count else None
+                    logits, state = model(tokens[c], state, starts=starts[c], inner_starts=inner)
+                    loss = loss + logits.float().pow(2).mean()
+        finally:
+            attention.attend_segments_varlen = plain
+        loss.backward()
+        results.append((logits.float(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                         if p.grad is not None}))
+    assert calls == [8] * 4                       # 2 A layers x 2 chunks, counted and in the room
+    assert rel(results[0][0], results[1][0]) < 2e-2
+    assert results[0][1].keys() == results[1][1].keys()
+    for name, g in results[1][1].items():
+        assert rel(results[0][1][name], g) < 5e-2, name
+
+
 def test_packed_previous_document_never_leaks_on_cuda():
     """Fast paths, fp32: changing doc A leaves doc B (starting mid-chunk, running on) bitwise equal."""
     torch.manual_seed(0)

@@ -347,16 +347,17 @@ def segment_room(lanes: int, inner_starts: int | None) -> int:
     return room if inner_starts is not None and inner_starts <= room else 0
 
 
-def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """The gather index and the bounds of `attend_segments_varlen`.
+def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int) -> tuple[Tensor, ...]:
+    """Where `attend_segments_varlen` puts every key, and its bounds.
 
     seg (B, S) nondecreasing segment ids from 0 (every lane starts with segment 0, and segment s + 1
     follows s); n_valid (B,) the valid (last) slots of each lane's window of W; M prefix keys; room >=
     the number of segments s > 0 over all lanes (not checked). The keys are gathered from the rows
-    [window (B * W) | chunk (B * S) | prefix (M) | a zero row] into B * (W + S) + room * M rows:
-    idx (those rows,) int64; cu_q, cu_k (n + 1,) int32 of n sequences over the B * S queries in
-    lane order, none longer than max(W, M) + S keys."""
+    [window (B * W) | chunk (B * S) | prefix (M) | a zero row] into total = B * (W + S) + room * M
+    rows. Returns idx (total,) the source row of each; tok_row (B * S,) the row of each chunk key;
+    pre_row (room * M,) the rows of the prefix copies (room of them, the unused ones at rows 0..M-1)
+    and pre_used (room,) which are used; cu_q, cu_k (n + 1,) int32 of n sequences over the B * S
+    queries in lane order, none longer than max(W, M) + S keys."""
     B, S = seg.shape
     dev = seg.device
     t = torch.arange(S, device=dev)
@@ -371,21 +372,26 @@ def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int
     # the documents, then empty sequences (room left) and sequences without queries over the unused
     # rows, max_k at most each (at most B * W + room * M rows are unused)
     n_seq = B + room + -(-(B * W + room * M) // max_k)
-    zero_row = B * (W + S) + M
     first = torch.ones_like(seg, dtype=torch.bool)
     first[:, 1:] = seg[:, 1:] != seg[:, :-1]                                      # (B, S) a document's first token
     tok_row = key_off + nv + t + seg * M                                          # (B, S) where a token's key goes
+    # the prefix copies, one per document starting inside the chunk, in lane order
+    later = first & (seg > 0)
+    rank = torch.where(later.flatten(), later.flatten().cumsum(0) - 1, room)      # (B * S,), dump: room
+    pre_base = torch.zeros(room + 1, dtype=torch.long, device=dev)
+    pre_base.scatter_(0, rank, (tok_row - M).flatten())
+    pre_used = torch.arange(room, device=dev) < later.sum()                      # (room,)
+    pre_row = (pre_base[:room, None] + torch.arange(M, device=dev)).flatten()    # (room * M,)
     # the gather index, by scattering every source row to its place (or to a dump slot at `total`)
-    idx = torch.full((total + 1,), zero_row, dtype=torch.long, device=dev)
+    idx = torch.full((total + 1,), B * (W + S) + M, dtype=torch.long, device=dev)  # the zero row
     slot = torch.arange(W, device=dev)
     win_row = torch.where(slot >= W - nv, key_off + slot - (W - nv), total)      # (B, W)
     idx.scatter_(0, win_row.flatten(), (lane * W + slot).flatten())
     idx.scatter_(0, tok_row.flatten(), (B * W + lane * S + t).flatten())
     if M:
         m = torch.arange(M, device=dev)
-        later = (first & (seg > 0))[:, :, None]                                   # (B, S, 1)
-        pre_row = torch.where(later, (tok_row - M)[:, :, None] + m, total)       # (B, S, M)
-        idx.scatter_(0, pre_row.flatten(), (B * (W + S) + m).expand(B, S, M).flatten())
+        idx.scatter_(0, torch.where(pre_used[:, None], pre_row.view(room, M), total).flatten(),
+                     (B * (W + S) + m).expand(room, M).flatten())
     # the bounds: each document's first query and first key, in sequence order
     seq = torch.where(first, seq_off + seg, n_seq + 1)                            # (B, S), dump: n_seq + 1
     cu_q = torch.full((n_seq + 2,), B * S, dtype=torch.long, device=dev)
@@ -394,7 +400,32 @@ def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int
     after = (torch.arange(n_seq + 2, device=dev) - (B + extra.sum())).clamp_min(0)  # past the documents
     cu_k = (keys.sum() + after * max_k).clamp_max(total)
     cu_k.scatter_(0, seq.flatten(), k_first.flatten())
-    return idx[:total], cu_q[:n_seq + 1].to(torch.int32), cu_k[:n_seq + 1].to(torch.int32)
+    return (idx[:total], tok_row.flatten(), pre_row, pre_used, cu_q[:n_seq + 1].to(torch.int32),
+            cu_k[:n_seq + 1].to(torch.int32))
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows [window | chunk | prefix | a zero row] gathered by idx; the gradient taken back by
+    gathers (every chunk row has one place, the prefix one per used copy): no scatter-add."""
+
+    @staticmethod
+    def forward(ctx, chunk: Tensor, prefix: Tensor, window: Tensor, idx: Tensor, tok_row: Tensor,
+                pre_row: Tensor, pre_used: Tensor) -> Tensor:
+        ctx.save_for_backward(tok_row, pre_row, pre_used)
+        ctx.M = prefix.shape[0]
+        zero = chunk.new_zeros(1, *chunk.shape[1:])
+        return torch.cat([window, chunk, prefix, zero]).index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        tok_row, pre_row, pre_used = ctx.saved_tensors
+        d_chunk = grad.index_select(0, tok_row)
+        d_prefix = None
+        if ctx.M and ctx.needs_input_grad[1]:
+            copies = grad.index_select(0, pre_row).view(-1, ctx.M, *grad.shape[1:])
+            copies = copies.to(torch.promote_types(grad.dtype, torch.float32))  # summed in fp32 at least
+            d_prefix = (copies * pre_used.view(-1, 1, 1, 1)).sum(0).to(grad.dtype)
+        return d_chunk, d_prefix, None, None, None, None, None
 
 
 def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: int,
@@ -409,21 +440,20 @@ def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: i
     W = 0 if cache_k is None else cache_k.shape[2]
     M = 0 if prefix_k is None else prefix_k.shape[2]
     n_valid = seg.new_zeros(B) if cache_k is None else cache_valid.sum(1)
-    idx, cu_q, cu_k = segment_layout(seg, n_valid, W, M, room)
+    idx, tok_row, pre_row, pre_used, cu_q, cu_k = segment_layout(seg, n_valid, W, M, room)
 
     def rows(chunk: Tensor, cache: Tensor | None, prefix: Tensor | None) -> Tensor:
-        parts = [] if cache is None else [cache.to(chunk.dtype).transpose(1, 2).reshape(B * W, H, hd)]
-        parts.append(chunk.transpose(1, 2).reshape(B * S, H, hd))
-        if prefix is not None:
-            parts.append(prefix[0].to(chunk.dtype).transpose(0, 1))              # (M, H, hd)
-        parts.append(chunk.new_zeros(1, H, hd))
-        return torch.cat(parts).index_select(0, idx)
+        window = (chunk.new_zeros(0, H, hd) if cache is None
+                  else cache.to(chunk.dtype).transpose(1, 2).reshape(B * W, H, hd))
+        pre = (chunk.new_zeros(0, H, hd) if prefix is None
+               else prefix[0].to(chunk.dtype).transpose(0, 1))                   # (M, H, hd)
+        return _GatherRows.apply(chunk.transpose(1, 2).reshape(B * S, H, hd), pre, window, idx,
+                                 tok_row, pre_row, pre_used)
 
     Q = q.transpose(1, 2).reshape(B * S, H, hd)
     out = (kernel or flash_varlen)(Q, rows(k, cache_k, prefix_k), rows(v, cache_v, prefix_v), cu_q,
                                    cu_k, S, max(W, M) + S, 1.0 / math.sqrt(hd))
     return out.view(B, S, H, hd).transpose(1, 2)
-
 
 # ------------------------------------------------------------------------------- free memory
 def free_scores(q: Tensor, q_raw: Tensor, k: Tensor, k_raw: Tensor, free: Tensor
