@@ -5,7 +5,8 @@ bias partial sums) over their launch: tokens and channels per program, warps.
 
 Shape: one chunk step of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 1,152 conv
 channels (d_inner 1,024 + 2 x d_state 64) read in place from the in-projection's output (2,192
-columns), width 4, bfloat16; with --segments, a document boundary every ~150 tokens and the
+columns), width 4, bfloat16; with --segments, a document boundary every ~--every tokens (default
+150; packed log-normal documents of median 600 put one every ~1,000 chunk tokens) and the
 segments' tail inputs (the packed path). Each configuration is captured as a CUDA graph (eager
 calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
 --iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--channels", default="128,64,256")
     ap.add_argument("--warps", default="4,2,8")
     ap.add_argument("--before", help="another copy of conv_triton.py, timed beside this one")
+    ap.add_argument("--every", type=float, default=150.0,
+                    help="with --segments: a document boundary every ~this many tokens")
     args = ap.parse_args()
     device = cuda_or_exit("bench_conv_launch")
     B, L, C, K, width = 32, 8 + 512 + 8, 1152, 4, 2192
@@ -55,7 +58,7 @@ def main() -> None:
     bias = torch.randn(C, device=device, generator=gen) * 0.1
     g = torch.randn(B, L, C, device=device, generator=gen).to(torch.bfloat16)
     if S:
-        seg = (torch.rand(B, L, device=device, generator=gen) < 1 / 150).int().cumsum(1).int()
+        seg = (torch.rand(B, L, device=device, generator=gen) < 1 / args.every).int().cumsum(1).int()
         tail = torch.randn(C, K - 1, device=device, generator=gen)
         since = conv_triton.segment_since(seg)
     else:
@@ -80,7 +83,8 @@ def main() -> None:
         configs = list(itertools.product(*[[int(v) for v in a.split(",")]
                                            for a in (args.tokens, args.channels, args.warps)]))
         meta = {"command": " ".join(["python benchmarks/bench_conv_launch.py"] + sys.argv[1:]),
-                "segments": S, "chosen": saved, "configs_asked": len(configs),
+                "segments": S, "boundary_every": args.every if S else None, "chosen": saved,
+                "configs_asked": len(configs),
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
         for bl, bc, warps in configs:
             row = {"tokens": bl, "channels": bc, "warps": warps}
