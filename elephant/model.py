@@ -92,6 +92,18 @@ class Block(nn.Module):
 
 
 COMPILE_BACKEND = "inductor"
+COMPILE_VARIANTS = 64   # graphs a compiled function may hold (see ElephantLM.compile_for)
+
+
+def _dynamo_config():
+    import torch._dynamo
+    return torch._dynamo.config
+
+
+def _limit_name(config) -> str:
+    """dynamo's limit of graphs per function: recompile_limit (cache_size_limit, its older name, is
+    an alias where both exist)."""
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
 
 def in_eval_mode(fn):
@@ -214,6 +226,13 @@ class ElephantLM(nn.Module):
         leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
         backend = backend or COMPILE_BACKEND
+        if how != "off":
+            # static shapes: a graph per state structure, packed form (starts, the initial memory's
+            # prefix, the varlen layout's room) and lane count (training, evaluation), more than
+            # dynamo's default of 8 per function, past which it would run the rest uncompiled
+            config = _dynamo_config()
+            name = _limit_name(config)
+            setattr(config, name, max(COMPILE_VARIANTS, getattr(config, name)))
         if how == "blocks":
             for block in self.blocks:
                 block.compile(dynamic=False, backend=backend)

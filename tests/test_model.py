@@ -377,6 +377,23 @@ def test_compiled_chunk_gives_the_memory_path_gradients_of_the_eager_model():
         torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-9, atol=1e-12, msg=k)
 
 
+def test_compile_for_leaves_room_for_every_graph_variant():
+    # a packed run's chunk step has up to 8 graphs in training alone (first / later chunk of a
+    # window, with or without starts, prefix computed or carried, varlen room or not), evaluation
+    # more: past dynamo's limit the rest would run uncompiled, silently
+    import torch._dynamo
+    from elephant.model import COMPILE_VARIANTS, _limit_name
+    config = torch._dynamo.config
+    name = _limit_name(config)
+    saved = getattr(config, name)
+    try:   # (monkeypatch's undo deletes a dynamo config entry, so by hand)
+        setattr(config, name, 8)
+        make(layers="MA").compile_for("blocks", backend="aot_eager")
+        assert COMPILE_VARIANTS >= 32 and getattr(config, name) == COMPILE_VARIANTS
+    finally:
+        setattr(config, name, saved)
+
+
 def test_a_carried_state_does_not_recompile_the_compiled_chunk():
     # the state a chunk hands on has a fresh state's strides (the conv state is not left a view of
     # the conv's window), so the compiled chunk compiles once per kind of chunk (the first of a
