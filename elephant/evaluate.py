@@ -202,7 +202,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
             nll = static(tokens, mask, starts[:, 0])
         else:
             with autocast() if autocast else nullcontext():
-                # the boundary path only for chunks where a document starts inside (a host flag)
+                # the boundary path only for chunks where a document starts inside (a host count)
                 inner = starts if pack and batch.inner_starts else None
                 nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:],
                                    loss_mask=mask, reduction="none", starts=inner, prefix=prefix,

@@ -363,9 +363,10 @@ class Trainer:
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
             # packed rows: the boundary path only for chunks where a document starts inside
-            # (the batcher's host-side flag); a start at token 0 is the reset flag. The initial
-            # memory's prefix is computed by the window's first such chunk, in its own step, and
-            # the state carries it to the later ones (RecurrentState.prefix)
+            # (the batcher's host-side count, which also sizes attention's per-document layout);
+            # a start at token 0 is the reset flag. The initial memory's prefix is computed by the
+            # window's first such chunk, in its own step, and the state carries it to the later
+            # ones (RecurrentState.prefix)
             starts = to_device(b.starts, rt.device) if cfg.data.pack and b.inner_starts else None
             with rt.autocast():
                 nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
