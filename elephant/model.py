@@ -327,9 +327,10 @@ class ElephantLM(nn.Module):
         else computed inside this chunk's step (one graph with it when compiled) when `starts` needs
         it, and carried on in the returned state to the window's later chunks. `inner_starts`: how
         many documents start inside the chunk (t > 0) over all lanes, known on the host (the
-        batcher's `Batch.inner_starts`; counted here when `starts` is a CPU tensor): attention runs
-        the chunk by its variable-length kernel when they fit its layout (attention.SEGMENT_ROOM),
-        else by the explicit mask.
+        batcher's `Batch.inner_starts`; counted here when `starts` is a CPU tensor, and a count
+        given with it checked; a count given with CUDA starts is trusted): attention runs the chunk
+        by its variable-length kernel when they fit its layout (attention.SEGMENT_ROOM), else by
+        the explicit mask.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -341,8 +342,12 @@ class ElephantLM(nn.Module):
         if starts is not None:
             if starts.shape != (B, T):
                 raise ValueError(f"starts must be (B, T) = {(B, T)} bool, got {tuple(starts.shape)}")
-            if inner_starts is None and starts.device.type == "cpu":
-                inner_starts = int(starts[:, 1:].sum())
+            if starts.device.type == "cpu":   # on the host: counted here (and a given count checked)
+                counted = int(starts[:, 1:].sum())
+                if inner_starts is not None and inner_starts != counted:
+                    raise ValueError(f"inner_starts={inner_starts}, but starts marks {counted} "
+                                     f"documents starting inside the chunk (t > 0)")
+                inner_starts = counted
             starts = starts.to(device=tokens.device, dtype=torch.bool)
             reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
         if state.chunks >= cfg.bptt_chunks:

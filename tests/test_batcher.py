@@ -200,7 +200,7 @@ def test_packed_rows_are_full_and_boundaries_are_per_token():
     assert first.starts[0].tolist() == [True, False, False, True, False, False, False, False]
     assert first.token_doc_ids[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
     assert first.loss_mask[0].tolist() == [True, True, False, True, True, True, True, True]
-    assert first.inner_starts  # the host-side flag: a document starts inside the chunk
+    assert first.inner_starts == 1  # the host-side count of documents starting inside the chunk
     # doc 1's last token was the row's last target: doc 2 starts the next chunk with reset
     second = next(batcher)
     assert second.tokens[0].tolist() == [10, 11, 12, 13, 14, 15, 16, 17, 18]
@@ -214,8 +214,13 @@ def test_packed_rows_are_full_and_boundaries_are_per_token():
     second = next(batcher)
     assert second.tokens[0].tolist() == [9, 10, 11, 12, 13, 14, 15, 16, 0]
     assert second.starts[0].tolist() == [False, False, False, False, True, False, False, False]
-    assert second.inner_starts
+    assert second.inner_starts == 1
     assert second.token_doc_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    # several lanes: the count is over all of them
+    batcher = RollingChunkBatcher(corpus_of([3, 2, 4, 2, 5, 3, 2]), lanes=2, chunk_len=8, seed=0,
+                                  shuffle=False, pack=True, loop=False)
+    b = next(batcher)
+    assert b.inner_starts == int(b.starts[:, 1:].sum()) and b.inner_starts >= 3
     assert second.loss_mask[0].tolist() == [True, True, True, False, True, True, True, False]
     assert not second.reset[0] and second.doc_ids.tolist() == [0]
 

@@ -124,6 +124,14 @@ def test_gradients_do_not_cross_a_document_boundary():
     assert g_mem.abs().sum() > 0
 
 
+def test_a_wrong_count_of_inner_starts_is_refused():
+    model = make(n_mem=2, kv_window=8)
+    starts = starts_at(2, 9, 0, 4)                                     # 2 inner starts
+    with pytest.raises(ValueError, match="inner_starts=3, but starts marks 2"):
+        model(torch.randint(0, V, (2, 9)), starts=starts, inner_starts=3)
+    model(torch.randint(0, V, (2, 9)), starts=starts, inner_starts=2)
+
+
 def test_a_start_at_token_0_is_a_reset():
     model = make(n_mem=2, kv_window=8)
     _, state = model(torch.randint(0, V, (3, 9)))
