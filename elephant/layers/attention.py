@@ -339,7 +339,8 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tenso
 # caller counts the starts on the host and passes room = 0 (the masked path) for a chunk that has more
 # (ElephantLM.forward). The gradient of the gathered keys goes back by gathers too (`_GatherRows`):
 # index_select's own backward, a scatter-add over the whole layout, made the packed step slower than
-# the mask (H100: 55.7 ms against 53.3; 52.5 with the gathers).
+# the mask (H100, two runs, the unpacked step ~48 ms in each: 55.7 ms; then 53.3 with the mask and
+# 52.5 with the gathers in one run).
 SEGMENT_ROOM = 2
 
 
