@@ -388,11 +388,8 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
 
 def run_eval(args, trainer, device) -> dict:
     from benchmarks.common import bf16_autocast
-    import torch._dynamo
-    # evaluation compiles the blocks again for its lane counts and no-grad mode: room for them
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    # evaluation compiles the blocks again for its lane counts and no-grad mode: the trainer's
+    # compile_for left room for them (ElephantLM.compile_for)
     model, corpus = trainer.model, trainer.train_corpus
     T = trainer.cfg.train.chunk_len
     autocast = bf16_autocast(device)

@@ -95,11 +95,6 @@ COMPILE_BACKEND = "inductor"
 COMPILE_VARIANTS = 64   # graphs a compiled function may hold (see ElephantLM.compile_for)
 
 
-def _dynamo_config():
-    import torch._dynamo
-    return torch._dynamo.config
-
-
 def _limit_name(config) -> str:
     """dynamo's limit of graphs per function: recompile_limit (cache_size_limit, its older name, is
     an alias where both exist)."""
@@ -230,7 +225,8 @@ class ElephantLM(nn.Module):
             # static shapes: a graph per state structure, packed form (starts, the initial memory's
             # prefix, the varlen layout's room) and lane count (training, evaluation), more than
             # dynamo's default of 8 per function, past which it would run the rest uncompiled
-            config = _dynamo_config()
+            import torch._dynamo
+            config = torch._dynamo.config
             name = _limit_name(config)
             setattr(config, name, max(COMPILE_VARIANTS, getattr(config, name)))
         if how == "blocks":
