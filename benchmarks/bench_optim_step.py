@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, key=value")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", choices=("eager", "compiled"), default="eager",
+                    help="the phase profiled: clip+step (eager) or graphed_step compiled (the "
+                         "trainer's form under train.compile=graphs: its graph's kernels)")
     args = ap.parse_args(argv)
     from elephant.config import load_config
     from elephant.model import ElephantLM
@@ -115,9 +118,11 @@ def main(argv=None) -> int:
             except Exception as e:  # a phase that cannot be captured says why
                 row["gpu_ms"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         print(name, row, flush=True)
-    top, table, summary = profile(phase, 3, device, "clip+step", top=25)
-    out["profile"] = {"device_ms": summary["device_ms_per_step"], "by_kind": summary["by_kind"],
-                      "top": top}
+    fn, label = ((phase, "clip+step") if args.profile == "eager"
+                 else (graphed_compiled, "graphed_step compiled"))
+    top, table, summary = profile(fn, 3, device, label, top=40)
+    out["profile"] = {"phase": label, "device_ms": summary["device_ms_per_step"],
+                      "by_kind": summary["by_kind"], "top": top}
     path = Path(args.out) if args.out else result_path("optim_step", smoke)
     path.write_text(json.dumps(out, indent=1))
     path.with_name(path.stem + "_profile.txt").write_text(table)

@@ -21,7 +21,7 @@ from elephant.config import OptimConfig
 from elephant.optim import (Adam, Muon, aol_polar_express, assign_parameters, build_optimizers,
                             lr_multiplier, muon_lr_scale, muon_momentum, newton_schulz, normuon_,
                             polar_express, polar_express_coefficients, wd_multiplier)
-from elephant.optim.adam import cautious_decay_
+from elephant.optim.adam import cautious_decay_, decay_and_update_
 
 BAND = (0.84, 1.16)
 SPEEDRUN_POLAR_EXPRESS = [  # KellerJordan/modded-nanogpt, "num_iters=5, safety_factor=2e-2"
@@ -230,6 +230,23 @@ def test_cautious_decay_leaves_weight_untouched_where_signs_disagree():
     cautious_decay_([p], [u], 0.1)
     assert torch.equal(p, torch.tensor([0.9, -1.0, 2.0, -1.8, 3.0]))
 
+
+@pytest.mark.parametrize("cautious", [True, False])
+def test_decay_and_update_leaves_the_updates_alone(cautious):
+    # p <- p - decay-term - lr * u with u unchanged: Muon's updates are views of one stacked tensor,
+    # and scaling them in place made the compiled update write the whole stack twice more
+    gen = torch.Generator().manual_seed(5)
+    stack = torch.randn(3, 4, 5, generator=gen)
+    updates, before = list(stack.unbind(0)), stack.clone()
+    params = [torch.randn(4, 5, generator=gen) for _ in range(3)]
+    expected = []
+    for p, u in zip(params, updates):
+        keep = (p * u > 0).float() if cautious else torch.ones_like(p)
+        expected.append(p - 0.1 * keep * p - 0.5 * u)
+    decay_and_update_({"weight_decay": 0.1, "cautious": cautious}, params, updates, 0.1, 0.5)
+    assert torch.equal(stack, before)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e, rtol=1e-6, atol=1e-6)
 
 @pytest.mark.parametrize("kind", ["adam", "muon"])
 def test_optimizer_cautious_decay_only_where_update_agrees(kind):

@@ -487,3 +487,24 @@ def test_triton_scan_compiles_into_one_graph(with_seg):
     assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
     for a, r in zip(g, g_ref):
         assert torch.equal(a, r)
+
+
+def test_triton_backward_op_fake_matches_its_outputs():
+    # the backward op's fake implementation is what a compiled graph plans with: every output's
+    # shape, dtype and strides as the kernels give them (segments, segment_init, two groups), and
+    # the op's values those of the kernels' function
+    _needs_triton()
+    from elephant.layers import ssd_triton as T
+    b, l, h, g, p, n, Q = 2, 37, 4, 2, 16, 16, 16
+    x, dt, A, B, C, D, init = (t.detach().float() for t in make_inputs(b, l, h, g, p, n))
+    seg = make_seg(b, l, n_starts=3, first=True)
+    nc = -(-l // Q)
+    segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
+    cs = T._segment_cumsum_op((dt * A).contiguous(), segp, Q)
+    sinit = torch.randn(h, p, n, generator=torch.Generator().manual_seed(2))
+    _, _, states = T._ssd_op(x, dt, cs, segp, B, C, D, init, sinit, Q)
+    dy, dfinal = torch.randn_like(x), torch.randn(b, h, p, n)
+    args = (x, dt, cs, segp, B, C, D, init, sinit, states, dy, dfinal, Q)
+    torch.library.opcheck(T._ssd_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    for a, r in zip(T._ssd_bwd_op(*args), T._bwd(*args)):
+        assert torch.equal(a, r)

@@ -56,15 +56,17 @@ def plain_decay_(params: list[Tensor], decay) -> None:
 
 def decay_and_update_(group: dict, params: list[Tensor], updates: list[Tensor], decay, lr) -> None:
     """The group's weight decay (cautious or plain; no kernels when its weight_decay is 0), then
-    p <- p - lr * u (the updates are scaled in place). decay, lr: floats or 0-d tensors."""
+    p <- p - lr * u. decay, lr: floats or 0-d tensors. The updates are left as they are: scaled
+    in place, when they are views of one stacked tensor (Muon's unbind), a compiled update had to
+    write every scaled matrix and then the whole stack again (its functional form) before
+    reading it back for the sum; out of place, the product goes straight into the sum."""
     if not params:
         return
     if group["weight_decay"] and group["cautious"]:
         cautious_decay_(params, updates, decay)
     elif group["weight_decay"]:
         plain_decay_(params, decay)
-    torch._foreach_mul_(updates, -lr)
-    torch._foreach_add_(params, updates)
+    torch._foreach_add_(params, torch._foreach_mul(updates, -lr))
 
 
 def check_state_dict(sd: dict, kind: str, rank: int, world_size: int) -> None:

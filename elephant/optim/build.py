@@ -104,15 +104,22 @@ class Optimizers:
         return self._clip([opt.local_gradients() for opt in self.optimizers], max_norm)
 
     def _clip(self, local: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        norm, coef = self._clip_coefficient(local, max_norm)
+        if coef is not None:
+            for g in local:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def _clip_coefficient(self, local: list[torch.Tensor], max_norm: float):
+        """(the global gradient norm, the factor that clips it to max_norm or None when max_norm
+        <= 0), from this rank's gradients `local` (summed over ranks)."""
         sq = torch.stack([g.float().square().sum() for g in local]).sum() if local else torch.zeros(())
         if world(self.process_group)[1] > 1:
             dist.all_reduce(sq, group=self.process_group)
         norm = sq.sqrt()
-        if max_norm > 0:
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for g in local:
-                g.mul_(coef.to(g.dtype))
-        return norm
+        if max_norm <= 0:
+            return norm, None
+        return norm, (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -181,10 +188,13 @@ class Optimizers:
             opt.ensure_state(flat)
 
         def update():
-            if max_norm > 0:
-                norm.copy_(self._clip(flats, max_norm))
+            grads = flats
+            if max_norm > 0:   # the clipped gradients as values, not written back into the buffers
+                total, coef = self._clip_coefficient(flats, max_norm)
+                norm.copy_(total)
+                grads = [f * coef.to(f.dtype) for f in flats]
             start = 0
-            for opt, flat, k in zip(self.optimizers, flats, sizes):
+            for opt, flat, k in zip(self.optimizers, grads, sizes):
                 opt._apply(flat, hyper[start:start + k])
                 start += k
 
