@@ -93,6 +93,24 @@ class Block(nn.Module):
 
 COMPILE_BACKEND = "inductor"
 COMPILE_VARIANTS = 64   # graphs a compiled function may hold (see ElephantLM.compile_for)
+# inductor's options for the chunk step. Comprehensive padding off: it pads the rows of a matrix
+# product's output to 128 bytes (the Mamba in-projection's 2,192 columns become 2,240), but the
+# Triton kernels that read slices of that output in place (the conv) are traced with the unpadded
+# strides, so inductor copied the slice to the traced layout before each call, forward and
+# backward (two 39 MB copies a Mamba layer and chunk)
+INDUCTOR_OPTIONS = {"comprehensive_padding": False}
+
+
+def compile_kwargs(backend: str, graphs: bool = False) -> dict:
+    """torch.compile's arguments for the chunk step: static shapes, INDUCTOR_OPTIONS when the
+    backend is inductor, and with `graphs` CUDA graphs (the reduce-overhead mode's options)."""
+    if backend != "inductor":
+        return dict(dynamic=False, backend=backend, mode="reduce-overhead" if graphs else None)
+    import torch._inductor
+    options = dict(INDUCTOR_OPTIONS)
+    if graphs:
+        options.update(torch._inductor.list_mode_options("reduce-overhead"))
+    return dict(dynamic=False, backend=backend, options=options)
 
 
 def _limit_name(config) -> str:
@@ -231,17 +249,17 @@ class ElephantLM(nn.Module):
             setattr(config, name, max(COMPILE_VARIANTS, getattr(config, name)))
         if how == "blocks":
             for block in self.blocks:
-                block.compile(dynamic=False, backend=backend)
+                block.compile(**compile_kwargs(backend))
         elif how in ("model", "graphs"):
             # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
             # the graph (see forward); the initial memory's prefix (packed documents) runs the
             # blocks outside forward
             for name in ("_chunk", "init_prefix"):
                 fn = getattr(self, name)
-                plain = torch.compile(fn, dynamic=False, backend=backend)
+                plain = torch.compile(fn, **compile_kwargs(backend))
                 if how == "graphs":
-                    plain = TrainingGraphs(self, torch.compile(fn, dynamic=False, backend=backend,
-                                                               mode="reduce-overhead"), plain)
+                    plain = TrainingGraphs(self, torch.compile(fn, **compile_kwargs(backend, True)),
+                                           plain)
                 setattr(self, name, plain)
         elif how != "off":
             raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")

@@ -394,6 +394,28 @@ def test_compile_for_leaves_room_for_every_graph_variant():
         setattr(config, name, saved)
 
 
+def test_compile_for_turns_inductor_padding_off(monkeypatch):
+    # inductor's comprehensive padding widened the Mamba in-projection's output rows (2,192 ->
+    # 2,240 columns) and then copied the conv's slice back to the layout its kernel was traced
+    # with, forward and backward: every compile of the chunk step (blocks, the chunk, the CUDA
+    # graphs' form) turns it off, and torch.compile accepts the options as given
+    from elephant.model import compile_kwargs
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: seen.append(kw) or real(fn, **kw))
+    model = make(layers="MA")
+    model.compile_for("graphs", backend="inductor")
+    graphs = [kw for kw in seen if kw["options"].get("triton.cudagraphs")]
+    assert len(seen) == 4 and len(graphs) == 2          # _chunk and init_prefix, plain and graphs
+    assert all(kw["options"]["comprehensive_padding"] is False and kw["dynamic"] is False
+               for kw in seen)
+    seen.clear()
+    make(layers="MA").compile_for("blocks", backend="inductor")
+    assert len(seen) == 2 and all(kw["options"] == {"comprehensive_padding": False} for kw in seen)
+    assert compile_kwargs("aot_eager", True) == dict(dynamic=False, backend="aot_eager",
+                                                     mode="reduce-overhead")
+
+
 def test_a_carried_state_does_not_recompile_the_compiled_chunk():
     # the state a chunk hands on has a fresh state's strides (the conv state is not left a view of
     # the conv's window), so the compiled chunk compiles once per kind of chunk (the first of a
