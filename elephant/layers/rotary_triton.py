@@ -47,18 +47,14 @@ def supported(y: Tensor, heads: int, head_dim: int) -> bool:
 
 if HAS_TRITON:
     @triton.jit
-    def _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H: tl.constexpr, HD: tl.constexpr,
-               HALF: tl.constexpr):
-        """This program's token (b, s): its index b * S + s, b and s, its row of y, its cos and sin
-        (1, HALF), and the head and half-row ranges (H, 1) and (1, HALF)."""
+    def _token(S, H: tl.constexpr, HALF: tl.constexpr):
+        """This program's token (b, s): its index b * S + s, b and s, and the head and half-row
+        ranges (H, 1) and (1, HALF). It takes no pointer: inductor's analysis of which tensors a
+        kernel writes counts every pointer a helper is given as flowing into what it returns, so
+        stores addressed with these ranges would have made y, cos and sin look written (and
+        inductor copied them for each launch)."""
         tok = tl.program_id(0).to(tl.int64)
-        b = tok // S
-        s = tok % S
-        rows = tl.arange(0, H)[:, None]
-        cols = tl.arange(0, HALF)[None, :]
-        cos = tl.load(cos_ptr + tok * HALF + cols)
-        sin = tl.load(sin_ptr + tok * HALF + cols)
-        return tok, b, s, y_ptr + b * s_yb + s * s_ys, cos, sin, rows, cols
+        return tok, tok // S, tok % S, tl.arange(0, H)[:, None], tl.arange(0, HALF)[None, :]
 
     @triton.jit
     def _fwd_rows(src, dst, w_ptr, cos, sin, eps, rows, cols, HALF: tl.constexpr,
@@ -80,8 +76,10 @@ if HAS_TRITON:
                         NORM: tl.constexpr):
         """One token (b, s): q and k of all heads normalized and rotated, v copied, each to its
         H rows of (B, S, H, HD) storage."""
-        tok, b, s, src, cos, sin, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H,
-                                                      HD, HALF)
+        tok, b, s, rows, cols = _token(S, H, HALF)
+        src = y_ptr + b * s_yb + s * s_ys
+        cos = tl.load(cos_ptr + tok * HALF + cols)                         # (1, HALF)
+        sin = tl.load(sin_ptr + tok * HALF + cols)
         out = (tok * H + rows) * HD                                        # (H, 1)
         _fwd_rows(src, q_ptr + out, wq_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
         _fwd_rows(src + H * HD, k_ptr + out, wk_ptr, cos, sin, eps, rows, cols, HALF, HD, NORM)
@@ -121,8 +119,10 @@ if HAS_TRITON:
         """One token: its whole row of dLoss/dy (B, S, 3 H HD, contiguous) and its partial sums of
         the norm weights' gradients (B * S, HD). dq, dk, dv (B, H, S, HD) at strides s_*b, s_*h,
         s_*s over b, h, s, and 1 over HD."""
-        tok, b, s, src, cos, sin, rows, cols = _token(y_ptr, cos_ptr, sin_ptr, S, s_yb, s_ys, H,
-                                                      HD, HALF)
+        tok, b, s, rows, cols = _token(S, H, HALF)
+        src = y_ptr + b * s_yb + s * s_ys
+        cos = tl.load(cos_ptr + tok * HALF + cols)                         # (1, HALF)
+        sin = tl.load(sin_ptr + tok * HALF + cols)
         dst = dy_ptr + tok * 3 * H * HD
         _bwd_rows(src, dq_ptr + b * s_qb + s * s_qs + rows * s_qh, dst, wq_ptr, dwq_ptr + tok * HD,
                   cos, sin, eps, rows, cols, HALF, HD, NORM)

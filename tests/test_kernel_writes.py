@@ -1,0 +1,117 @@
+"""What torch.compile believes each of our Triton kernels writes.
+
+Inductor launches the kernels registered with torch.library.triton_op from its own code, after an
+analysis of the kernel's Triton IR that finds the tensors it stores to; an input it believes
+written is copied before every launch (the functional form of a mutation), and where the input is
+not needed afterwards the copy stays as a load and store of the whole tensor in place. The q/k/v
+kernels once looked as if they wrote y, cos and sin (their store addresses came from a helper
+that was also given those pointers): six 52 MB copies a training step. Each kernel must be seen
+writing exactly its outputs. The IR is generated for sm_90 without a GPU, in a process of its own
+without the Triton interpreter (whose kernels have no IR)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# run in the child: `written(kernel, values)` prints the names the analysis finds written
+_CHILD = r"""
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+class Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+if not hasattr(wrap, "identify_accessed_tensors"):
+    print(json.dumps(None)); sys.exit(0)
+triton.runtime.driver.set_active(Sm90())
+from elephant.layers import ce_triton, conv_triton, rotary_triton
+
+def written(kernel, values):
+    args = {name: values[name] for name in kernel.arg_names}
+    rw = wrap.identify_accessed_tensors(kernel, args, {}).read_writes
+    return sorted(d.name for d in rw.writes)
+
+out = {}
+"""
+
+
+def analyse(body: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = _CHILD + body + "\nprint(json.dumps(out))\n"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if result is None:
+        pytest.skip("this torch has no identify_accessed_tensors")
+    return {k: set(v) for k, v in result.items()}
+
+
+_KERNELS = r"""
+B, S, H, hd = 2, 4, 2, 8
+y = torch.randn(B, S, 3 * H * hd).half()
+half = dict(S=S, s_yb=y.stride(0), s_ys=y.stride(1), eps=1e-6, H=H, HD=hd, HALF=hd // 2,
+            NORM=True, y_ptr=y, cos_ptr=torch.randn(B, S, hd // 2),
+            sin_ptr=torch.randn(B, S, hd // 2), wq_ptr=torch.randn(hd), wk_ptr=torch.randn(hd))
+q, k, v = (torch.empty(B, H, S, hd).half() for _ in range(3))
+out["qkv fwd"] = written(rotary_triton._qkv_fwd_kernel, dict(half, q_ptr=q, k_ptr=k, v_ptr=v))
+strides = {f"s_{n}{a}": st for n, t in zip("qkv", (q, k, v)) for a, st in zip("bhs", t.stride()[:3])}
+out["qkv bwd"] = written(rotary_triton._qkv_bwd_kernel,
+                         dict(half, **strides, dq_ptr=q, dk_ptr=k, dv_ptr=v, dy_ptr=torch.empty_like(y),
+                              dwq_ptr=torch.empty(B * S, hd), dwk_ptr=torch.empty(B * S, hd)))
+B, L, C, K = 2, 40, 24, 4
+x = torch.randn(B, L, C).half()
+for seg in (False, True):
+    common = dict(L=L, C=C, K=K, HAS_SEG=seg, HAS_TAIL=seg, BL=16, BC=16, sxb=1, sxl=1, sxc=1,
+                  ssb=1, ssc=1, ssk=1, x_ptr=x, st_ptr=torch.randn(B, K - 1, C),
+                  w_ptr=torch.randn(C, 1, K), seg_ptr=torch.zeros(B, L, dtype=torch.int32),
+                  since_ptr=torch.zeros(B, L, dtype=torch.int32), tail_ptr=torch.randn(C, K - 1))
+    out[f"conv fwd {seg}"] = written(conv_triton._conv_fwd_kernel,
+                                     dict(common, bias_ptr=torch.randn(C), out_ptr=torch.empty_like(x),
+                                          sob=1, sol=1, soc=1))
+    out[f"conv bwd {seg}"] = written(conv_triton._conv_bwd_kernel,
+                                     dict(common, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                          dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
+                                          dtail_ptr=torch.zeros(8, C, K - 1), NL=3, sgb=1, sgl=1,
+                                          sgc=1, sdb=1, sdl=1, sdc=1, KP=4))
+z = torch.randn(4, 64).half()
+for fw, gr in ((True, False), (True, True), (False, True)):
+    out[f"ce {fw} {gr}"] = written(ce_triton._ce_kernel,
+                                   dict(z_ptr=z, t_ptr=torch.randint(0, 64, (4,)), scale_ptr=torch.ones(4),
+                                        lse_in_ptr=torch.zeros(4), nll_ptr=torch.empty(4),
+                                        lse_ptr=torch.empty(4), dz_ptr=torch.empty_like(z), V=64,
+                                        s_z=64, s_dz=64, BLOCK=64, FORWARD=fw, GRAD=gr, IGNORE=-100,
+                                        REVERSED=True))
+"""
+
+
+@pytest.fixture(scope="module")
+def writes() -> dict:
+    return analyse(_KERNELS)
+
+
+def test_qkv_kernels_write_only_their_outputs(writes):
+    assert writes["qkv fwd"] == {"q_ptr", "k_ptr", "v_ptr"}
+    assert writes["qkv bwd"] == {"dy_ptr", "dwq_ptr", "dwk_ptr"}
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_conv_kernels_write_only_their_outputs(writes, segments):
+    assert writes[f"conv fwd {segments}"] == {"out_ptr"}
+    assert writes[f"conv bwd {segments}"] == ({"dx_ptr", "dw_ptr", "db_ptr"}
+                                              | ({"dtail_ptr"} if segments else set()))
+
+
+@pytest.mark.parametrize("forward, grad", [(True, False), (True, True), (False, True)])
+def test_loss_kernel_writes_only_its_outputs(writes, forward, grad):
+    assert writes[f"ce {forward} {grad}"] == (({"nll_ptr", "lse_ptr"} if forward else set())
+                                             | ({"dz_ptr"} if grad else set()))
