@@ -248,6 +248,7 @@ def test_decay_and_update_leaves_the_updates_alone(cautious):
     for p, e in zip(params, expected):
         torch.testing.assert_close(p, e, rtol=1e-6, atol=1e-6)
 
+
 @pytest.mark.parametrize("kind", ["adam", "muon"])
 def test_optimizer_cautious_decay_only_where_update_agrees(kind):
     torch.manual_seed(10)
