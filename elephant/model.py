@@ -283,11 +283,16 @@ class ElephantLM(nn.Module):
                 block.mlp.fused = fast
 
     # ------------------------------------------------------------------ state
-    def init_state(self, batch: int, device=None, dtype=None) -> RecurrentState:
-        """A fresh state for `batch` lanes: every lane at the start of a document."""
+    def init_state(self, batch: int, device=None, dtype=None, kv_dtype=None) -> RecurrentState:
+        """A fresh state for `batch` lanes: every lane at the start of a document. `dtype`: the
+        floating tensors' (default the parameters'; the SSM state is float32); `kv_dtype`: the
+        attention window's keys and values (default `dtype`), best the dtype attention computes in
+        (bf16 under autocast, where the keys are made in bf16: a float32 window would hold the same
+        values in twice the bytes, written, read and carried every chunk)."""
         cfg = self.cfg
         device = device if device is not None else self.embed.weight.device
         dtype = dtype if dtype is not None else self.embed.weight.dtype
+        kv_dtype = kv_dtype if kv_dtype is not None else dtype
         state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
         for block in self.blocks:
             if block.kind == "M":
@@ -307,8 +312,8 @@ class ElephantLM(nn.Module):
                         keep_pos=torch.zeros(batch, K, dtype=torch.long, device=device),
                         keep_valid=torch.zeros(batch, K, dtype=torch.bool, device=device))
                     state.kv.append(KVCache(
-                        k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
-                        v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=dtype),
+                        k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
+                        v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
                         valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device),
                         **kept))
                 else:

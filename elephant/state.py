@@ -137,6 +137,15 @@ class RecurrentState:
             chunks=self.chunks,
         )
 
+    def with_tensors(self, tensors: list[Tensor]) -> "RecurrentState":
+        """The same structure over `tensors`, in the order of `tensors()` (the same chunk count;
+        no memory path or prefix, as `clone`)."""
+        it = iter(tensors)
+        state = self._map(lambda _: next(it))
+        if next(it, None) is not None:
+            raise ValueError("with_tensors: more tensors than the state has")
+        return state
+
     def clone(self) -> "RecurrentState":
         """A copy of every tensor (the same chunk count; no memory path): for a state carried past
         a CUDA-graph step, whose outputs the next replay may overwrite."""
@@ -262,6 +271,60 @@ class RecurrentState:
             self.memory = tensors["memory"].to(self.memory.device, self.memory.dtype)
         if "chunks" in tensors:
             self.chunks = int(tensors["chunks"])
+
+
+class StaticCarry:
+    """The state that one CUDA-graph training step hands to the next, kept in buffers whose
+    addresses never change.
+
+    A graph replay copies every input it was not told is static into a placeholder of its own, and
+    its outputs live in its memory pool, which the next step's replay overwrites. So a state carried
+    by `clone()` is copied twice a step: out of the pool, then into the next replay's placeholders
+    (two launches per tensor, 42 for the 70M recipe's state). Here the step's last state is copied
+    once, into these buffers (one multi-tensor copy per dtype), and the next step's first chunk
+    reads them where they are: they are marked as static inputs
+    (torch._dynamo.mark_static_address, unguarded), so its graph is traced without placeholders
+    for them and its replays copy nothing. The buffers are only read by the graphs, never written,
+    and the trainer writes them after the step's backward is queued, which still reads the old values
+    it saved (the stream orders the two).
+
+    One carry serves one sequence of steps on one set of lanes (a second set fed through the same
+    graphs would move their static inputs, and each move re-records the graph)."""
+
+    def __init__(self):
+        self.buffers: list[Tensor] | None = None
+
+    def _fit(self, tensors: list[Tensor]) -> None:
+        """(Re)allocate the buffers when they do not match `tensors` (first use, another model)."""
+        if self.buffers is not None and len(self.buffers) == len(tensors) and all(
+                b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
+                for b, t in zip(self.buffers, tensors)):
+            return
+        import torch._dynamo
+        self.buffers = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        for b in self.buffers:
+            torch._dynamo.mark_static_address(b, guard=False)
+
+    def _copy_in(self, tensors: list[Tensor]) -> None:
+        by_dtype: dict = {}
+        for b, t in zip(self.buffers, tensors):
+            if b.data_ptr() != t.data_ptr():
+                dst, src = by_dtype.setdefault(t.dtype, ([], []))
+                dst.append(b)
+                src.append(t.detach())
+        with torch.no_grad():
+            for dst, src in by_dtype.values():
+                torch._foreach_copy_(dst, src)
+
+    def take(self, state: RecurrentState) -> RecurrentState:
+        """`state` over the buffers: its values copied in unless they are there already. The
+        trainer takes the state a step starts from (after the first step, the buffers themselves
+        or a detached view of them: nothing to copy) and the state it ends with (in the graphs'
+        memory). The state returned has no gradient path, memory path or prefix (as `clone`)."""
+        tensors = list(state.tensors().values())
+        self._fit(tensors)
+        self._copy_in(tensors)
+        return state.with_tensors(self.buffers)
 
 
 def backprop_windows(state: RecurrentState, windows: list, run_window, memory_path: bool = False):

@@ -40,7 +40,7 @@ from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
 from . import model as model_mod
 from .model import ElephantLM
-from .state import backprop_windows
+from .state import StaticCarry, backprop_windows
 from .optim import build_optimizers
 from .preemption import StopRequest, signal_name
 from .rundir import RunDirError, RunLock, claim_run_dir
@@ -144,7 +144,10 @@ class Trainer:
                                              world_size=shards, pack=cfg.data.pack)
                          for g in range(t.grad_accum)]
         self.iters = [iter(b) for b in self.batchers]
-        self.states = [self.model.init_state(t.lanes) for _ in range(t.grad_accum)]
+        self.states = [self.init_state() for _ in range(t.grad_accum)]
+        # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
+        # several groups go through the same graphs, so theirs is cloned past each step
+        self.carry = StaticCarry() if t.compile == "graphs" and t.grad_accum == 1 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -344,12 +347,17 @@ class Trainer:
             # skip the update; the lanes keep their documents but restart from a clean state
             self.bad_steps += 1
             self.skipped_steps += 1
-            self.states = [self.model.init_state(cfg.train.lanes) for _ in self.states]
+            self.states = [self.init_state() for _ in self.states]
             out["skipped"] = True
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += n_tokens
         return out
+
+    def init_state(self):
+        """A fresh state for the lanes of one group, its attention window in the dtype the model
+        computes in (model.init_state's kv_dtype)."""
+        return self.model.init_state(self.cfg.train.lanes, kv_dtype=self.rt.dtype)
 
     def _window(self, batches: list, state, scale, on_loss=None) -> tuple:
         """Forward the chunks of one BPTT window, backpropagate their summed loss x `scale`, and
@@ -359,6 +367,8 @@ class Trainer:
         graphs = cfg.train.compile == "graphs"
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
+            if self.carry is not None:   # read in place by the first chunk's graph
+                state = self.carry.take(state)
         loss = 0.0
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
@@ -380,7 +390,7 @@ class Trainer:
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
         if graphs:  # the state goes on past this step: out of the graphs' memory
-            state = state.clone()
+            state = self.carry.take(state) if self.carry is not None else state.clone()
         return state, loss.detach().double()
 
     # ------------------------------------------------------------------ evaluation

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from elephant.config import ModelConfig
 from elephant.layers.mamba import segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
+from elephant.state import StaticCarry
 
 pytestmark = pytest.mark.gpu
 
@@ -199,9 +200,10 @@ def test_compiled_prefix_takes_the_plain_paths_and_equals_the_custom_ops_on_cuda
 @pytest.mark.parametrize("pattern", ["SS", "NS", "SN"])
 def test_cuda_graph_steps_equal_the_eager_steps(pattern):
     # compile_for("graphs"): the chunk step and the prefix replayed as CUDA graphs (reduce-overhead)
-    # over trainer-like steps (two chunks, one backward, the state carried, cloned past each step):
-    # the same losses and gradients as the eager model (float32), and no graph left to run outside
-    # its CUDA graph. `pattern`: which chunk of each step has inner starts (S) and which has none
+    # over trainer-like steps (two chunks, one backward, the state carried past each step in the
+    # trainer's StaticCarry): the same losses and gradients as the eager model (float32), no graph
+    # left to run outside its CUDA graph, and the carry's buffers read in place by the replays
+    # (static inputs of a recorded graph, not copied into placeholders). `pattern`: which chunk of each step has inner starts (S) and which has none
     # (N). Each pattern makes two graphs (a chunk after the step's detach, and one carrying the
     # gradient path) and runs each three times (warm-up, recording, replay); the three patterns are
     # three tests so that their compiles, the cost of this test, run side by side under xdist.
@@ -230,6 +232,8 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
             reset = (torch.rand(B, generator=gen) < (0.5 if s == j == 0 else 0.0)).cuda()
             data.append((tokens, reset, starts if kind == "S" else None))
 
+    carry = StaticCarry()
+
     def run(model, cuda_graphs):
         """Eager: the prefix computed by a call of its own and passed in; as CUDA graphs: the
         trainer's way, in the step of the first chunk that needs it, carried on by the state."""
@@ -237,6 +241,7 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
         for s in range(steps):
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
+                state = carry.take(state)
             loss, prefix = 0.0, None
             for tokens, reset, starts in data[2 * s:2 * s + 2]:
                 if starts is not None and prefix is None and not cuda_graphs:
@@ -248,7 +253,7 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
             loss.backward()
             state = state.detach()
             if cuda_graphs:
-                state = state.clone()
+                state = carry.take(state)
             out.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                 if p.grad is not None}))
         return out
@@ -260,3 +265,13 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
             assert rel(g1[name], g) < 1e-3, name
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["inductor"].get("cudagraph_skips", 0), dict(counters["inductor"])
+    from torch._inductor import cudagraph_trees
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    static, nodes = set(), [n for roots in manager.roots.values() for n in roots]
+    while nodes:
+        node = nodes.pop()
+        static.update(p for p in node.static_input_data_ptrs if p is not None)
+        nodes.extend(n for kids in node.children.values() for n in kids)
+    names = list(eager.init_state(B).tensors())
+    missing = [name for name, t in zip(names, carry.buffers) if t.data_ptr() not in static]
+    assert not missing, missing

@@ -442,3 +442,49 @@ def test_a_carried_state_does_not_recompile_the_compiled_chunk():
         state = state.detach()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == 2 and graphs[1:] == [2, 2], graphs
+
+
+def test_static_carry_holds_the_state_in_fixed_buffers_and_copies_only_what_is_elsewhere():
+    # StaticCarry (the trainer's CUDA-graph steps): the state a step starts from and the one it
+    # ends with go into the same buffers, marked as static inputs of compiled functions; a state
+    # already in them (or a detached view of one) is not copied again, and the values and the
+    # next chunk's output are those of the state given
+    from elephant.state import StaticCarry
+    model = make(n_mem=2, kv_window=4)
+    tokens = torch.randint(0, 97, (2, 12))
+    _, state = model(tokens[:, :6])
+    carry = StaticCarry()
+    held = carry.take(state)
+    buffers = list(held.tensors().values())
+    assert all(getattr(b, "_dynamo_static_input_type", None) == "unguarded" for b in buffers)
+    for mine, theirs in zip(buffers, state.tensors().values()):
+        assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr()
+    assert held.chunks == state.chunks and held.prefix is None and held.memory_path is None
+    want, after = model(tokens[:, 6:], state)
+    got, _ = model(tokens[:, 6:], held)
+    assert torch.equal(got, want)
+    again = carry.take(held.detach())        # already there: the same buffers, nothing copied
+    assert [t.data_ptr() for t in again.tensors().values()] == [b.data_ptr() for b in buffers]
+    kept = carry.take(after)                 # a step's last state: into the same buffers
+    assert [t.data_ptr() for t in kept.tensors().values()] == [b.data_ptr() for b in buffers]
+    for mine, theirs in zip(kept.tensors().values(), after.tensors().values()):
+        assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="more tensors"):
+        state.with_tensors(buffers + [buffers[0]])
+    other = make(n_mem=2, kv_window=4, layers="AA").init_state(2)   # another structure: new buffers
+    assert list(carry.take(other).tensors()) == list(other.tensors())
+
+
+def test_kv_window_dtype_follows_kv_dtype_and_holds_the_same_keys():
+    # init_state(kv_dtype=): the attention window in the dtype attention computes in (bf16 under
+    # autocast); the keys a chunk leaves there are the ones it made, cast once
+    model = make(kv_window=4, dtype=torch.float32)
+    state = model.init_state(2, kv_dtype=torch.bfloat16)
+    assert all(c.k.dtype == c.v.dtype == torch.bfloat16 for c in state.kv if c is not None)
+    assert state.ssm[0].dtype == torch.float32 and state.pos.dtype == torch.long
+    tokens = torch.randint(0, 97, (2, 6))
+    _, wide = model(tokens, model.init_state(2))
+    _, narrow = model(tokens, state)
+    for a, b in zip(wide.kv, narrow.kv):
+        if a is not None:
+            assert b.k.dtype == torch.bfloat16 and torch.equal(a.k.to(torch.bfloat16), b.k)
