@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -135,13 +134,6 @@ def in_eval_mode(fn):
         finally:
             module.train(was_training)
     return run
-
-
-class ChunkOutput(NamedTuple):
-    """A chunk's final hidden states (B, T, D) and memory gates (B, n_mem) or None, for
-    ElephantLM.window_loss."""
-    h: Tensor
-    gate: Tensor | None
 
 
 class TrainingGraphs:
@@ -335,8 +327,8 @@ class ElephantLM(nn.Module):
     def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
                 targets: Tensor | None = None, loss_mask: Tensor | None = None,
                 reduction: str = "mean", starts: Tensor | None = None,
-                prefix: list[tuple] | None = None, inner_starts: int | None = None,
-                hidden: bool = False) -> tuple[Tensor, RecurrentState]:
+                prefix: list[tuple] | None = None, inner_starts: int | None = None
+                ) -> tuple[Tensor, RecurrentState]:
         """One chunk of every lane.
 
         tokens (B, T) int64; state from the previous chunk (None: a fresh state); reset (B,) bool
@@ -358,9 +350,6 @@ class ElephantLM(nn.Module):
         given with it checked; a count given with CUDA starts is trusted): attention runs the chunk
         by its variable-length kernel when they fit its layout (attention.SEGMENT_ROOM), else by
         the explicit mask.
-
-        `hidden`: return the final hidden states and the memory gates, `ChunkOutput(h, gate)`, in
-        place of the logits or loss, for `window_loss` to score several chunks in one pass.
         """
         B, T = tokens.shape
         cfg = self.cfg
@@ -395,7 +384,7 @@ class ElephantLM(nn.Module):
         room = 0 if starts is None else segment_room(B, inner_starts)
         h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
                                                            path is not None, room)
-        out = ChunkOutput(h, gate) if hidden else self._output(h, gate, targets, loss_mask, reduction)
+        out = self._output(h, gate, targets, loss_mask, reduction)
         new.links = links
         new.prefix = used if used is not None else prefix   # a chunk without starts uses none
         if path is not None:  # the same update on the memory-only path (see RecurrentState)
@@ -403,30 +392,6 @@ class ElephantLM(nn.Module):
                 path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
             new.memory_path = self._memory_update(path, written)[0]
         return out, new
-
-    def window_loss(self, outputs: list["ChunkOutput"], targets: list[Tensor],
-                    loss_masks: list[Tensor | None], reduction: str = "sum") -> Tensor:
-        """The loss of several chunks (`forward(hidden=True)`'s outputs, their targets and masks)
-        scored in one pass of the head, the reduction over all their tokens: for "sum", the sum of
-        the chunks' own losses. Training sums a window's chunks: one pass casts the head's weight,
-        makes its gradient and scales it once for all of them, instead of once per chunk with a
-        full (V, D) add of the gradients after (the blocked head makes its weight gradient in the
-        forward pass, see layers/head.py)."""
-        if not outputs or not len(outputs) == len(targets) == len(loss_masks):
-            raise ValueError(f"window_loss: expected as many targets and loss masks as chunk "
-                             f"outputs (at least one), got {len(outputs)}, {len(targets)} and "
-                             f"{len(loss_masks)}")
-
-        def join(parts):
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        masks = None
-        if any(m is not None for m in loss_masks):
-            masks = join([torch.ones_like(t, dtype=torch.bool) if m is None else m
-                          for t, m in zip(targets, loss_masks)])
-        gates = [o.gate for o in outputs]
-        return self._output(join([o.h for o in outputs]),
-                            None if gates[0] is None else join(gates), join(targets), masks,
-                            reduction)
 
     def _output(self, h: Tensor, gate: Tensor | None, targets: Tensor | None,
                 loss_mask: Tensor | None, reduction: str) -> Tensor:

@@ -369,7 +369,7 @@ class Trainer:
             torch.compiler.cudagraph_mark_step_begin()
             if self.carry is not None:   # read in place by the first chunk's graph
                 state = self.carry.take(state)
-        outputs, targets, masks = [], [], []
+        loss = 0.0
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
             # packed rows: the boundary path only for chunks where a document starts inside
@@ -379,14 +379,12 @@ class Trainer:
             # ones (RecurrentState.prefix)
             starts = to_device(b.starts, rt.device) if cfg.data.pack and b.inner_starts else None
             with rt.autocast():
-                out, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
-                                        starts=starts, inner_starts=b.inner_starts, hidden=True)
-            outputs.append(out)
-            targets.append(tokens[:, 1:])
-            masks.append(to_device(b.loss_mask, rt.device))
-        # the window's chunks scored by one pass of the head (ElephantLM.window_loss)
-        with rt.autocast():
-            loss = self.model.window_loss(outputs, targets, masks, reduction="sum")
+                nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
+                                        targets=tokens[:, 1:],
+                                        loss_mask=to_device(b.loss_mask, rt.device),
+                                        reduction="sum", starts=starts,
+                                        inner_starts=b.inner_starts)
+            loss = loss + nll
         if on_loss is not None:
             on_loss(loss.detach().double())
         # the optimizers average gradients over ranks: scale so the average is the global mean

@@ -488,35 +488,3 @@ def test_kv_window_dtype_follows_kv_dtype_and_holds_the_same_keys():
     for a, b in zip(wide.kv, narrow.kv):
         if a is not None:
             assert b.k.dtype == torch.bfloat16 and torch.equal(a.k.to(torch.bfloat16), b.k)
-
-
-@pytest.mark.parametrize("blocked", [True, False])
-def test_window_loss_equals_the_sum_of_the_chunks_losses(blocked):
-    # forward(hidden=True) + window_loss (the trainer's step: one pass of the head over a window's
-    # chunks) gives the summed per-chunk loss, write cost included, and the same gradients
-    model = make(n_mem=2, kv_window=4, bptt_chunks=2, mem_write_cost=0.01).train()
-    model.blocked_head = blocked
-    gen = torch.Generator().manual_seed(7)
-    chunks = [torch.randint(0, 97, (3, 7), generator=gen) for _ in range(2)]
-    masks = [torch.rand(3, 6, generator=gen) < 0.8 for _ in range(2)]
-
-    def run(one_pass):
-        model.zero_grad(set_to_none=True)
-        state, outs, total = model.init_state(3), [], 0.0
-        for tokens, mask in zip(chunks, masks):
-            out, state = model(tokens[:, :-1], state, targets=None if one_pass else tokens[:, 1:],
-                               loss_mask=mask, reduction="sum", hidden=one_pass)
-            outs.append(out)
-            total = total if one_pass else total + out
-        if one_pass:
-            total = model.window_loss(outs, [t[:, 1:] for t in chunks], masks, reduction="sum")
-        total.backward()
-        return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                if p.grad is not None}
-    (want, want_g), (got, got_g) = run(False), run(True)
-    assert torch.allclose(got, want, rtol=1e-12) and want_g.keys() == got_g.keys()
-    assert "mem_gate" in got_g
-    for name, g in want_g.items():
-        assert torch.allclose(got_g[name], g, rtol=1e-10, atol=1e-14), name
-    with pytest.raises(ValueError, match="as many targets"):
-        model.window_loss([], [], [])

@@ -218,25 +218,26 @@ def test_non_finite_losses_skip_steps_then_stop_with_checkpoint_intact(tmp_path,
     cfg = load_config(ROOT / "configs/tiny.toml", overrides(
         run, corpus_dir, **{"train.max_steps": 20, "train.ckpt_every": 2, "train.max_bad_steps": 3}))
     trainer = Trainer(cfg, progress=False)
-    window_loss = trainer.model.window_loss   # the loss of a step's window (its chunks)
+    forward = trainer.model.forward
     poison = {"on": False, "calls": 0}
 
     def poisoned(*args, **kw):
-        out = window_loss(*args, **kw)
+        out, state = forward(*args, **kw)
         if poison["on"]:
             poison["calls"] += 1
-            # one bad step, then good again, then bad for good
-            if poison["calls"] > 2:
+            # one bad step (both chunks), then good again, then bad for good
+            if poison["calls"] > 2 * cfg.model.bptt_chunks:
                 out = out * float("nan")
-            elif poison["calls"] == 1:
+            elif poison["calls"] <= cfg.model.bptt_chunks:
                 out = out * float("inf")
-        return out
-    trainer.model.window_loss = poisoned
+        return out, state
+    trainer.model.forward = poisoned
     for _ in range(4):
         trainer.train_step()
     trainer.save()
     saved = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     poison["on"] = True
+    trainer.model.forward = poisoned
     with pytest.raises(TrainingStopped, match="3 consecutive steps had a non-finite loss"):
         trainer.fit()
     assert trainer.skipped_steps == 4  # one isolated, then three in a row
@@ -478,13 +479,13 @@ def test_the_loss_is_read_after_the_backward_is_queued_and_before_the_update(tmp
         weight.register_hook(lambda g: events.append("backward") or g)
         step = trainer.opt.step
         trainer.opt.step = lambda: events.append("update") or step()
-        window_loss = trainer.model.window_loss
+        forward = trainer.model.forward
         poison = {"on": False}
 
         def poisoned(*args, **kw):
-            out = window_loss(*args, **kw)
-            return out * float("nan") if poison["on"] else out
-        trainer.model.window_loss = poisoned
+            out, state = forward(*args, **kw)
+            return (out * float("nan") if poison["on"] else out), state
+        trainer.model.forward = poisoned
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.Tensor, "tolist", tolist)
             out = trainer.train_step()
