@@ -149,21 +149,6 @@ def main() -> None:
         return make
 
     run("scan/triton", scan_paths(ssd_triton.ssd_triton))
-
-    def group_sums(triton_kernel):
-        """The backward's sum of each head's dB and dC over its group (one group, as the recipe):
-        the Triton launch for both, or the two torch reductions it replaced."""
-        def make():
-            dB, dC = (torch.randn(b, l, h, n, device=device, dtype=dtype) for _ in range(2))
-
-            def step():
-                if triton_kernel:
-                    return ssd_triton._group_sums(dB, dC, 1)
-                return tuple(t.view(b, l, 1, h, n).sum(3, dtype=torch.float32) for t in (dB, dC))
-            return {"fwd": step}
-        return make
-    run("scan/backward_group_sums_triton", group_sums(True))
-    run("scan/backward_group_sums_torch", group_sums(False))
     run("scan/ssd_chunked_eager", scan_paths(ssd_chunked))
 
     def sdpa():

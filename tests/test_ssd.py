@@ -429,22 +429,6 @@ def test_triton_segment_init_equals_chunked(l, rows, h, g, p, n, init, D):
     assert_close_outputs(inputs, (y, s, g_tri), (y_ref, s_ref, g_ref))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_group_sums_equal_torch_sums(dtype):
-    # the backward's sum of each head's dB and dC over its group's heads (one launch for both):
-    # three heads a group (not a power of 2), d_state 20, rows not a multiple of a program's
-    _needs_triton()
-    from elephant.layers.ssd_triton import _group_sums
-    b, l, g, hpg, n = 2, 11, 2, 3, 20
-    gen = torch.Generator().manual_seed(9)
-    dB, dC = (torch.randn(b, l, g * hpg, n, generator=gen).to(dtype) for _ in range(2))
-    sB, sC = _group_sums(dB, dC, g)
-    for got, x in ((sB, dB), (sC, dC)):
-        want = x.view(b, l, g, hpg, n).sum(3, dtype=torch.float32)
-        assert got.dtype == torch.float32 and got.shape == (b, l, g, n)
-        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
 def test_triton_segment_cumsum_is_its_own_segments_sum():
     # the kernels' float32 restarting cumsum == the float64 masked sum (ssd.segment_cumsum) to float32
     # rounding, its gradient == that of the reference, and a document's sums are bitwise independent

@@ -103,24 +103,6 @@ if HAVE_TRITON:
         return seg, seg_end, seg_prev
 
     @triton.jit
-    def _group_sums_kernel(db_ptr, dc_ptr, sb_ptr, sc_ptr, R, HPG, N,
-                           ROWS: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr):
-        """dB and dC summed over each group's heads, in float32: rows of (R, HPG, N) in x's
-        dtype -> (R, N), ROWS rows a program, both in one launch."""
-        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        h = tl.arange(0, HP)
-        n = tl.arange(0, BN)
-        rows = r.to(tl.int64)[:, None, None]
-        mask = (r < R)[:, None, None] & (h < HPG)[None, :, None] & (n < N)[None, None, :]
-        src = (rows * HPG + h[None, :, None]) * N + n[None, None, :]
-        out = r.to(tl.int64)[:, None] * N + n[None, :]
-        omask = (r < R)[:, None] & (n < N)[None, :]
-        tl.store(sb_ptr + out, tl.sum(tl.load(db_ptr + src, mask=mask, other=0.0).to(tl.float32),
-                                      axis=1), mask=omask)
-        tl.store(sc_ptr + out, tl.sum(tl.load(dc_ptr + src, mask=mask, other=0.0).to(tl.float32),
-                                      axis=1), mask=omask)
-
-    @triton.jit
     def _segmented_add(f1, v1, f2, v2):
         """The segmented sum's combine: a flag starts a new sum at its element."""
         return f1 | f2, tl.where(f2 != 0, v2, v1 + v2)
@@ -574,24 +556,11 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec,
         HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
-    dB, dC = _group_sums(dB, dC, g)
+    dB = dB.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
+    dC = dC.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
     dD = dD.sum((0, 1)) if dD is not None else None
     dsinit = dsinit.sum(0) if dsinit is not None else None
     return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
-
-
-def _group_sums(dB: torch.Tensor, dC: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's dB and dC (b, l, h, n), contiguous, summed over its group's heads: (b, l, g, n)
-    float32 each, by one kernel launch for both (two strided torch reductions before: 20 us a call
-    each at the 70M recipe's shape, ~1.7 TB/s)."""
-    b, l, h, n = dB.shape
-    sB, sC = (torch.empty(b, l, g, n, device=dB.device, dtype=torch.float32) for _ in range(2))
-    R, rows = b * l * g, 8
-    if R:
-        _group_sums_kernel[(triton.cdiv(R, rows),)](
-            dB, dC, sB, sC, R, h // g, n, ROWS=rows, HP=triton.next_power_of_2(h // g),
-            BN=triton.next_power_of_2(n), num_warps=4)
-    return sB, sC
 
 
 # ------------------------------------------------------------------------------- custom ops
