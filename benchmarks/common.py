@@ -208,6 +208,38 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pat in KERNEL_KINDS if re.search(pat, name)), "other")
 
 
+def device_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 12) -> dict:
+    """Where the GPU idled between kernels, from (start, end, name) of every kernel in a profile
+    (microseconds; any streams: a kernel overlapping another is busy time once). `idle_ms_per_step`:
+    the time between the first kernel's start and the last one's end with no kernel running, per
+    step; `by_size`: that idle time (ms per step) and count per step of the gaps by length (under
+    5 us: launch to launch inside a CUDA graph; 5-50; 50-500; over 500 us: the host late);
+    `largest`: the `top` longest gaps with the kernels before and after each. Kernel time alone
+    misses this: a step's wall is its kernels plus its gaps."""
+    spans = sorted(kernels)
+    buckets = {"<5us": [0.0, 0], "5-50us": [0.0, 0], "50-500us": [0.0, 0], ">500us": [0.0, 0]}
+    gaps = []
+    if spans:
+        end, last = spans[0][1], spans[0][2]
+        for start, stop, name in spans[1:]:
+            if start > end:
+                gap = start - end
+                gaps.append((gap, last, name))
+                size = ("<5us" if gap < 5 else "5-50us" if gap < 50 else "50-500us" if gap < 500
+                        else ">500us")
+                buckets[size][0] += gap
+                buckets[size][1] += 1
+            if stop > end:
+                end, last = stop, name
+    gaps.sort(key=lambda g: -g[0])
+    per = max(steps, 1)
+    return {"idle_ms_per_step": sum(g[0] for g in gaps) / 1e3 / per,
+            "by_size": {k: {"ms_per_step": v[0] / 1e3 / per, "per_step": v[1] / per}
+                        for k, v in buckets.items()},
+            "largest": [{"us": round(g, 1), "after": a[:80], "before": b[:80]}
+                        for g, a, b in gaps[:top]]}
+
+
 def profile(step, steps: int, device, title: str, top: int = 20,
             ranges: tuple = (), shapes: bool = False) -> tuple[list[dict], str, dict]:
     """The `top` kernels by device time over `steps` calls of `step()`, the profiler's table, and
@@ -249,6 +281,13 @@ def profile(step, steps: int, device, title: str, top: int = 20,
     summary = {"device_ms_per_step": total / 1e3 / steps,
                "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
                "ranges": spans, "kernels": [k for k in kernels if k["ms_per_step"] >= 1e-3]}
+    if cuda:   # the GPU's idle time between the kernels, and where
+        summary["gaps"] = device_gaps(
+            [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in ranges
+             # not the annotations that span kernels (record_function ranges, compiled graphs)
+             and not getattr(e, "is_user_annotation", False) and not e.name.startswith("phase:")
+             and not e.name.startswith("## ")], steps)
     return kernels[:top], table, summary
 
 

@@ -21,7 +21,9 @@ anything during the timed steps (a recompile). After timing it counts the host s
 one more step (CUDA sync debug mode and waits on CUDA events) and profiles a few steps: the top
 kernels by device time go into the JSON, and `profile_summary` with the device ms per step by
 kernel kind (`benchmarks.common.kernel_kind`), every kernel, and (our steps) the device time of
-the host-queued phases (clipping, the optimizer, its graphed form); the full tables into
+the host-queued phases (clipping, the optimizer, its graphed form), and on the GPU `gaps`: the
+time the GPU idled between kernels, by gap length, and the longest gaps with the kernels around
+them (`benchmarks.common.device_gaps`; a step's wall is its kernels plus these); the full tables into
 ..._profile.txt (with --shapes also the operators by input shape). --phases adds each phase's
 host and wall time.
 
@@ -515,8 +517,10 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             r = results["runs"].get(part, {})
+            gaps = (r.get("profile_summary") or {}).get("gaps")
+            idle = f", GPU idle {gaps['idle_ms_per_step']:.2f} ms a step" if gaps else ""
             print(f"{part}: {r.get('tokens_per_s', float('nan')):,.0f} tokens/s, "
-                  f"MFU {r.get('mfu') or 0:.1%}, peak {r.get('peak_mem_gb') or 0:.1f} GB "
+                  f"MFU {r.get('mfu') or 0:.1%}, peak {r.get('peak_mem_gb') or 0:.1f} GB{idle} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
             save()
     runs = results["runs"]

@@ -132,3 +132,19 @@ def test_train_speed_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             train_speed.parse(argv)
         assert "error" in capsys.readouterr().err
+
+
+def test_device_gaps_measure_the_idle_time_between_kernels():
+    # (start, end, name) in us over 2 steps: overlapping kernels count once, and each gap is sized,
+    # bucketed and named by the kernels around it
+    from benchmarks.common import device_gaps
+    kernels = [(0, 10, "a"), (5, 12, "b"), (14, 20, "c"), (80, 90, "d"), (700, 710, "e"),
+               (702, 705, "f")]
+    gaps = device_gaps(kernels, steps=2, top=2)
+    assert gaps["idle_ms_per_step"] == (2 + 60 + 610) / 1e3 / 2
+    assert gaps["by_size"]["<5us"] == {"ms_per_step": 2 / 1e3 / 2, "per_step": 0.5}
+    assert gaps["by_size"]["50-500us"]["per_step"] == 0.5
+    assert gaps["by_size"][">500us"]["ms_per_step"] == 610 / 1e3 / 2
+    assert gaps["largest"] == [{"us": 610, "after": "d", "before": "e"},
+                               {"us": 60, "after": "c", "before": "d"}]
+    assert device_gaps([], steps=1)["idle_ms_per_step"] == 0.0
