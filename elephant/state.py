@@ -279,8 +279,8 @@ class StaticCarry:
 
     A graph replay copies every input it was not told is static into a placeholder of its own, and
     its outputs live in its memory pool, which the next step's replay overwrites. So a state carried
-    by `clone()` is copied twice a step: out of the pool, then into the next replay's placeholders
-    (two launches per tensor, 42 for the 70M recipe's state). Here the step's last state is copied
+    by `clone()` is copied twice a step: out of the pool (a launch per tensor, 21 for the 70M
+    recipe's state), then into the next replay's placeholders. Here the step's last state is copied
     once, into these buffers (one multi-tensor copy per dtype), and the next step's first chunk
     reads them where they are: they are marked as static inputs
     (torch._dynamo.mark_static_address, unguarded), so its graph is traced without placeholders
@@ -308,10 +308,14 @@ class StaticCarry:
     def _copy_in(self, tensors: list[Tensor]) -> None:
         by_dtype: dict = {}
         for b, t in zip(self.buffers, tensors):
-            if b.data_ptr() != t.data_ptr():
-                dst, src = by_dtype.setdefault(t.dtype, ([], []))
-                dst.append(b)
-                src.append(t.detach())
+            if t.data_ptr() == b.data_ptr() and t.stride() == b.stride():
+                continue   # the buffer itself (or a detached view of it): already in place
+            t = t.detach()
+            if t.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                t = t.clone()   # another view of the buffer: read it before it is overwritten
+            dst, src = by_dtype.setdefault(t.dtype, ([], []))
+            dst.append(b)
+            src.append(t)
         with torch.no_grad():
             for dst, src in by_dtype.values():
                 torch._foreach_copy_(dst, src)

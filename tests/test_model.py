@@ -488,3 +488,23 @@ def test_kv_window_dtype_follows_kv_dtype_and_holds_the_same_keys():
     for a, b in zip(wide.kv, narrow.kv):
         if a is not None:
             assert b.k.dtype == torch.bfloat16 and torch.equal(a.k.to(torch.bfloat16), b.k)
+
+
+def test_static_carry_copies_another_view_of_its_own_buffer_safely():
+    # a state whose tensor is another view of a carry buffer (the window's keys with the head and
+    # slot axes swapped: the same shape, 4 heads and 4 slots, other strides) gets that view's
+    # values, read before the buffer is overwritten; the buffer itself is left as it is
+    from elephant.state import StaticCarry
+    model = make(kv_window=4)
+    _, state = model(torch.randint(0, 97, (3, 6)))
+    carry = StaticCarry()
+    held = carry.take(state)
+    swapped = held.with_tensors(list(held.tensors().values()))
+    i = next(i for i, c in enumerate(held.kv) if c is not None)
+    swapped.kv[i] = held.kv[i].map(lambda t: t.transpose(1, 2) if t.dim() == 4 else t)
+    assert swapped.kv[i].k.data_ptr() == held.kv[i].k.data_ptr()
+    want = {k: t.clone() for k, t in swapped.tensors().items()}
+    again = carry.take(swapped)
+    for k, t in again.tensors().items():
+        assert torch.equal(t, want[k]), k
+    assert not torch.equal(want[f"kv.{i}.k"], state.kv[i].k)   # the swap changed the values
