@@ -234,7 +234,8 @@ class ElephantLM(nn.Module):
         e.g. the first chunk after a detach and the next); "graphs", the same, replayed as CUDA
         graphs in training (torch.compile's reduce-overhead: no host launches at all, custom ops
         included; the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and
-        clones the state it carries past a step, whose tensors the next replay may overwrite),
+        copies the state it carries past a step out of the graphs' memory, whose tensors the next
+        replay may overwrite: `state.StaticCarry` (the trainer's way) or `RecurrentState.clone`),
         compiled without graphs in evaluation and without gradients (`TrainingGraphs`); "off"
         leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
