@@ -6,7 +6,8 @@ cautious weight decay, Adam, global-norm clipping): fp32, atol 1e-6 and rtol 1e-
 numbers is the same in either order, so the only differences come from the clip norm, summed over
 shards in a different order. Run twice: with gloo's reduce-scatter and with the all-reduce fallback.
 Also checked: each rank's state_dict holds only its slice, and a round trip through it on both
-ranks continues bitwise.
+ranks continues bitwise; and the trainer's graphed step (collectives around a captured update)
+gives bitwise the eager step's weights, norms and states.
 """
 import os
 import socket
@@ -65,7 +66,9 @@ def _worker(rank: int, port: int, out: str):
     try:
         for fallback in (False, True):
             optim_dist.force_allreduce_fallback(fallback)
-            _steps_and_resume(rank, f"{out}/{'allreduce_fallback' if fallback else 'reduce_scatter'}")
+            mode = f"{out}/{'allreduce_fallback' if fallback else 'reduce_scatter'}"
+            _steps_and_resume(rank, mode)
+            _graphed_steps(rank, mode)
     finally:
         optim_dist.force_allreduce_fallback(False)
         dist.destroy_process_group()
@@ -90,6 +93,36 @@ def _steps_and_resume(rank: int, out: str):
                                                             model2.state_dict().values()))
     torch.save({"weights": weights, "norms": norms, "state": sd, "resumed_equal": resumed_equal},
                f"{out}-rank{rank}.pt")
+
+
+def _graphed_steps(rank: int, out: str):
+    """The trainer's graphed step (`Optimizers.graphed_step`: collectives around the update, run
+    directly on the CPU; uncompiled, and traced by torch.compile as the trainer does) beside
+    clip_grad_norm_ + step on the same gradients, with and without clipping."""
+    result = {}
+    for clip in (2.0, 0.0):
+        runs = {}
+        for how in ("eager", "graphed", "compiled"):
+            torch._dynamo.reset()        # each optimizer compiles its own update
+            torch.manual_seed(0)
+            model = Shapes()
+            opt = build_optimizers(model, OptimConfig(**CFG))
+            norms = []
+            for step in range(STEPS):
+                opt.set_step(step, STEPS + 2)
+                for p, g in zip(model.parameters(), _grads(model, rank, step)):
+                    p.grad = g.clone()
+                if how == "eager":
+                    norm = opt.clip_grad_norm_(clip) if clip else torch.zeros(())
+                    opt.step()
+                else:
+                    norm = opt.graphed_step(clip, "aot_eager" if how == "compiled" else None)
+                norms.append(norm.item())
+                opt.zero_grad()
+            runs[how] = {"norms": norms, "weights": {k: v.clone() for k, v in model.state_dict().items()},
+                         "state": opt.state_dict()}
+        result[str(clip)] = runs
+    torch.save(result, f"{out}-graphed-rank{rank}.pt")
 
 
 def _free_port() -> int:
@@ -137,6 +170,41 @@ def test_two_process_step_equals_single_process_on_global_gradient(two_process_r
     assert s0["adam"]["state"]["embed.weight"]["exp_avg"].shape == (4, 6)
     assert "scale" in s0["adam"]["state"] and "scale" not in s1["adam"]["state"]
     assert (s0["muon"]["rank"], s1["muon"]["rank"], s1["muon"]["world_size"]) == (0, 1, 2)
+
+
+def _flat(sd) -> list:
+    if isinstance(sd, dict):
+        return [x for k in sorted(sd) for x in _flat(sd[k])]
+    if isinstance(sd, list):
+        return [x for v in sd for x in _flat(v)]
+    return [sd]
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "allreduce_fallback"])
+@pytest.mark.parametrize("clip", ["2.0", "0.0"])
+def test_two_process_graphed_step_equals_clip_and_step(two_process_results, mode, clip):
+    """With a process group, graphed_step reduce-scatters into its buffers, all-reduces the
+    clipping norm and all-gathers the updated pieces around the update: bitwise the eager
+    clip_grad_norm_ + step (weights, norms and each rank's optimizer state); traced by torch.compile
+    (the trainer's form) the same to float32 rounding."""
+    for r in range(2):
+        runs = torch.load(two_process_results / f"{mode}-graphed-rank{r}.pt", weights_only=True)[clip]
+        eager, graphed, compiled = runs["eager"], runs["graphed"], runs["compiled"]
+        assert graphed["norms"] == eager["norms"]
+        assert (eager["norms"][0] > 0) == (clip != "0.0")
+        for name, want in eager["weights"].items():
+            assert torch.equal(graphed["weights"][name], want), name
+            torch.testing.assert_close(compiled["weights"][name], want, atol=1e-6, rtol=1e-5, msg=name)
+        got, want = _flat(graphed["state"]), _flat(eager["state"])
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+        assert compiled["norms"] == pytest.approx(eager["norms"], rel=1e-6)
+    # the ranks hold the same weights after the all-gathers
+    ranks = [torch.load(two_process_results / f"{mode}-graphed-rank{r}.pt", weights_only=True)[clip]
+             for r in range(2)]
+    for name, w in ranks[0]["graphed"]["weights"].items():
+        assert torch.equal(ranks[1]["graphed"]["weights"][name], w), name
 
 
 def test_loading_a_sharded_state_into_another_world_size_is_refused(tmp_path):

@@ -16,9 +16,10 @@ Trainer protocol, per optimizer step (no DDP wrapper, no other all-reduce):
     norm = opt.clip_grad_norm_(cfg.grad_clip)   # optional; 0-d tensor, the global norm
     opt.step()
     opt.zero_grad(set_to_none=True)
-With one process the last two lines may be `norm = opt.graphed_step(cfg.grad_clip, backend)`: the
-same phase as one CUDA graph (compiled first when a torch.compile backend is given), what the
-trainer runs under train.compile=graphs.
+The last two lines may be `norm = opt.graphed_step(cfg.grad_clip, backend)`: the same phase with
+the update replayed as one CUDA graph (compiled first when a torch.compile backend is given), what
+the trainer runs under train.compile=graphs; with a process group the collectives stay outside the
+graph (reduce-scatter, the norm's all-reduce and all-gather, three launches each way).
 """
 from __future__ import annotations
 
@@ -113,9 +114,20 @@ class Optimizers:
     def _clip_coefficient(self, local: list[torch.Tensor], max_norm: float):
         """(the global gradient norm, the factor that clips it to max_norm or None when max_norm
         <= 0), from this rank's gradients `local` (summed over ranks)."""
-        sq = torch.stack([g.float().square().sum() for g in local]).sum() if local else torch.zeros(())
+        sq = self._square_sum(local)
         if world(self.process_group)[1] > 1:
             dist.all_reduce(sq, group=self.process_group)
+        return self._norm_and_coefficient(sq, max_norm)
+
+    @staticmethod
+    def _square_sum(local: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of squares of this rank's gradients (float32, 0-d)."""
+        return torch.stack([g.float().square().sum() for g in local]).sum() if local else torch.zeros(())
+
+    @staticmethod
+    def _norm_and_coefficient(sq: torch.Tensor, max_norm: float):
+        """(the norm, the clipping factor or None when max_norm <= 0) from the global sum of
+        squares `sq`."""
         norm = sq.sqrt()
         if max_norm <= 0:
             return norm, None
@@ -132,18 +144,22 @@ class Optimizers:
         for h in handles:
             h.wait()
 
-    # -- one process: clipping and both updates replayed as one CUDA graph (run directly on the CPU)
+    # -- clipping and both updates replayed as one CUDA graph (run directly on the CPU)
     def graphable(self) -> bool:
-        """Whether `graphed_step` can run: one process, parameters to update."""
-        return world(self.process_group)[1] == 1 and bool(self.optimizers)
+        """Whether `graphed_step` can run: parameters to update."""
+        return bool(self.optimizers)
 
     @torch.no_grad()
     def graphed_step(self, max_norm: float, compile_backend: str | None = None) -> torch.Tensor:
         """`clip_grad_norm_(max_norm)` (when max_norm > 0) then `step()`, replayed as one CUDA
         graph: the same arithmetic, and the host queues three things instead of hundreds of
         kernels: the gradients packed into a buffer that stays put, this step's scheduled values
-        (`hyper_values`, copied from pinned memory without a wait) and the replay. One process
-        (`graphable`); on the CPU the same buffers and arithmetic run without a graph (what the
+        (`hyper_values`, copied from pinned memory without a wait) and the replay. With a process
+        group the collectives run around the graph: each optimizer's gradients are reduce-scattered
+        into the buffer it reads, the sum of their squares is all-reduced (when clipping) into a
+        tensor it reads, and the graph packs this rank's updated pieces into a buffer that is
+        all-gathered, then copied into the parameters: the eager `clip_grad_norm_` + `step`, in
+        the same order. On the CPU the same buffers and arithmetic run without a graph (what the
         CPU tests check). Captured on the first call, and again after `load_state_dict` (it replaces
         the state tensors the graph reads) or for another max_norm. Returns the gradient norm
         before clipping (0 when max_norm <= 0: not measured), a copy the next step leaves alone.
@@ -151,13 +167,21 @@ class Optimizers:
         its many elementwise passes over the parameters and states; the products stay cuBLAS's),
         so it runs the same steps to float32 rounding instead of bit for bit; None: as eager."""
         if not self.graphable():
-            raise RuntimeError("Optimizers.graphed_step needs one process and parameters to update")
+            raise RuntimeError("Optimizers.graphed_step needs parameters to update")
         g = self._graph
         if g is None or (g["max_norm"], g["backend"]) != (max_norm, compile_backend):
             g = self._graph = self._capture(max_norm, compile_backend)
-        for opt, flat in zip(self.optimizers, g["flat"]):
-            opt.layout.pack_gradients([p.grad for p in opt.layout.params], flat)
+        group = self.process_group
+        for opt, flat, send in zip(self.optimizers, g["flat"], g["send"]):
+            grads = [p.grad for p in opt.layout.params]
+            if send is None:
+                opt.layout.pack_gradients(grads, flat)
+            else:
+                opt.layout.reduce_scatter_into(grads, send, flat, group)
             opt._pending = opt._local_grads = None
+        if g["sq"] is not None:          # several processes, clipping: the global sum of squares
+            g["sq"].copy_(self._square_sum(g["flat"]))
+            dist.all_reduce(g["sq"], group=group)
         values = torch.tensor([v for opt in self.optimizers for v in opt.hyper_values()],
                               dtype=torch.float32)
         if g["graph"] is None:           # the CPU: the same buffers and arithmetic, run directly
@@ -172,41 +196,61 @@ class Optimizers:
             g["hyper"].copy_(host, non_blocking=True)
             copied.record()
             g["graph"].replay()
+        for opt, local, gathered in zip(self.optimizers, g["local"], g["gathered"]):
+            if local is not None:
+                opt.layout.all_gather_from(local, gathered, group)
         return g["norm"].clone()
 
     def _capture(self, max_norm: float, backend: str | None) -> dict:
         from ..cudagraph import capture
         like = self.optimizers[0].layout.params[0]
-        flats = [torch.zeros(opt.layout.region, device=like.device, dtype=like.dtype)
-                 for opt in self.optimizers]
+        rank, world_size = world(self.process_group)
+
+        def buffer(n: int) -> torch.Tensor:
+            return torch.zeros(n, device=like.device, dtype=like.dtype)
+        flats = [buffer(opt.layout.region) for opt in self.optimizers]
         sizes = [opt.n_hyper() for opt in self.optimizers]
         # the warm-up and capture calls read these (sane values: no inf or NaN on the way) and
         # change the parameters and states, which `capture` puts back
         hyper = torch.ones(sum(sizes), device=like.device, dtype=torch.float32)
         norm = torch.zeros((), device=like.device, dtype=torch.float32)
+        several = world_size > 1
+        # several processes: what the collectives read and write around the graph
+        send = [buffer(world_size * opt.layout.region) if several else None for opt in self.optimizers]
+        local = [buffer(opt.layout.region) if several else None for opt in self.optimizers]
+        gathered = [buffer(world_size * opt.layout.region) if several else None
+                    for opt in self.optimizers]
+        sq = torch.ones((), device=like.device, dtype=torch.float32) if several and max_norm > 0 else None
         for opt, flat in zip(self.optimizers, flats):
             opt.ensure_state(flat)
 
         def update():
             grads = flats
             if max_norm > 0:   # the clipped gradients as values, not written back into the buffers
-                total, coef = self._clip_coefficient(flats, max_norm)
+                if sq is None:
+                    total, coef = self._clip_coefficient(flats, max_norm)
+                else:          # all-reduced before the replay
+                    total, coef = self._norm_and_coefficient(sq, max_norm)
                 norm.copy_(total)
                 grads = [f * coef.to(f.dtype) for f in flats]
             start = 0
             for opt, flat, k in zip(self.optimizers, grads, sizes):
                 opt._apply(flat, hyper[start:start + k])
                 start += k
+            for opt, out in zip(self.optimizers, local):
+                if out is not None:   # this rank's updated pieces, for the all-gather
+                    out.copy_(opt.layout.pack_local(rank))
 
         if backend is not None:
             update = torch.compile(update, fullgraph=True, dynamic=False, backend=backend)
         out = {"graph": None, "update": update, "flat": flats, "hyper": hyper, "norm": norm,
-               "max_norm": max_norm, "backend": backend}
+               "max_norm": max_norm, "backend": backend, "send": send, "local": local,
+               "gathered": gathered, "sq": sq}
         if not like.is_cuda:
             return out
         state = [p.detach() for opt in self.optimizers for p in opt.layout.params]
         state += [t for opt in self.optimizers for t in opt.state_tensors()]
-        out["graph"], _ = capture(update, state)
+        out["graph"], _ = capture(update, state, error_mode="thread_local" if several else "global")
         out.update(host=[torch.empty(len(hyper), dtype=torch.float32, pin_memory=True)
                          for _ in range(2)],
                    copied=[torch.cuda.Event() for _ in range(2)], turn=0)

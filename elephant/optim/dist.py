@@ -236,6 +236,50 @@ class ShardLayout:
         return _ReduceScatter(work, mine, world_size, full)
 
     @torch.no_grad()
+    def reduce_scatter_into(self, grads: list[Tensor | None], send: Tensor, out: Tensor,
+                            group=None) -> None:
+        """`reduce_scatter` into buffers that stay put from step to step (what a captured update
+        reads): `grads` packed into `send` (world * region elements), this rank's region of their
+        average written into `out` (region elements). The current stream waits for the
+        collective; the host does not."""
+        rank, world_size = world(group)
+        if world_size != self.world_size or world_size == 1:
+            raise RuntimeError(f"reduce_scatter_into: a layout of world size {self.world_size} "
+                               f"on a process group of {world_size}; one process packs instead")
+        self._pack(range(world_size), grads, out=send)
+        backend = dist.get_backend(group)
+        if not _force_fallback and backend not in _fallback_backends:
+            try:
+                _reduce_scatter(out, send, group=group)
+                out.div_(world_size)
+                return
+            except (RuntimeError, NotImplementedError):
+                _fallback_backends.add(backend)
+        dist.all_reduce(send, group=group)
+        out.copy_(send.view(world_size, self.region)[rank]).div_(world_size)
+
+    def pack_local(self, rank: int, out: Tensor | None = None) -> Tensor:
+        """This rank's pieces of the parameters, flat (what `all_gather` sends)."""
+        return self._pack([rank], self.params, out)
+
+    @torch.no_grad()
+    def all_gather_from(self, local: Tensor, gathered: Tensor, group=None) -> None:
+        """`all_gather` from a buffer the caller packed (`pack_local`) into one that stays put
+        (world * region elements), then every other rank's pieces copied into the parameters."""
+        rank, world_size = world(group)
+        backend = dist.get_backend(group)
+        if not _force_fallback and backend not in _fallback_backends:
+            try:
+                _AllGather(_all_gather(gathered, local, group=group, async_op=True),
+                           self, gathered, rank, local).wait()
+                return
+            except (RuntimeError, NotImplementedError):
+                _fallback_backends.add(backend)
+        work = dist.all_gather(list(gathered.view(world_size, self.region).unbind(0)), local,
+                               group=group, async_op=True)
+        _AllGather(work, self, gathered, rank, local).wait()
+
+    @torch.no_grad()
     def all_gather(self, group=None):
         """Send this rank's (already updated) pieces of the parameters to every rank. Returns a
         handle; wait() copies the other ranks' pieces into the parameters."""
