@@ -288,7 +288,9 @@ class Trainer:
         groups = [[next(it) for _ in range(k * windows)] for it in self.iters]
         n_local = sum(int(b.loss_mask.sum()) for g in groups for b in g)   # host tensors: no sync
         if rt.world > 1:
-            count = torch.tensor(float(n_local), dtype=torch.float64, device=rt.device)
+            # through pinned memory: torch.tensor(..., device=cuda) copies from pageable memory and
+            # waits for every queued kernel, which drained the GPU at each step's start
+            count = to_device(torch.tensor(float(n_local), dtype=torch.float64), rt.device)
             dist.all_reduce(count)
             scale = rt.world / count.clamp(min=1).float()
         else:
@@ -333,8 +335,9 @@ class Trainer:
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
             if cfg.train.compile == "graphs" and self.opt.graphable():
-                # clipping and the update compiled and replayed as one CUDA graph (one process;
-                # the CPU runs the same compiled update without a graph)
+                # clipping and the update compiled and replayed as one CUDA graph (with several
+                # processes, the collectives around it; the CPU runs the same compiled update
+                # without a graph)
                 norm = self.opt.graphed_step(cfg.optim.grad_clip, model_mod.COMPILE_BACKEND)
                 if cfg.optim.grad_clip:
                     out["grad_norm"] = norm
