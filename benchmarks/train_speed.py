@@ -32,6 +32,13 @@ first documents of the corpus up to --eval-tokens tokens (longest first), and wi
 one document of --eval-doc-tokens tokens (the corpus's tokens run together); tokens/s of predicted
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
 
+Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
+times the same steps with N processes (each rank its own lanes, as train.py under torchrun: the
+global batch is N times one GPU's); `tokens_per_s` counts every rank's tokens, `mfu` is per GPU,
+and rank 0 profiles and writes train_speed_<gpu>_<N>gpu.json. Only the trainer's steps
+(attention, hybrid) run this way; `--single <train_speed json of one GPU>` adds `speedup`, the
+global tokens/s over that run's.
+
 Writes benchmarks/results/train_speed_<gpu>.json (train_speed_cpu-smoke.json with --cpu-smoke;
 train_speed_reference_head_<gpu>.json with --reference-head, the A/B of the blocked loss;
 train_speed_in_place_head_<gpu>.json with --in-place-head, the blocked loss without its fused
@@ -45,6 +52,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -331,17 +339,18 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     real = 0
     with Clock(device) as clock:
         for _ in range(args.steps):
-            real += trainer.train_step()["tokens"]
+            real += trainer.train_step()["tokens"]   # every rank's (the trainer all-reduces it)
     timed = dynamo_counts()
-    tokens_per_s = slots * args.steps / clock.seconds
+    world = trainer.rt.world
+    tokens_per_s = slots * world * args.steps / clock.seconds
     flops = trainer.model.flops_per_token(t.chunk_len)
     out = {"config": cfg.to_dict(), "head": ("reference" if args.reference_head else
                                              "blocked, in place" if args.in_place_head else "blocked"),
-           "tokens_per_step": slots,
+           "tokens_per_step": slots * world, "gpus": world,
            "parameters": trainer.model.num_params(), "flops_per_token": flops,
            "compiled": compiled, "ms_per_step": clock.seconds / args.steps * 1e3,
            "tokens_per_s": tokens_per_s, "real_tokens_per_s": real / clock.seconds,
-           "fill": real / (slots * args.steps), "mfu": mfu(flops, tokens_per_s, device),
+           "fill": real / (slots * world * args.steps), "mfu": mfu(flops, tokens_per_s / world, device),
            "peak_mem_gb": peak_gb(device), "dynamo": timed,
            "failures": compile_failures(kind, warm, timed, compiled)}
     if args.phases:
@@ -447,6 +456,8 @@ def parse(argv):
     ap.add_argument("--phases", action="store_true",
                     help="also time the trainer's step by phase (windows, clipping, optimizer, "
                          "rest): host time to queue each, and wall time with waits around each")
+    ap.add_argument("--single", help="under torchrun: the train_speed JSON of the same steps on one GPU "
+                                     "(adds `speedup`, global tokens/s over its)")
     ap.add_argument("--cache", default="/tmp/elephant-cache", help="corpus cache folder")
     ap.add_argument("--out", help="result file (default benchmarks/results/train_speed_<gpu>.json)")
     args = ap.parse_args(argv)
@@ -463,6 +474,10 @@ def parse(argv):
         ap.error(f"--only: unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}")
     if "eval" in args.parts and "hybrid" not in args.parts:
         ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
+    args.world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.world > 1 and not set(args.parts) <= {"attention", "hybrid"}:
+        ap.error(f"under torchrun (WORLD_SIZE={args.world}) only the trainer's steps run: "
+                 f"--only attention,hybrid or a part of it (got {args.only})")
     return args
 
 
@@ -472,20 +487,34 @@ def main(argv=None) -> int:
         print("error: no CUDA device (use --cpu-smoke for the CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    rank = int(os.environ.get("RANK", "0"))
+    if args.world > 1 and device.type == "cuda":   # each rank on its own GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     prefix = ("train_speed_reference_head" if args.reference_head else
               "train_speed_in_place_head" if args.in_place_head else "train_speed")
     out_path = Path(args.out) if args.out else result_path(prefix, args.cpu_smoke)
+    if args.world > 1 and not args.out:
+        out_path = out_path.with_name(f"{out_path.stem}_{args.world}gpu.json")
     results = {**environment(device), "command": " ".join(["python", "benchmarks/train_speed.py",
                                                             *(argv if argv is not None else sys.argv[1:])]),
                "warmup_steps": args.warmup, "timed_steps": args.steps, "runs": {}, "failures": []}
     tables = []
 
     def save():
+        if rank != 0:
+            return
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1, default=str))
         out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
 
-    with tempfile.TemporaryDirectory(prefix="train-speed-") as tmp:
+    # under torchrun every rank in one run folder (the trainer's rank 0 writes it)
+    shared = Path(tempfile.gettempdir()) / f"train-speed-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    if args.world > 1:
+        shared.mkdir(exist_ok=True)
+    tmp_dir = (tempfile.TemporaryDirectory(prefix="train-speed-") if args.world == 1 else
+               contextlib.nullcontext(str(shared)))
+    with tmp_dir as tmp:
         probe = trainer_config(args, "hybrid", Path(tmp) / "probe")
         t, m = probe.train, probe.model
         tokens_per_step = t.lanes * t.chunk_len * m.bptt_chunks * t.grad_accum
@@ -519,6 +548,8 @@ def main(argv=None) -> int:
             r = results["runs"].get(part, {})
             gaps = (r.get("profile_summary") or {}).get("gaps")
             idle = f", GPU idle {gaps['idle_ms_per_step']:.2f} ms a step" if gaps else ""
+            if rank != 0:
+                continue
             print(f"{part}: {r.get('tokens_per_s', float('nan')):,.0f} tokens/s, "
                   f"MFU {r.get('mfu') or 0:.1%}, peak {r.get('peak_mem_gb') or 0:.1f} GB{idle} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -528,8 +559,16 @@ def main(argv=None) -> int:
     for key, part in (("ratio", "hybrid"), ("ratio_attention", "attention")):
         if base and runs.get(part, {}).get("tokens_per_s"):
             results[key] = runs[part]["tokens_per_s"] / base
+    if args.single:   # the speed-up over the same steps on one GPU, part by part
+        single = json.loads(Path(args.single).read_text())["runs"]
+        results["speedup"] = {part: r["tokens_per_s"] / single[part]["tokens_per_s"]
+                              for part, r in runs.items()
+                              if r.get("tokens_per_s") and single.get(part, {}).get("tokens_per_s")}
+        results["single"] = args.single
     save()
-    summary = {k: results.get(k) for k in ("ratio", "ratio_attention", "eval_tokens_per_s",
+    if rank != 0:
+        return 1 if results["failures"] else 0
+    summary = {k: results.get(k) for k in ("ratio", "ratio_attention", "speedup", "eval_tokens_per_s",
                                            "eval_1lane_tokens_per_s", "failures")}
     print(json.dumps(summary, indent=1))
     print(f"wrote {out_path}", file=sys.stderr)

@@ -148,3 +148,34 @@ def test_device_gaps_measure_the_idle_time_between_kernels():
     assert gaps["largest"] == [{"us": 610, "after": "d", "before": "e"},
                                {"us": 60, "after": "c", "before": "d"}]
     assert device_gaps([], steps=1)["idle_ms_per_step"] == 0.0
+
+
+def test_train_speed_under_torchrun_counts_every_rank(tmp_path, monkeypatch):
+    # two gloo processes time the same steps as one process: tokens per step and tokens/s of every
+    # rank, MFU per GPU, only rank 0 writes, and --single gives the speed-up over the one-process run
+    import os
+    import subprocess
+    import sys
+    common = ["--cpu-smoke", "--only", "attention", "--warmup", "0", "--steps", "1",
+              "--profile-steps", "1", "--cache", str(tmp_path / "cache")]
+    single = tmp_path / "one.json"
+    assert train_speed.main([*common, "--out", str(single)]) == 0
+    two = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", str(ROOT / "benchmarks/train_speed.py"), *common,
+                          "--out", str(two), "--single", str(single)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count('"speedup"') == 1            # one summary: rank 0's
+    result = json.loads(two.read_text())
+    attention = result["runs"]["attention"]
+    assert attention["gpus"] == 2 and attention["tokens_per_step"] == 2 * 4 * 64 * 2
+    assert attention["tokens_per_s"] > 0 and 0 < attention["fill"] <= 1
+    one = json.loads(single.read_text())["runs"]["attention"]
+    assert one["gpus"] == 1 and one["tokens_per_step"] == 4 * 64 * 2
+    assert result["speedup"]["attention"] == pytest.approx(attention["tokens_per_s"] / one["tokens_per_s"])
+    # the yardstick and evaluation run in one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        train_speed.parse(["--only", "baseline,hybrid"])
