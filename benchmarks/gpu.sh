@@ -12,7 +12,9 @@
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
 #   speed   benchmarks/train_speed.py: plain GPT vs attention-only vs hybrid through Trainer.train_step
 #           at equal tokens per step, and streaming evaluation speed (~5 min; SPEED_ARGS passed on)
-#   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up)
+#   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up; TRAIN_EXTRA: more
+#           overrides for both, e.g. train.compile=graphs; TRAIN2_BEFORE=<folder holding an older
+#           checkout's train.py, elephant/ and data_packing/>: its 2-GPU run too, the A/B)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
 #           for RECALL_BUDGET seconds each, scored by distance up to 64K and 1M tokens
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
@@ -56,7 +58,7 @@ print(torch.cuda.get_device_name(), torch.cuda.device_count())
 PY
 TRAIN_ARGS="--config configs/wt103-70m.toml --no-progress data.source=pycode data.tokenizer=bytes
   data.cache_dir=/tmp/elephant-cache train.max_steps=${TRAIN_STEPS:-300} train.log_every=25
-  train.eval_every=0 train.eval_docs=64 train.ckpt_every=0 optim.warmup_steps=30"
+  train.eval_every=0 train.eval_docs=64 train.ckpt_every=0 optim.warmup_steps=30 ${TRAIN_EXTRA:-}"
 
 for stage in $stages; do
   echo "=== $stage $(date -Is)"
@@ -81,10 +83,15 @@ for stage in $stages; do
         | tee "$LOGS/train_speed.log" | grep -v "profiler_st" | tail -25
       echo "train_speed exit status ${PIPESTATUS[0]}" ;;
     train2)
-      CUDA_VISIBLE_DEVICES=0 timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
+      rm -rf /tmp/run-1gpu /tmp/run-2gpu /tmp/run-2gpu-before
+      CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_TIMEOUT:-900} python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-1gpu 1
-      timeout 900 torchrun --standalone --nproc_per_node=2 train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
-      python benchmarks/train_summary.py /tmp/run-2gpu 2 /tmp/run-1gpu ;;
+      timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
+      python benchmarks/train_summary.py /tmp/run-2gpu 2 /tmp/run-1gpu
+      if [ -n "${TRAIN2_BEFORE:-}" ]; then
+        timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_2gpu_before.log" | tail -5
+        SUMMARY_TAG=before python benchmarks/train_summary.py /tmp/run-2gpu-before 2 /tmp/run-1gpu
+      fi ;;
     recall)
       timeout 580 python benchmarks/recall_study.py --variants ${RECALL_VARIANTS:-hybrid,attention,replace,nomem} \
         --budget-s ${RECALL_BUDGET:-290} --out $RES/recall_study --runs /tmp/recall-runs --long 1M \

@@ -6,6 +6,7 @@ and warm-up); with a 1-GPU run dir given, the speed-up of this run over it.
 """
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ def main() -> None:
     out.update(gpus=n, gpu=env.get("gpu"), torch=env.get("torch"), triton=env.get("triton"),
                date=datetime.datetime.now().isoformat(timespec="seconds"),
                command=("torchrun --standalone --nproc_per_node=2 " if n > 1 else "python ") +
-               "train.py (benchmarks/gpu.sh TRAIN_ARGS)",
+               "train.py (benchmarks/gpu.sh TRAIN_ARGS) " + os.environ.get("TRAIN_EXTRA", ""),
                config=json.loads((run / "resolved_config.json").read_text()))
     if len(sys.argv) > 3:
         base = summarize(Path(sys.argv[3]))
@@ -39,6 +40,8 @@ def main() -> None:
             out["speedup_vs_1gpu"] = out["tokens_per_s"] / base["tokens_per_s"]
             out["baseline_1gpu_tokens_per_s"] = base["tokens_per_s"]
     tag = (env.get("gpu") or "gpu").replace(" ", "_")
+    if os.environ.get("SUMMARY_TAG"):   # another variant of the same run, beside it
+        tag = f"{os.environ['SUMMARY_TAG']}_{tag}"
     path = Path(__file__).parent / "results" / f"train_{tag}_{n}gpu.json"
     path.write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k != "config"}))
