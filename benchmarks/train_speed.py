@@ -142,6 +142,13 @@ def peak_gb(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30
 
 
+def is_sync_warning(message: str) -> bool:
+    """Whether a warning of CUDA's sync debug mode reports a synchronizing operation (and not the
+    mode's own notice that it is a prototype, which torch emits once a process and which was
+    counted as a sync before)."""
+    return "called a synchronizing" in message
+
+
 def count_syncs(step, device) -> dict | None:
     """Host synchronizations of one call of `step()`, with where they happen (Python file:line):
     those of ops (CUDA sync debug mode) and the host's waits on CUDA events, which that mode does
@@ -165,7 +172,7 @@ def count_syncs(step, device) -> dict | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
             torch.cuda.Event.synchronize = real_wait
-    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    syncs = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if is_sync_warning(str(w.message))]
     where = collections.Counter(syncs + event_waits)
     return {"count": len(syncs) + len(event_waits), "where": dict(where.most_common(10))}
 
