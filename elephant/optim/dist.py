@@ -266,18 +266,7 @@ class ShardLayout:
     def all_gather_from(self, local: Tensor, gathered: Tensor, group=None) -> None:
         """`all_gather` from a buffer the caller packed (`pack_local`) into one that stays put
         (world * region elements), then every other rank's pieces copied into the parameters."""
-        rank, world_size = world(group)
-        backend = dist.get_backend(group)
-        if not _force_fallback and backend not in _fallback_backends:
-            try:
-                _AllGather(_all_gather(gathered, local, group=group, async_op=True),
-                           self, gathered, rank, local).wait()
-                return
-            except (RuntimeError, NotImplementedError):
-                _fallback_backends.add(backend)
-        work = dist.all_gather(list(gathered.view(world_size, self.region).unbind(0)), local,
-                               group=group, async_op=True)
-        _AllGather(work, self, gathered, rank, local).wait()
+        self._gather(local, gathered, group).wait()
 
     @torch.no_grad()
     def all_gather(self, group=None):
@@ -286,8 +275,13 @@ class ShardLayout:
         rank, world_size = world(group)
         if world_size == 1:
             return _Done()
-        local = self._pack([rank], self.params)
+        local = self.pack_local(rank)
         gathered = torch.empty(world_size * self.region, device=local.device, dtype=local.dtype)
+        return self._gather(local, gathered, group)
+
+    def _gather(self, local: Tensor, gathered: Tensor, group) -> "_AllGather":
+        """Start the all-gather of `local` into `gathered`; the handle's wait() unpacks it."""
+        rank, world_size = world(group)
         backend = dist.get_backend(group)
         if not _force_fallback and backend not in _fallback_backends:
             try:
