@@ -552,11 +552,11 @@ def main(argv=None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if rank != 0:
+                continue
             r = results["runs"].get(part, {})
             gaps = (r.get("profile_summary") or {}).get("gaps")
             idle = f", GPU idle {gaps['idle_ms_per_step']:.2f} ms a step" if gaps else ""
-            if rank != 0:
-                continue
             print(f"{part}: {r.get('tokens_per_s', float('nan')):,.0f} tokens/s, "
                   f"MFU {r.get('mfu') or 0:.1%}, peak {r.get('peak_mem_gb') or 0:.1f} GB{idle} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)

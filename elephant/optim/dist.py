@@ -129,12 +129,15 @@ class _Done:
 
 
 class _ReduceScatter:
-    def __init__(self, work, out: Tensor, world_size: int, send: Tensor):
+    def __init__(self, work, out: Tensor, world_size: int, send: Tensor, into: Tensor | None = None):
         self.work, self.out, self.world_size = work, out, world_size
         self.send = send          # the input stays alive until the collective is done
+        self.into = into          # where the region goes, when `out` is a view of `send`
 
     def wait(self) -> Tensor:
         self.work.wait()
+        if self.into is not None:
+            self.out = self.into.copy_(self.out)
         return self.out.div_(self.world_size)
 
 
@@ -216,24 +219,14 @@ class ShardLayout:
         whose wait() gives this rank's region (flat, `self.region` elements)."""
         if len(grads) != len(self.params):
             raise ValueError(f"reduce_scatter: {len(grads)} gradients for {len(self.params)} params")
-        rank, world_size = world(group)
+        world_size = world(group)[1]
         if world_size != self.world_size:
             raise RuntimeError(f"ShardLayout built for world size {self.world_size}, "
                                f"process group has {world_size}")
         if world_size == 1:
             return _Done(self._pack([0], grads))
         full = self._pack(range(world_size), grads)               # (world * region,)
-        backend = dist.get_backend(group)
-        if not _force_fallback and backend not in _fallback_backends:
-            out = torch.empty(self.region, device=full.device, dtype=full.dtype)
-            try:
-                return _ReduceScatter(_reduce_scatter(out, full, group=group, async_op=True),
-                                      out, world_size, full)
-            except (RuntimeError, NotImplementedError):
-                _fallback_backends.add(backend)
-        work = dist.all_reduce(full, group=group, async_op=True)
-        mine = full.view(world_size, self.region)[rank]
-        return _ReduceScatter(work, mine, world_size, full)
+        return self._scatter(full, group)
 
     @torch.no_grad()
     def reduce_scatter_into(self, grads: list[Tensor | None], send: Tensor, out: Tensor,
@@ -242,21 +235,29 @@ class ShardLayout:
         reads): `grads` packed into `send` (world * region elements), this rank's region of their
         average written into `out` (region elements). The current stream waits for the
         collective; the host does not."""
-        rank, world_size = world(group)
+        world_size = world(group)[1]
         if world_size != self.world_size or world_size == 1:
             raise RuntimeError(f"reduce_scatter_into: a layout of world size {self.world_size} "
                                f"on a process group of {world_size}; one process packs instead")
         self._pack(range(world_size), grads, out=send)
+        self._scatter(send, group, into=out).wait()
+
+    def _scatter(self, full: Tensor, group, into: Tensor | None = None) -> _ReduceScatter:
+        """Start averaging `full` (world * region elements) over ranks; the handle's wait() gives
+        this rank's region, in `into` when it is given."""
+        rank, world_size = world(group)
         backend = dist.get_backend(group)
         if not _force_fallback and backend not in _fallback_backends:
+            out = into if into is not None else torch.empty(self.region, device=full.device,
+                                                            dtype=full.dtype)
             try:
-                _reduce_scatter(out, send, group=group)
-                out.div_(world_size)
-                return
+                return _ReduceScatter(_reduce_scatter(out, full, group=group, async_op=True),
+                                      out, world_size, full)
             except (RuntimeError, NotImplementedError):
                 _fallback_backends.add(backend)
-        dist.all_reduce(send, group=group)
-        out.copy_(send.view(world_size, self.region)[rank]).div_(world_size)
+        work = dist.all_reduce(full, group=group, async_op=True)
+        mine = full.view(world_size, self.region)[rank]
+        return _ReduceScatter(work, mine, world_size, full, into)
 
     def pack_local(self, rank: int, out: Tensor | None = None) -> Tensor:
         """This rank's pieces of the parameters, flat (what `all_gather` sends)."""
