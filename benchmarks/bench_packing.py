@@ -434,9 +434,13 @@ def main() -> None:
                 batches, opts = variants[name]
                 step = (lambda b=batches[:k], o=opts:           # one trainer step
                         measure(model, b, device, autocast, 0, graphs=graphs, **o))
-                top, table, summary = profile(step, 3, device, name, top=200)
+                top, table, summary = profile(step, 3, device, name, top=400)
                 results["paths"][name]["top_kernels"] = top
                 results["paths"][name]["by_kind"] = summary["by_kind"]
+                results["paths"][name]["kernels_per_step"] = sum(
+                    k["calls_per_step"] for k in summary["kernels"])
+                results["paths"][name]["device_ms_per_step"] = summary["device_ms_per_step"]
+                results["paths"][name]["gaps"] = summary.get("gaps")
                 tables.append(table)
             out_path.with_name(out_path.stem + "_profile.txt").write_text("\n\n".join(tables))
         if not smoke:

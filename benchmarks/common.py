@@ -87,10 +87,11 @@ def rel_close(a, b, tol: float) -> bool:
 
 
 def fastest(rows: list, kinds=("fwd", "bwd")) -> dict:
-    """Of a launch sweep's rows (each with `equal_<kind>` and `<kind>_us`, or `error`), the
+    """Of a launch sweep's rows (each with `equal_<kind>` and `<kind>_us`, or `error` / `<kind>_error`), the
     fastest whose outputs were equal, per kind (None when there is none)."""
     ok = [r for r in rows if "error" not in r]
-    return {k: min((r for r in ok if r[f"equal_{k}"]), key=lambda r: r[f"{k}_us"], default=None)
+    return {k: min((r for r in ok if r.get(f"equal_{k}") and f"{k}_us" in r),
+                   key=lambda r: r[f"{k}_us"], default=None)
             for k in kinds}
 
 
