@@ -71,7 +71,7 @@ out["qkv bwd"] = written(rotary_triton._qkv_bwd_kernel,
 B, L, C, K = 2, 40, 24, 4
 x = torch.randn(B, L, C).half()
 for seg in (False, True):
-    common = dict(L=L, C=C, K=K, HAS_SEG=seg, HAS_TAIL=seg, BL=16, BC=16, sxb=1, sxl=1, sxc=1,
+    common = dict(L=L, C=C, K=K, HAS_SEG=seg, HAS_TAIL=seg, BL=16, BC=16, SUB=8, sxb=1, sxl=1, sxc=1,
                   ssb=1, ssc=1, ssk=1, x_ptr=x, st_ptr=torch.randn(B, K - 1, C),
                   w_ptr=torch.randn(C, 1, K), seg_ptr=torch.zeros(B, L, dtype=torch.int32),
                   since_ptr=torch.zeros(B, L, dtype=torch.int32), tail_ptr=torch.randn(C, K - 1))
@@ -82,7 +82,7 @@ for seg in (False, True):
                                      dict(common, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
                                           dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
                                           dtail_ptr=torch.zeros(8, C, K - 1), NL=3, sgb=1, sgl=1,
-                                          sgc=1, sdb=1, sdl=1, sdc=1, KP=4))
+                                          sgc=1, sdb=1, sdl=1, sdc=1, KP=4, KW=4))
 z = torch.randn(4, 64).half()
 for fw, gr in ((True, False), (True, True), (False, True)):
     out[f"ce {fw} {gr}"] = written(ce_triton._ce_kernel,

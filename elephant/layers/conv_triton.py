@@ -15,9 +15,10 @@ state in front (one full copy), then a cuDNN depthwise conv at a fraction of the
 the segment path paid a chain of masked sums whose weight gradient compiled into a slow reduction.
 Here the forward reads each input K times from cache and writes the output once; the backward
 writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
-summed by torch, no atomics). A tile whose outputs and inputs all lie in one document (most of
-them: documents are hundreds of tokens) takes the form without segments, so only the few tiles
-that hold a boundary pay for the segment and tail reads. The state after the chunk is formed by
+summed by torch, no atomics). With segments, the kernel without them runs over every tile
+first, and a second launch recomputes over its output the few tiles that hold a boundary (most
+tiles lie in one document: documents are hundreds of tokens), so that only those pay for the
+segment and tail reads and their registers (see LAUNCH). The state after the chunk is formed by
 the caller's small tensors (`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
 kernels from its own code (no custom-op host glue) and eager mode calls them directly.
 
@@ -159,51 +160,53 @@ if HAS_TRITON:
     def _conv_fwd_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
                          L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr):
+                         BL: tl.constexpr, BC: tl.constexpr, SUB: tl.constexpr):
+        """Without HAS_SEG: every tile of BL tokens as if the chunk held one document. With it:
+        only the tiles that hold a boundary (see `_launches`), by sub-tiles of SUB tokens in the
+        form with segments; the other programs return at once."""
         b = tl.program_id(0)
         lb = tl.program_id(1)
-        plain = True
         if HAS_SEG:
-            plain = _one_segment(seg_ptr, b, lb, L, K, BL, 0)
-        if plain:
-            if lb * BL >= K - 1:   # reads nothing carried
-                _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                               out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                               K, False, False, BL, BC, False)
-            else:
-                _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                               out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                               K, False, False, BL, BC, True)
+            if not _one_segment(seg_ptr, b, lb, L, K, BL, 0):
+                for h in tl.static_range(BL // SUB):
+                    _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                                   out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
+                                   lb * (BL // SUB) + h, K, HAS_SEG, HAS_TAIL, SUB, BC, True)
+        elif lb * BL >= K - 1:   # reads nothing carried
+            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                           out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, False, False, BL, BC, False)
         else:
-            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                           L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, HAS_SEG, HAS_TAIL, BL, BC, True)
+            _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                           out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, False, False, BL, BC, True)
 
     @triton.jit
     def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                       dw_ptr, db_ptr, dtail_ptr,
-                       L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb,
+                       L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, t0,
                        K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                       BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, FIRST: tl.constexpr):
-        """dx (B, L, C) of the chunk's inputs, and this block's partial sums of the weight, bias
-        and tail gradients: dw (B * NL, C, K), db (B * NL, C), dtail (B * NL, C, K-1; zeros
-        where no tail is read: the caller's)."""
-        t = lb * BL + tl.arange(0, BL)
+                       BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
+                       FIRST: tl.constexpr):
+        """dx (B, L, C) of the chunk's inputs t0 .. t0 + BL - 1 (stored), and this tile's sums of
+        the bias, weight and tail gradients: db (BC,), dw (BC, KW) by weight index, dtail (BC, KP)
+        (zeros without a tail)."""
+        t = t0 + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
         m2 = tm[:, None] & cm[None, :]
         sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
         g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc, mask=m2, other=0.0).to(
             tl.float32)
-        part = (b * NL + lb).to(tl.int64)
-        tl.store(db_ptr + part * C + c, tl.sum(g, axis=0), mask=cm)
+        db = tl.sum(g, axis=0)
+        kcol = tl.arange(0, KW)
+        dw = tl.zeros((BC, KW), dtype=tl.float32)
         dx = tl.zeros((BL, BC), dtype=tl.float32)
         for s in tl.static_range(K):
             w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
             # the weight: what tap s read, times the output's gradient
             v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
                      sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL, FIRST)
-            tl.store(dw_ptr + (part * C + c) * K + (K - 1 - s), tl.sum(g * v, axis=0), mask=cm)
+            dw += tl.where(kcol[None, :] == K - 1 - s, tl.sum(g * v, axis=0)[:, None], 0.0)
             # the input at t: read by output t + s through tap s, if in the same segment
             ts = t + s
             tsm = ts < L
@@ -215,20 +218,34 @@ if HAS_TRITON:
             dx += w[None, :] * gs
         tl.store(dx_ptr + b * sdb + t[:, None] * sdl + c[None, :] * sdc,
                  dx.to(dx_ptr.dtype.element_ty), mask=m2)
+        col = tl.arange(0, KP)
+        dtail = tl.zeros((BC, KP), dtype=tl.float32)
         if HAS_TAIL:
             # tail input i is read by the outputs d = since < K-1 tokens into a segment > 0,
             # through tap s = K-1-i+d, i.e. weight i-d, for every d <= i. So with G_d the sum of
             # those outputs' gradients, dtail_i = sum_{d<=i} w_{i-d} G_d: K-1 reductions of the
             # tile (not (K-1)^2), each spread over the columns i >= d of a (BC, KP) block
             inner = tm & (sg > 0)
-            col = tl.arange(0, KP)
-            acc = tl.zeros((BC, KP), dtype=tl.float32)
             for d in tl.static_range(K - 1):
                 gd = tl.sum(tl.where((inner & (sn == d))[:, None], g, 0.0), axis=0)
                 wm = cm[:, None] & ((col >= d) & (col < K - 1))[None, :]
-                w = tl.load(w_ptr + c[:, None] * K + (col - d)[None, :], mask=wm, other=0.0)
-                acc += w.to(tl.float32) * gd[:, None]
-            tl.store(dtail_ptr + (part * C + c)[:, None] * (K - 1) + col[None, :], acc,
+                wt = tl.load(w_ptr + c[:, None] * K + (col - d)[None, :], mask=wm, other=0.0)
+                dtail += wt.to(tl.float32) * gd[:, None]
+        return db, dw, dtail
+
+    @triton.jit
+    def _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K: tl.constexpr,
+                    BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, TAIL: tl.constexpr):
+        """A tile's partial sums into slot `part` of dw (P, C, K), db (P, C), dtail (P, C, K-1)."""
+        c = tl.program_id(2) * BC + tl.arange(0, BC)
+        cm = c < C
+        tl.store(db_ptr + part * C + c, db, mask=cm)
+        kcol = tl.arange(0, KW)
+        tl.store(dw_ptr + (part * C + c)[:, None] * K + kcol[None, :], dw,
+                 mask=cm[:, None] & (kcol < K)[None, :])
+        if TAIL:
+            col = tl.arange(0, KP)
+            tl.store(dtail_ptr + (part * C + c)[:, None] * (K - 1) + col[None, :], dtail,
                      mask=cm[:, None] & (col < K - 1)[None, :])
 
     @triton.jit
@@ -236,42 +253,78 @@ if HAS_TRITON:
                          dw_ptr, db_ptr, dtail_ptr,
                          L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr):
+                         BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
+                         SUB: tl.constexpr):
+        """dx, and one slot of partial sums per tile of BL tokens: dw (B * NL, C, K), db (B * NL,
+        C), dtail (B * NL, C, K-1). Which tiles as in `_conv_fwd_kernel` (with HAS_SEG, the sums of
+        a tile's SUB-token sub-tiles added up). Deterministic: no atomics, the caller sums the
+        slots."""
         b = tl.program_id(0)
         lb = tl.program_id(1)
-        plain = True
+        part = (b * NL + lb).to(tl.int64)
         if HAS_SEG:   # the inputs' gradients reach the outputs K-1 tokens on
-            plain = _one_segment(seg_ptr, b, lb, L, K, BL, K - 1)
-        if plain:
-            if lb * BL >= K - 1:   # reads nothing carried
-                _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                               dw_ptr, db_ptr, dtail_ptr,
-                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                               b, lb, K, False, False, BL, BC, KP, False)
-            else:
-                _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                               dw_ptr, db_ptr, dtail_ptr,
-                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                               b, lb, K, False, False, BL, BC, KP, True)
+            if not _one_segment(seg_ptr, b, lb, L, K, BL, K - 1):
+                db = tl.zeros((BC,), dtype=tl.float32)
+                dw = tl.zeros((BC, KW), dtype=tl.float32)
+                dtail = tl.zeros((BC, KP), dtype=tl.float32)
+                for h in tl.static_range(BL // SUB):
+                    a, w, d = _conv_bwd_tile(
+                        x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                        L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b,
+                        lb * BL + h * SUB, K, HAS_SEG, HAS_TAIL, SUB, BC, KP, KW, True)
+                    db += a
+                    dw += w
+                    dtail += d
+                _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW,
+                            HAS_TAIL)
+        elif lb * BL >= K - 1:   # reads nothing carried
+            db, dw, dtail = _conv_bwd_tile(
+                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb * BL,
+                K, False, False, BL, BC, KP, KW, False)
+            _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
         else:
-            _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
-                           dw_ptr, db_ptr, dtail_ptr,
-                           L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                           b, lb, K, HAS_SEG, HAS_TAIL, BL, BC, KP, True)
+            db, dw, dtail = _conv_bwd_tile(
+                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb * BL,
+                K, False, False, BL, BC, KP, KW, True)
+            _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
 
-# (tokens, channels, warps) per program on the GPU, forward and backward, without and with segments;
-# set from benchmarks/bench_conv_launch.py [--segments]. The backward's best differs: 64 tokens
-# without segments (185 us against 247 at 32), 32 with them (321 us against 733 at 64: a 64-token
-# tile holds a boundary twice as often, and the boundary form is the slow one)
+# (tokens, channels, warps) per program on the GPU, forward and backward. With segments the chunk
+# takes two launches: the kernel without segments over every tile (exactly the unpacked path's
+# kernel), then one over the same tiles that recomputes, over the first one's output, only the few
+# tiles that hold a boundary, by sub-tiles of "fwd_seg" / "bwd_seg" tokens (a divisor of the plain
+# tile; its channels and warps are its own). Set from benchmarks/bench_conv_launch.py [--segments].
+# One launch for both forms (a branch per tile) cost every tile the boundary form's registers
+# (backward, 32 tokens: 255 against 134), and so did a launch of the plain tiles alone that checked
+# each tile's segments (session 21). H100, a boundary every ~1,000 tokens (packed log-normal
+# documents of median 600): backward 287 -> 234 us, forward 58 -> 56; every ~150 tokens it is
+# slower, 311 -> 322 and 63 -> 71 (bench_conv_launch.py --segments --every N --before, session 24).
+# Looking at several tiles a program in the second launch was slower still (279 and 384 us).
 LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bwd_seg": (32, 128, 4)}
 
 
-def _blocks(backward: bool, has_seg: bool) -> tuple[int, int, int]:
-    """(tokens, channels, warps) per program: small tiles under the interpreter, LAUNCH on the GPU."""
+def _blocks(backward: bool, boundary: bool) -> tuple[int, int, int]:
+    """(tokens, channels, warps) per program: small tiles under the interpreter (16 tokens, the
+    boundary form by sub-tiles of 8), LAUNCH on the GPU."""
     if _INTERPRET:
-        return 16, 16, 4
-    return LAUNCH[("bwd" if backward else "fwd") + ("_seg" if has_seg else "")]
+        return (8 if boundary else 16), 16, 4
+    return LAUNCH[("bwd" if backward else "fwd") + ("_seg" if boundary else "")]
+
+
+def _launches(backward: bool, has_seg: bool) -> list[tuple[bool, int, int, int, int]]:
+    """(segments, tile tokens, sub-tile tokens, channels, warps) of each launch, in order: every
+    tile without segments; with segments, then the tiles that hold a boundary again, over it."""
+    BL, BC, warps = _blocks(backward, False)
+    launches = [(False, BL, BL, BC, warps)]
+    if has_seg:
+        sub, sub_bc, sub_warps = _blocks(backward, True)
+        if BL % sub:
+            raise ValueError(f"conv launch: the boundary sub-tile ({sub} tokens) must divide the "
+                             f"plain tile ({BL})")
+        launches.append((True, BL, sub, sub_bc, sub_warps))
+    return launches
 
 
 def _channels_last(conv_state: Tensor) -> Tensor:
@@ -297,14 +350,15 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
-    BL, BC, warps = _blocks(False, has_seg)
-    grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
     st = _channels_last(conv_state)
-    torch.library.wrap_triton(_conv_fwd_kernel)[grid](
-        x, st, weight, bias, seg_, since_, tail_, out, L, C,
-        x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, num_warps=warps)
+    for segments, BL, sub, BC, warps in _launches(False, has_seg):
+        grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
+        torch.library.wrap_triton(_conv_fwd_kernel)[grid](
+            x, st, weight, bias, seg_, since_, tail_, out, L, C,
+            x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC, SUB=sub,
+            num_warps=warps)
     return out
 
 
@@ -314,22 +368,26 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, L, C = x.shape
     K = weight.shape[-1]
-    BL, BC, warps = _blocks(True, seg is not None)
+    seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
+    launches = _launches(True, has_seg)
+    BL = launches[0][1]   # the tiles: one slot of partial sums each
     NL = triton.cdiv(L, BL)
     P = B * NL
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     dw = torch.empty(P, C, K, device=x.device, dtype=torch.float32)
     db = torch.empty(P, C, device=x.device, dtype=torch.float32)
-    dtail = torch.zeros(P if tail is not None else 1, C, K - 1, device=x.device, dtype=torch.float32)
-    seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
-    grid = (B, NL, triton.cdiv(C, BC))
+    # only the tiles with a boundary write theirs (a tile without one reads no tail)
+    dtail = torch.zeros(P if has_tail else 1, C, K - 1, device=x.device, dtype=torch.float32)
     st = _channels_last(conv_state)
-    torch.library.wrap_triton(_conv_bwd_kernel)[grid](
-        x, st, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
-        x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
-        g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-        K=K, HAS_SEG=has_seg, HAS_TAIL=has_tail, BL=BL, BC=BC, KP=triton.next_power_of_2(K - 1),
-        num_warps=warps)
+    for segments, _, sub, BC, warps in launches:
+        grid = (B, NL, triton.cdiv(C, BC))
+        torch.library.wrap_triton(_conv_bwd_kernel)[grid](
+            x, st, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
+            x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
+            g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+            K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC,
+            KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), SUB=sub,
+            num_warps=warps)
     # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
     # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
     K1 = K - 1
