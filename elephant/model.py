@@ -51,7 +51,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
                 init: tuple | None = None, start: Tensor | None = None,
-                free: Tensor | None = None, room: int = 0) -> tuple[Tensor, tuple]:
+                free: Tensor | None = None, room: int = 0,
+                layouts: dict | None = None) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
         attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
@@ -59,7 +60,8 @@ class Block(nn.Module):
         tokens, scored without rotary by attention (mem_rotary "free"). The new state of an
         attention layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized
         input). `room`: how many documents may start inside the chunk for attention's
-        variable-length kernel (0: none; see attention.SEGMENT_ROOM)."""
+        variable-length kernel (0: none; see attention.SEGMENT_ROOM); `layouts`: that kernel's
+        layout, shared by the chunk's attention layers (attention.attend_segments_varlen)."""
         h = self.norm1(x)
         if self.kind == "M":
             conv, ssm = layer_state
@@ -71,7 +73,8 @@ class Block(nn.Module):
         else:
             cache: KVCache | None = layer_state
             extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0],
-                                                 prefix_v=init and init[1], room=room)
+                                                 prefix_v=init and init[1], room=room,
+                                                 layouts=layouts)
             if free is not None:
                 extra["free"] = free
             if cache is None:
@@ -152,6 +155,8 @@ class TrainingGraphs:
 
 
 class ElephantLM(nn.Module):
+    share_layouts = True   # the chunk's attention layers share the varlen layout (see compile_for)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         cfg.validate()
@@ -248,6 +253,10 @@ class ElephantLM(nn.Module):
             config = torch._dynamo.config
             name = _limit_name(config)
             setattr(config, name, max(COMPILE_VARIANTS, getattr(config, name)))
+        # the varlen layout is shared between the chunk's attention layers by a dict they fill
+        # (`_chunk`); a block compiled on its own would take it as an input and hold a graph for
+        # it empty and one for it filled, so blocks each make their own
+        self.share_layouts = how != "blocks"
         if how == "blocks":
             for block in self.blocks:
                 block.compile(**compile_kwargs(backend))
@@ -461,6 +470,9 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
         free = self._free_tokens(M, T, x.device)
+        # the attention layers' variable-length layout, made by the first and read by the others
+        # (their windows take the same tokens: see attention.attend_segments_varlen)
+        layouts = {} if starts is not None and room and self.share_layouts else None
         # packed: the window and the kept tokens hold only each lane's last document (all layers)
         last_doc = None if starts is None else tok_seg == tok_seg[:, -1:]      # (B, T)
         keep = None if starts is None else ~started                            # (B,)
@@ -482,7 +494,7 @@ class ElephantLM(nn.Module):
             else:
                 cache = state.kv[i]
                 x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos,
-                                         free=free, room=room)
+                                         free=free, room=room, layouts=layouts)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:

@@ -392,7 +392,8 @@ def test_window_valid_slots_stay_a_suffix(kv_window):
 def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n_mem, kv_window):
     """The model's packed chunks through attention's variable-length layout (its kernel replaced by
     what FlashAttention computes, as on the GPU) give the masked path's logits, states and
-    gradients; a chunk with more inner starts than the layout's room takes the masked path."""
+    gradients; a chunk with more inner starts than the layout's room takes the masked path. The
+    two attention layers of a chunk share one layout (made by the first, read by the second)."""
     from elephant.layers import attention
     from test_attention import varlen_reference
     model = make(n_mem=n_mem, kv_window=kv_window, layers="AMA")
@@ -414,17 +415,23 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
                              if p.grad is not None}
 
     want = run()
-    calls = []
-    plain = attention.attend_segments_varlen
+    calls, made = [], []
+    plain, plain_layout = attention.attend_segments_varlen, attention.segment_layout
 
     def counted(*args, **kw):
         calls.append(args[4])                                         # room
         return plain(*args, **kw)
+
+    def counted_layout(*args):
+        made.append(args[-1])                                         # room
+        return plain_layout(*args)
     monkeypatch.setattr(attention, "varlen_supported", lambda q, v: True)
     monkeypatch.setattr(attention, "flash_varlen", varlen_reference)
     monkeypatch.setattr(attention, "attend_segments_varlen", counted)
+    monkeypatch.setattr(attention, "segment_layout", counted_layout)
     got = run()
     assert calls == [B * attention.SEGMENT_ROOM] * 4                  # two A layers, two chunks
+    assert made == [B * attention.SEGMENT_ROOM] * 2                   # one layout a chunk
     for g, w in zip(got[0], want[0]):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     for name, t in got[1].tensors().items():

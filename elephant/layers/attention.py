@@ -301,15 +301,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tensor | None = None,
                     cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
                     prefix_k: Tensor | None = None, prefix_v: Tensor | None = None,
-                    room: int = 0) -> Tensor:
+                    room: int = 0, layouts: dict | None = None) -> Tensor:
     """Attention masked by document: q, k, v (B, H, S, hd), seg (B, S) nondecreasing segment ids;
     prefix_k/v (1 or B, H, M, hd) seen by segments > 0, the cache by segment 0. -> (B, H, S, hd).
     `room` > 0: the caller's promise that the cache's valid slots are a suffix of each lane's window
     and that at most `room` documents start inside the chunk; then the variable-length kernel where
-    it runs (`attend_segments_varlen`), else SDPA with the explicit mask."""
+    it runs (`attend_segments_varlen`; `layouts`: see there), else SDPA with the explicit mask."""
     if room and varlen_supported(q, v) and (prefix_k is None or prefix_k.shape[0] == 1):
         return attend_segments_varlen(q, k, v, seg, room, cache_k, cache_v, cache_valid, prefix_k,
-                                      prefix_v)
+                                      prefix_v, layouts=layouts)
     B, H, S, hd = q.shape
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     keys, values = [k], [v]
@@ -435,16 +435,26 @@ class _GatherRows(torch.autograd.Function):
 def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: int,
                            cache_k: Tensor | None = None, cache_v: Tensor | None = None,
                            cache_valid: Tensor | None = None, prefix_k: Tensor | None = None,
-                           prefix_v: Tensor | None = None, kernel=None) -> Tensor:
+                           prefix_v: Tensor | None = None, kernel=None,
+                           layouts: dict | None = None) -> Tensor:
     """`attend_segments` by the variable-length kernel (see SEGMENT_ROOM), for a window whose valid
     slots are a suffix of each lane's (KVCache's invariant, not checked) and at most `room`
     documents starting inside the chunk over all lanes (not checked). q, k, v (B, H, S, hd) ->
-    (B, H, S, hd), a view of (B, S, H, hd) rows. `kernel`: as for `attend_varlen`."""
+    (B, H, S, hd), a view of (B, S, H, hd) rows. `kernel`: as for `attend_varlen`. `layouts`: a
+    dict the chunk's attention layers share, which keeps the first layer's `segment_layout` for
+    the others (keyed by window, prefix and room sizes): the caller's promise that their windows
+    hold the same valid slots (ElephantLM: every layer's window takes the same tokens)."""
     B, H, S, hd = q.shape
     W = 0 if cache_k is None else cache_k.shape[2]
     M = 0 if prefix_k is None else prefix_k.shape[2]
-    n_valid = seg.new_zeros(B) if cache_k is None else cache_valid.sum(1)
-    idx, tok_row, pre_row, pre_used, cu_q, cu_k = segment_layout(seg, n_valid, W, M, room)
+    key = (W, M, room)
+    layout = None if layouts is None else layouts.get(key)
+    if layout is None:
+        n_valid = seg.new_zeros(B) if cache_k is None else cache_valid.sum(1)
+        layout = segment_layout(seg, n_valid, W, M, room)
+        if layouts is not None:
+            layouts[key] = layout
+    idx, tok_row, pre_row, pre_used, cu_q, cu_k = layout
 
     def rows(chunk: Tensor, cache: Tensor | None, prefix: Tensor | None) -> Tensor:
         window = (chunk.new_zeros(0, H, hd) if cache is None
@@ -565,10 +575,11 @@ class Attention(nn.Module):
                 cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
                 seg: Tensor | None = None, prefix_k: Tensor | None = None,
                 prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None,
-                free: Tensor | None = None, room: int = 0):
+                free: Tensor | None = None, room: int = 0, layouts: dict | None = None):
         """x (B, S, D), pos (B, S) int64; cache_k/v (B, H, W, hd) rotated, cache_valid (B, W) bool.
-        seg (B, S) segment ids of packed documents, prefix_k/v and room (how many documents may
-        start inside the chunk for the variable-length kernel, 0: none): see `attend_segments`.
+        seg (B, S) segment ids of packed documents, prefix_k/v, room (how many documents may
+        start inside the chunk for the variable-length kernel, 0: none) and layouts (shared by
+        the chunk's layers): see `attend_segments`.
         kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
         chunk's first position), before the window and like it (`kept_tokens`).
         free (S,) bool: the memory tokens, whose keys every query scores without rotary
@@ -600,6 +611,6 @@ class Attention(nn.Module):
                        valid_suffix=kept is None)                              # (B, H, S, hd)
         else:
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
-                                room=room if kept is None else 0)
+                                room=room if kept is None else 0, layouts=layouts)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
