@@ -52,6 +52,11 @@ from elephant.layers.attention import Attention, attend, attend_segments, segmen
 from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
+from elephant.state import StaticCarry  # noqa: E402
+
+# the state carried past CUDA-graph steps, in fixed buffers as the trainer keeps it (one set of
+# lanes: every path's steps go through the same buffers, so no graph is re-recorded for new ones)
+CARRY = StaticCarry()
 
 MEDIAN, SIGMA = 600, 1.0
 # profiled with --profile: today's path against the boundary path on the same tokens (forced on
@@ -118,12 +123,15 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
     the step of the window's first chunk with an inner start, carried on by the state), "step"
     (once per step in a call and, compiled, a graph of its own) or "chunk" (in every chunk's step);
     graphs: the model replays CUDA graphs (compile_for("graphs")): each step is marked, and the
-    state carried past it is cloned out of the graphs' memory. count: the model is given the host's
+    state carried past it is copied into fixed buffers that the next step reads in place (the
+    trainer's StaticCarry). The attention window is kept in bf16 on CUDA, as the trainer keeps it
+    in its autocast dtype. count: the model is given the host's
     count of inner starts (the trainer's way; attention by document by the variable-length kernel
     when they fit), else not (the explicit mask)."""
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
-    state = model.init_state(B, device=device)
+    state = model.init_state(B, device=device,
+                             kv_dtype=torch.bfloat16 if device.type == "cuda" else None)
     # the real tokens are counted on the device and read once at the end: reading them per chunk
     # would wait for the GPU in every chunk, which the trainer never does (its masks are on the
     # host), and time the host's launches as if they could not overlap the GPU's work
@@ -135,6 +143,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         t0 = time.perf_counter()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
+            state = CARRY.take(state)
         loss, given = 0.0, None
         with autocast():
             for tokens, reset, mask, starts, inner in batches[i * k:(i + 1) * k]:
@@ -154,7 +163,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         loss.backward()
         state = state.detach()   # drops the state's prefix too
         if graphs:
-            state = state.clone()
+            state = CARRY.take(state)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:

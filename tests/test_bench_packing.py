@@ -25,4 +25,12 @@ def test_measure_counts_the_real_tokens_and_boundary_chunks_of_the_timed_steps()
         # the boundary path only for chunks with a document starting inside (host_skip)
         assert out["boundary_path_chunks"] == (sum(bool(inner) for *_, inner in timed) if pack else 0)
         fills[pack] = out["real"] / (len(timed) * B * T)
+        # as the CUDA-graph steps carry it (the trainer's StaticCarry): the same steps and counts,
+        # the state ending in the carry's buffers, with the window in the autocast dtype on CUDA
+        graphed = bench_packing.measure(model, batches, device, bf16_autocast(device), warmup,
+                                        graphs=True)
+        assert {k: v for k, v in graphed.items() if k != "times"} == \
+            {k: v for k, v in out.items() if k != "times"}
+        names = list(model.init_state(B).tensors())
+        assert len(bench_packing.CARRY.buffers) == len(names)
     assert fills[True] > 0.95 and fills[False] < fills[True]   # packing fills what padding wastes
