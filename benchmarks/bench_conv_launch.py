@@ -8,7 +8,8 @@ channels (d_inner 1,024 + 2 x d_state 64) read in place from the in-projection's
 columns), width 4, bfloat16; with --segments, a document boundary every ~--every tokens (default
 150; packed log-normal documents of median 600 put one every ~1,000 chunk tokens) and the
 segments' tail inputs (the packed path); the sweep is then over the launch of the tiles that hold
-a boundary (sub-tiles of the plain tile: a size that does not divide it is recorded as an error). Each configuration is captured as a CUDA graph (eager
+a boundary (sub-tiles of the plain tile: a size that does not divide it is recorded as an error).
+Each configuration is captured as a CUDA graph (eager
 calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
 --iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
 out; backward: read x and the output's gradient, write dx), and its outputs checked against those

@@ -446,8 +446,8 @@ def main() -> None:
                 top, table, summary = profile(step, 3, device, name, top=400)
                 results["paths"][name]["top_kernels"] = top
                 results["paths"][name]["by_kind"] = summary["by_kind"]
-                results["paths"][name]["kernels_per_step"] = sum(
-                    k["calls_per_step"] for k in summary["kernels"])
+                results["paths"][name]["kernels_per_step"] = sum(   # those of >= 1 us a step
+                    kern["calls_per_step"] for kern in summary["kernels"])
                 results["paths"][name]["device_ms_per_step"] = summary["device_ms_per_step"]
                 results["paths"][name]["gaps"] = summary.get("gaps")
                 tables.append(table)
