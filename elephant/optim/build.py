@@ -239,7 +239,7 @@ class Optimizers:
                 start += k
             for opt, out in zip(self.optimizers, local):
                 if out is not None:   # this rank's updated pieces, for the all-gather
-                    out.copy_(opt.layout.pack_local(rank))
+                    opt.layout.pack_local(rank, out)
 
         if backend is not None:
             update = torch.compile(update, fullgraph=True, dynamic=False, backend=backend)
