@@ -47,14 +47,22 @@ def _grads(model: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in model.parameters()]
 
 
-def _run_steps(model, opt, grads_for_step, steps):
+def _clip_and_step(opt, clip: float = 2.0) -> torch.Tensor:
+    """The eager phase: clip_grad_norm_ (when clip > 0) then step; the norm (0: not measured)."""
+    norm = opt.clip_grad_norm_(clip) if clip else torch.zeros(())
+    opt.step()
+    return norm
+
+
+def _run_steps(model, opt, grads_for_step, steps, update=_clip_and_step):
+    """`steps` optimizer steps on the given gradients; `update(opt)` runs the phase and returns
+    the gradient norm. Returns the norms."""
     norms = []
     for step in steps:
         opt.set_step(step, STEPS + 2)
         for p, g in zip(model.parameters(), grads_for_step(step)):
             p.grad = g.clone()
-        norms.append(opt.clip_grad_norm_(2.0).item())
-        opt.step()
+        norms.append(update(opt).item())
         opt.zero_grad()
     return norms
 
@@ -107,18 +115,10 @@ def _graphed_steps(rank: int, out: str):
             torch.manual_seed(0)
             model = Shapes()
             opt = build_optimizers(model, OptimConfig(**CFG))
-            norms = []
-            for step in range(STEPS):
-                opt.set_step(step, STEPS + 2)
-                for p, g in zip(model.parameters(), _grads(model, rank, step)):
-                    p.grad = g.clone()
-                if how == "eager":
-                    norm = opt.clip_grad_norm_(clip) if clip else torch.zeros(())
-                    opt.step()
-                else:
-                    norm = opt.graphed_step(clip, "aot_eager" if how == "compiled" else None)
-                norms.append(norm.item())
-                opt.zero_grad()
+            backend = "aot_eager" if how == "compiled" else None
+            update = ((lambda o: _clip_and_step(o, clip)) if how == "eager"
+                      else (lambda o: o.graphed_step(clip, backend)))
+            norms = _run_steps(model, opt, lambda s: _grads(model, rank, s), range(STEPS), update)
             runs[how] = {"norms": norms, "weights": {k: v.clone() for k, v in model.state_dict().items()},
                          "state": opt.state_dict()}
         result[str(clip)] = runs
