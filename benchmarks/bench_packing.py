@@ -79,7 +79,6 @@ SUMMARY = {
                                           "fill1_packing_with_boundaries_prefix_per_step", "tokens_per_s"),
     "fill_gain": ("lognormal_packed", "lognormal_unpacked", "fill"),
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
-    "prefix_alongside_vs_apart": ("lognormal_packed", "lognormal_packed_prefix_apart", "tokens_per_s"),
     "real_tokens_per_s_gain_masked_attention": ("lognormal_packed_masked_attention",
                                                 "lognormal_unpacked", "real_tokens_per_s"),
 }
@@ -117,8 +116,7 @@ def batches_from(corpus, B, T, n, pack, device):
 
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
-            prefix: str = "state", graphs: bool = False, count: bool = True,
-            rows: bool = True) -> dict:
+            prefix: str = "state", graphs: bool = False, count: bool = True) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
     choice); prefix: where the initial-memory prefix is computed, "state" (the trainer's way: in
@@ -129,16 +127,7 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
     trainer's StaticCarry). The attention window is kept in bf16 on CUDA, as the trainer keeps it
     in its autocast dtype. count: the model is given the host's
     count of inner starts (the trainer's way; attention by document by the variable-length kernel
-    when they fit), else not (the explicit mask). rows: a chunk computing the prefix does it with
-    its rows alongside the chunk's (model.prefix_rows, the default), else on its own."""
-    saved_rows, model.prefix_rows = model.prefix_rows, rows and model.prefix_rows
-    try:
-        return _measure(model, batches, device, autocast, warmup, host_skip, prefix, graphs, count)
-    finally:
-        model.prefix_rows = saved_rows
-
-
-def _measure(model, batches, device, autocast, warmup, host_skip, prefix, graphs, count) -> dict:
+    when they fit), else not (the explicit mask)."""
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device,
@@ -421,8 +410,6 @@ def main() -> None:
             "lognormal_packed": (packed, {}),
             # the same without the host's count of inner starts: attention by the explicit mask
             "lognormal_packed_masked_attention": (packed, {"count": False}),
-            # the same with the prefix computed apart from the chunk's rows (model.prefix_rows off)
-            "lognormal_packed_prefix_apart": (packed, {"rows": False}),
         }
         if args.paths:
             wanted = args.paths.split(",")

@@ -63,69 +63,35 @@ class Block(nn.Module):
         variable-length kernel (0: none; see attention.SEGMENT_ROOM); `layouts`: that kernel's
         layout, shared by the chunk's attention layers (attention.attend_segments_varlen)."""
         h = self.norm1(x)
-        y, new_state = self._mix(self._project_in(h), h, pos, layer_state, seg, init, start, free,
-                                 room, layouts)
-        return self._mlp(x + self._project_out(y)), new_state
-
-    def forward_with_prefix(self, x: Tensor, lanes: int, pos: Tensor, layer_state: tuple,
-                            prefix_state: tuple, seg: Tensor, start: Tensor | None = None,
-                            free: Tensor | None = None, room: int = 0,
-                            layouts: dict | None = None) -> tuple[Tensor, tuple, tuple]:
-        """`forward` of a packed chunk together with the initial memory's prefix (see
-        ElephantLM.init_prefix), whose rows ride along through the token-wise work: x (B * S + M,
-        D) holds the chunk's B lanes of S rows, then the prefix's M rows; the norms, the
-        projections and the MLP take all rows at once, the mixer takes the prefix (one lane,
-        fresh state) and then the chunk, whose later documents start from this layer's prefix.
-        prefix_state: (positions (1, M), this layer's fresh state, the prefix's `free` or None).
-        Returns (x, the chunk's new layer state, this layer's prefix as init_prefix gives it)."""
-        N = lanes * pos.shape[1]
-        h = self.norm1(x)
-        p_chunk, p_prefix = self._project_in(h).split([N, x.shape[0] - N])
-        pre_pos, pre_state, pre_free = prefix_state
-        y_prefix, entry = self._mix(p_prefix.unsqueeze(0), h[N:].unsqueeze(0), pre_pos, pre_state,
-                                    free=pre_free)
-        if self.kind == "M":   # (conv tail, SSM state) of the one lane
-            entry = (entry[0][0], entry[1][0])
-        y, new_state = self._mix(p_chunk.view(lanes, N // lanes, -1), h[:N].view(lanes, N // lanes, -1),
-                                 pos, layer_state, seg, entry, start, free, room, layouts)
-        y = torch.cat([y.flatten(0, 1), y_prefix[0].to(y.dtype)])
-        return self._mlp(x + self._project_out(y)), new_state, entry
-
-    def _project_in(self, h: Tensor) -> Tensor:
-        return self.mixer.in_proj(h) if self.kind == "M" else self.mixer.qkv(h)
-
-    def _project_out(self, y: Tensor) -> Tensor:
-        return self.mixer.out_proj(y) if self.kind == "M" else self.mixer.o(y)
-
-    def _mlp(self, x: Tensor) -> Tensor:
-        return x if self.mlp is None else x + self.mlp(self.norm2(x))
-
-    def _mix(self, p: Tensor, h: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
-             init: tuple | None = None, start: Tensor | None = None, free: Tensor | None = None,
-             room: int = 0, layouts: dict | None = None) -> tuple[Tensor, tuple]:
-        """The mixer between its projections: p the in-projection of the normalized input h (B,
-        S, D) -> (its output before the out-projection, the new layer state)."""
         if self.kind == "M":
             conv, ssm = layer_state
             if seg is None:
-                y, conv, ssm = self.mixer.mix(p, conv, ssm)
+                h, conv, ssm = self.mixer(h, conv, ssm)
             else:
-                y, conv, ssm = self.mixer.mix(p, conv, ssm, seg=seg, init=init)
-            return y, (conv, ssm)
-        cache: KVCache | None = layer_state
-        extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0],
-                                             prefix_v=init and init[1], room=room, layouts=layouts)
-        if free is not None:
-            extra["free"] = free
-        if cache is None:
-            y, k, v = self.mixer.mix(p, pos, **extra)
-            return y, (k, v)
-        if cache.keep_k is None:
-            y, k, v = self.mixer.mix(p, pos, cache.k, cache.v, cache.valid, **extra)
-            return y, (k, v)
-        y, k, v, k_raw = self.mixer.mix(p, pos, cache.k, cache.v, cache.valid, kept=cache,
-                                        start=start, **extra)
-        return y, (k, v, k_raw, h)
+                h, conv, ssm = self.mixer(h, conv, ssm, seg=seg, init=init)
+            new_state = (conv, ssm)
+        else:
+            cache: KVCache | None = layer_state
+            extra = {} if seg is None else dict(seg=seg, prefix_k=init and init[0],
+                                                 prefix_v=init and init[1], room=room,
+                                                 layouts=layouts)
+            if free is not None:
+                extra["free"] = free
+            if cache is None:
+                h, k, v = self.mixer(h, pos, **extra)
+                new_state = (k, v)
+            elif cache.keep_k is None:
+                h, k, v = self.mixer(h, pos, cache.k, cache.v, cache.valid, **extra)
+                new_state = (k, v)
+            else:
+                inp = h
+                h, k, v, k_raw = self.mixer(inp, pos, cache.k, cache.v, cache.valid, kept=cache,
+                                            start=start, **extra)
+                new_state = (k, v, k_raw, inp)
+        x = x + h
+        if self.mlp is not None:
+            x = x + self.mlp(self.norm2(x))
+        return x, new_state
 
 
 COMPILE_BACKEND = "inductor"
@@ -190,9 +156,6 @@ class TrainingGraphs:
 
 class ElephantLM(nn.Module):
     share_layouts = True   # the chunk's attention layers share the varlen layout (see compile_for)
-    # a packed chunk that needs the initial memory's prefix computes it alongside its own rows
-    # (Block.forward_with_prefix: one set of token-wise kernels for both); False: on its own
-    prefix_rows = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -293,7 +256,7 @@ class ElephantLM(nn.Module):
         # the varlen layout is shared between the chunk's attention layers by a dict they fill
         # (`_chunk`); a block compiled on its own would take it as an input and hold a graph for
         # it empty and one for it filled, so blocks each make their own
-        self.share_layouts = self.prefix_rows = how != "blocks"
+        self.share_layouts = how != "blocks"
         if how == "blocks":
             for block in self.blocks:
                 block.compile(**compile_kwargs(backend))
@@ -477,7 +440,6 @@ class ElephantLM(nn.Module):
         new_pos = state.pos + T
         M = cfg.n_mem
         seg = started = None
-        rows = False   # the prefix computed here, its rows alongside the chunk's
         if starts is None:
             prefix = None
         else:
@@ -493,9 +455,7 @@ class ElephantLM(nn.Module):
                 last_seg = tok_seg[:, -1:]
                 seg = torch.cat([tok_seg.new_zeros(B, M), tok_seg, last_seg.expand(B, M)], dim=1)
                 if prefix is None:   # in this chunk's graph, not a graph of its own
-                    rows = self.prefix_rows
-                    if not rows:
-                        prefix = self._prefix(x.dtype)
+                    prefix = self._prefix(x.dtype)
                 elif len(prefix) != len(self.blocks):
                     raise ValueError(f"prefix must hold one entry per block ({len(self.blocks)}), "
                                      f"got {len(prefix)}: pass model.init_prefix()")
@@ -524,23 +484,17 @@ class ElephantLM(nn.Module):
             keep_kept = survive if keep_kept is None else keep_kept & survive
 
         new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
-        along = None   # with `rows`: (lanes, positions, fresh state, free) of the prefix's rows
-        if rows:   # [the chunk's rows | the prefix's], see Block.forward_with_prefix
-            S = x.shape[1]
-            pre_x, pre_pos, fresh, pre_free = self._prefix_inputs(x.dtype)
-            x = torch.cat([x.flatten(0, 1), pre_x[0]])
-            prefix, along = [], (B, pre_pos, fresh, pre_free)
-        run = functools.partial(self._block, pos=pos, seg=seg, prefix=prefix, along=along)
         for i, block in enumerate(self.blocks):
+            init = None if prefix is None else prefix[i]
             if block.kind == "M":
-                x, (conv, ssm) = run(block, i, x, (state.conv[i], state.ssm[i]))
+                x, (conv, ssm) = block(x, pos, (state.conv[i], state.ssm[i]), seg=seg, init=init)
                 new.kv.append(None)
                 new.conv.append(conv)
                 new.ssm.append(ssm)
             else:
                 cache = state.kv[i]
-                x, (k, v, *kept) = run(block, i, x, cache, start=state.pos, free=free, room=room,
-                                       layouts=layouts)
+                x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos,
+                                         free=free, room=room, layouts=layouts)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:
@@ -552,8 +506,6 @@ class ElephantLM(nn.Module):
                                                v[:, :, M:M + T], kept[1][:, M:M + T], tok_pos,
                                                last_doc, keep_kept)
                 new.kv.append(window)
-        if rows:
-            x = x[:B * S].view(B, S, -1)
         written = None
         if M:
             read = state.memory
@@ -566,21 +518,6 @@ class ElephantLM(nn.Module):
         else:
             gate = None
         return self.norm_f(x), new, written, started, gate, prefix
-
-    @staticmethod
-    def _block(block: Block, i: int, x: Tensor, layer_state, pos: Tensor, seg: Tensor | None,
-               prefix: list | None, along: tuple | None, **kw) -> tuple[Tensor, tuple]:
-        """Block i of `_chunk`: with `along` (the prefix computed alongside the chunk), by
-        Block.forward_with_prefix, its layer's prefix appended to `prefix`."""
-        if along is None:
-            return block(x, pos, layer_state, seg=seg, init=None if prefix is None else prefix[i],
-                         **kw)
-        lanes, pre_pos, fresh, pre_free = along
-        pre_state = (fresh.conv[i], fresh.ssm[i]) if block.kind == "M" else None
-        y, layer, entry = block.forward_with_prefix(x, lanes, pos, layer_state,
-                                                    (pre_pos, pre_state, pre_free), seg, **kw)
-        prefix.append(entry)
-        return y, layer
 
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
         """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
@@ -634,7 +571,12 @@ class ElephantLM(nn.Module):
     def _prefix(self, dtype=None) -> list[tuple]:
         """init_prefix itself: never compiled on its own, so that a compiled chunk step that needs
         the prefix traces it into its own graph."""
-        x, pos, fresh, free = self._prefix_inputs(dtype)
+        cfg = self.cfg
+        x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
+        pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)
+        fresh = self.init_state(1, device=x.device, dtype=x.dtype)
+        free = (torch.ones(cfg.n_mem, dtype=torch.bool, device=x.device)
+                if cfg.mem_rotary == "free" else None)     # all memory
         out = []
         for i, block in enumerate(self.blocks):
             if block.kind == "M":
@@ -644,17 +586,6 @@ class ElephantLM(nn.Module):
                 x, (k, v) = block(x, pos, None, free=free)
                 out.append((k, v))
         return out
-
-    def _prefix_inputs(self, dtype=None) -> tuple:
-        """What the blocks read for the prefix: mem_init (1, M, D), its positions (1, M) (-1: not
-        rotated), a fresh one-lane state, and the memory tokens' `free` mask (all) or None."""
-        cfg = self.cfg
-        x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
-        pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)
-        fresh = self.init_state(1, device=x.device, dtype=x.dtype)
-        free = (torch.ones(cfg.n_mem, dtype=torch.bool, device=x.device)
-                if cfg.mem_rotary == "free" else None)     # all memory
-        return x, pos, fresh, free
 
     def update_memory(self, read: Tensor, written: Tensor) -> Tensor:
         """The next chunk's read memory from this chunk's `read` memory and the write slots'

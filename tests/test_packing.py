@@ -302,28 +302,24 @@ def test_prefix_computed_once_for_several_chunks_equals_per_chunk(monkeypatch):
     # the initial-memory prefix computed once and shared by the chunks backpropagated together,
     # either passed in (`prefix`) or computed by the window's first chunk with an inner start and
     # carried on by the state (the trainer's way): the same losses and the same gradients
-    # (mem_init included) as computing it in every chunk, where its rows ride along with the
-    # chunk's (Block.forward_with_prefix) or, "apart", it runs on its own (model.prefix_rows off)
+    # (mem_init included) as computing it in every chunk
     model = make(n_mem=3, kv_window=16, bptt_chunks=3)
     T = 12
     gen = torch.Generator().manual_seed(9)
     tokens = torch.randint(0, V, (3, 2, T + 1), generator=gen)
     # the first chunk has no inner start (it goes without `starts`, as the trainer sends it)
     starts = [None, starts_at(2, T, 3, 9), starts_at(2, T, 7)]
-    computed, apart = [], []
-    real_inputs, real_prefix = model._prefix_inputs, model._prefix
-    monkeypatch.setattr(model, "_prefix_inputs", lambda *a: computed.append(1) or real_inputs(*a))
-    monkeypatch.setattr(model, "_prefix", lambda *a: apart.append(1) or real_prefix(*a))
+    computed = []
+    real_prefix = model._prefix
+    monkeypatch.setattr(model, "_prefix", lambda *a: computed.append(1) or real_prefix(*a))
     results = {}
-    for how in ("chunk", "apart", "given", "state"):
+    for how in ("chunk", "given", "state"):
         model.zero_grad()
         computed.clear()
-        apart.clear()
-        model.prefix_rows = how != "apart"
         prefix = model.init_prefix() if how == "given" else None
         state, loss = model.init_state(2), 0.0
         for c in range(3):
-            if how in ("chunk", "apart"):
+            if how == "chunk":
                 state.prefix = None
             nll, state = model(tokens[c, :, :-1], state, targets=tokens[c, :, 1:], reduction="sum",
                                starts=starts[c], prefix=prefix)
@@ -331,14 +327,13 @@ def test_prefix_computed_once_for_several_chunks_equals_per_chunk(monkeypatch):
             if how == "state":   # computed by the first chunk that needs it, then carried
                 assert (state.prefix is None) == (c == 0)
         loss.backward()
-        assert len(computed) == {"chunk": 2, "apart": 2, "given": 1, "state": 1}[how], how
-        assert len(apart) == {"chunk": 0, "apart": 2, "given": 1, "state": 0}[how], how
+        assert len(computed) == {"chunk": 2, "given": 1, "state": 1}[how], how
         results[how] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                         if p.grad is not None})
         assert state.detach().prefix is None and state.clone().prefix is None
     l0, g0 = results["chunk"]
     assert "mem_init" in g0
-    for how in ("apart", "given", "state"):
+    for how in ("given", "state"):
         l1, g1 = results[how]
         assert (l0 - l1).abs() < 1e-10 and g0.keys() == g1.keys(), how
         for name, g in g0.items():
@@ -444,43 +439,3 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
     assert got[2].keys() == want[2].keys()
     for name, g in got[2].items():
         torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)
-
-
-@pytest.mark.parametrize("mem_rotary, kv_keep", [("none", 0), ("free", 2)])
-def test_compiled_chunk_computes_the_prefix_alongside_without_graph_breaks(mem_rotary, kv_keep):
-    # compile_for("model") traces the packed chunk whose prefix rides along with its rows
-    # (Block.forward_with_prefix) into one graph: no graph break, and the losses, the gradients
-    # and the prefix it hands on are the eager model's (fp64)
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    gen = torch.Generator().manual_seed(4)
-    B, T = 2, 10
-    tokens = torch.randint(0, V, (2, B, T + 1), generator=gen)
-    starts = [starts_at(B, T, 4), starts_at(B, T, 2, 7)]
-    results = []
-    for compiled in (False, True):
-        torch._dynamo.reset()
-        counters.clear()
-        model = make(layers="MA", n_mem=2, kv_window=8, kv_keep=kv_keep, mem_rotary=mem_rotary,
-                     bptt_chunks=2).train()
-        if compiled:
-            model.compile_for("model", backend="aot_eager")
-        state, loss = model.init_state(B), 0.0
-        for c in range(2):
-            nll, state = model(tokens[c, :, :-1], state, targets=tokens[c, :, 1:], reduction="sum",
-                               starts=starts[c])
-            loss = loss + nll
-        loss.backward()
-        prefix = [t.detach() for entry in state.prefix for t in entry]
-        results.append((loss.detach(), prefix, {n: p.grad for n, p in model.named_parameters()
-                                                if p.grad is not None}))
-        if compiled:
-            assert not counters["graph_break"], dict(counters["graph_break"])
-            assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    (l0, p0, g0), (l1, p1, g1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=1e-12)
-    for a, b in zip(p1, p0):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert g0.keys() == g1.keys() and "mem_init" in g0
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-12, msg=name)

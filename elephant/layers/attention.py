@@ -547,12 +547,9 @@ class Attention(nn.Module):
         """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
         shared by the chunk forward and the generation step. `raw`: also the keys before rotary;
         `raw_q`: then also the queries before rotary (position-free memory, `free_scores`)."""
-        return self.heads(self.qkv(x), pos, raw, raw_q)
-
-    def heads(self, y: Tensor, pos: Tensor, raw: bool = False, raw_q: bool = False):
-        """`project` from the q/k/v projection's output y (B, S, 3D) on."""
-        B, S, _ = y.shape
+        B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
+        y = self.qkv(x)                                                          # (B, S, 3D)
         if (self.fused_qkv and y.is_cuda and not (raw or raw_q)
                 and rotary_triton.supported(y, H, hd)):
             cos, sin = rotary_cos_sin(pos, hd, self.rope_base, torch.float32, self.rope_max_period)
@@ -591,21 +588,9 @@ class Attention(nn.Module):
         Returns y (B, S, D) and this chunk's rotated k and its v, (B, H, S, hd) each; with `kept`
         also the keys before rotary (what kept tokens store).
         """
-        y, *rest = self.mix(self.qkv(x), pos, cache_k, cache_v, cache_valid, seg, prefix_k,
-                            prefix_v, kept, start, free, room, layouts)
-        return (self.o(y), *rest)
-
-    def mix(self, qkv: Tensor, pos: Tensor, cache_k: Tensor | None = None,
-            cache_v: Tensor | None = None, cache_valid: Tensor | None = None,
-            seg: Tensor | None = None, prefix_k: Tensor | None = None,
-            prefix_v: Tensor | None = None, kept=None, start: Tensor | None = None,
-            free: Tensor | None = None, room: int = 0, layouts: dict | None = None):
-        """The layer between its two projections: `forward` from the q/k/v projection's output
-        qkv (B, S, 3D) on, the attention's output (B, S, D) returned before the out-projection."""
-        B, S, D3 = qkv.shape
-        D = D3 // 3
-        q, k, v, *raw = self.heads(qkv, pos, raw=kept is not None or free is not None,
-                                   raw_q=free is not None)  # (B, H, S, hd) each
+        B, S, D = x.shape
+        q, k, v, *raw = self.project(x, pos, raw=kept is not None or free is not None,
+                                     raw_q=free is not None)  # (B, H, S, hd) each
         k_raw = raw[:1] if kept is not None else []
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
@@ -627,4 +612,5 @@ class Attention(nn.Module):
         else:
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
                                 room=room if kept is None else 0, layouts=layouts)
-        return (y.transpose(1, 2).reshape(B, S, D), k, v, *k_raw)
+        y = y.transpose(1, 2).reshape(B, S, D)
+        return (self.o(y), k, v, *k_raw)

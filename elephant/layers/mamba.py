@@ -178,15 +178,8 @@ class Mamba2(nn.Module):
         """x (B, L, d_model) -> (y (B, L, d_model), new conv_state, new ssm_state); any L >= 1.
         seg (B, L) segment ids of packed documents, init the state segments > 0 start from (see
         the module docstring)."""
-        y, conv_state, ssm_state = self.mix(self.in_proj(x), conv_state, ssm_state, seg, init)
-        return self.out_proj(y), conv_state, ssm_state
-
-    def mix(self, zxbcdt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-            seg: torch.Tensor | None = None, init: tuple | None = None):
-        """The layer between its two projections: the in-projection's output zxbcdt (B, L,
-        2 d_inner + 2 d_state + heads) -> (the gated norm of the scan's output (B, L, d_inner),
-        new conv_state, new ssm_state); `forward` is out_proj(mix(in_proj(x)))."""
-        b, l, _ = zxbcdt.shape
+        b, l, _ = x.shape
+        zxbcdt = self.in_proj(x)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
 
         if self.fast_conv and xBC.is_cuda and conv_triton.supported(xBC):
@@ -210,8 +203,8 @@ class Mamba2(nn.Module):
         return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
 
     def _after_conv(self, xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state):
-        """mix from the activated conv output xBC (B, L, conv_dim) on: the scan and the gated
-        norm."""
+        """forward from the activated conv output xBC (B, L, conv_dim) on: the scan and the gated
+        norm, the out-projection."""
         xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
 
         fdt = torch.promote_types(dt.dtype, torch.float32)  # float32, or float64 for fp64 models
@@ -230,7 +223,7 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(b, l, self.d_inner), z)
         # contiguous: the conv state is the tail of the conv's window (a view of it), and a state
         # with other strides than a fresh one is a new compile of a compiled chunk
-        return y, new_conv_state.contiguous(), new_ssm_state.contiguous()
+        return self.out_proj(y), new_conv_state.contiguous(), new_ssm_state.contiguous()
 
     def step(self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """One token: x (B, d_model) -> (y (B, d_model), new conv_state, new ssm_state).
