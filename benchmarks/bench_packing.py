@@ -46,7 +46,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import bf16_autocast, environment, profile, result_path, timer  # noqa: E402
+from benchmarks.common import (bf16_autocast, environment, inductor_options, profile,  # noqa: E402
+                               result_path, timer, use_inductor_options)
 from elephant.layers import ssd  # noqa: E402
 from elephant.layers.attention import Attention, attend, attend_segments, segment_room  # noqa: E402
 from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
@@ -350,9 +351,13 @@ def main() -> None:
                     help="comma-separated: time (and profile) only these paths (default: all)")
     ap.add_argument("--pieces", default="",
                     help="comma-separated name prefixes: time only these breakdown pieces")
+    ap.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE",
+                    help="an inductor option for the model's compile (repeatable; a Python "
+                         "literal, e.g. combo_kernels=True), to A/B it")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()
+    use_inductor_options(inductor_options(args.inductor, ap.error))
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     B, T, steps, warmup = (2, 32, 3, 1) if smoke else (32, 512, 15, 4)
@@ -376,7 +381,8 @@ def main() -> None:
                + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
                + (f" --paths {args.paths}" if args.paths else "")
                + (f" --pieces {args.pieces}" if args.pieces else "")
-               + (" --profile" if args.profile else ""),
+               + (" --profile" if args.profile else "")
+               + "".join(f" --inductor {item}" for item in args.inductor),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}

@@ -179,6 +179,30 @@ def result_path(prefix: str, smoke: bool):
     return out / f"{prefix}_{tag}.json"
 
 
+def inductor_options(items: list[str], error) -> dict:
+    """`--inductor OPTION=VALUE` arguments (VALUE a Python literal) as a dict; `error(message)`
+    reports a malformed one (argparse's ap.error)."""
+    import ast
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            options[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            sep = ""
+        if not sep or not key.strip():
+            error(f"--inductor: expected OPTION=VALUE with a Python literal, got {item!r}")
+    return options
+
+
+def use_inductor_options(options: dict) -> None:
+    """Add inductor options to those the model's compiles use (elephant.model.INDUCTOR_OPTIONS,
+    read by ElephantLM.compile_for), to A/B one in a benchmark."""
+    if options:
+        import elephant.model
+        elephant.model.INDUCTOR_OPTIONS.update(options)
+
+
 def bf16_autocast(device):
     """A context-manager factory: bf16 autocast on CUDA, nothing on the CPU."""
     if torch.device(device).type == "cuda":

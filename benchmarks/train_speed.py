@@ -66,7 +66,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import baseline_gpt  # noqa: E402
-from benchmarks.common import environment, profile, result_path  # noqa: E402
+from benchmarks.common import (environment, inductor_options, profile, result_path,  # noqa: E402
+                               use_inductor_options)
 
 RECIPES = {"attention": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0"],
            "hybrid": []}
@@ -453,6 +454,9 @@ def parse(argv):
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")
+    ap.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE",
+                    help="an inductor option for the attention and hybrid steps' compile "
+                         "(repeatable; a Python literal, e.g. combo_kernels=True), to A/B it")
     ap.add_argument("--in-place-head", action="store_true",
                     help="the blocked loss without its fused block kernels (head.FUSED off), to A/B them")
     ap.add_argument("--reference-head", action="store_true",
@@ -481,6 +485,7 @@ def parse(argv):
         ap.error(f"--only: unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}")
     if "eval" in args.parts and "hybrid" not in args.parts:
         ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
+    args.inductor_options = inductor_options(args.inductor, ap.error)
     args.world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world > 1 and not set(args.parts) <= {"attention", "hybrid"}:
         ap.error(f"under torchrun (WORLD_SIZE={args.world}) only the trainer's steps run: "
@@ -494,6 +499,7 @@ def main(argv=None) -> int:
         print("error: no CUDA device (use --cpu-smoke for the CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    use_inductor_options(args.inductor_options)
     rank = int(os.environ.get("RANK", "0"))
     if args.world > 1 and device.type == "cuda":   # each rank on its own GPU
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -505,7 +511,8 @@ def main(argv=None) -> int:
         out_path = out_path.with_name(f"{out_path.stem}_{args.world}gpu.json")
     results = {**environment(device), "command": " ".join(["python", "benchmarks/train_speed.py",
                                                             *(argv if argv is not None else sys.argv[1:])]),
-               "warmup_steps": args.warmup, "timed_steps": args.steps, "runs": {}, "failures": []}
+               "warmup_steps": args.warmup, "timed_steps": args.steps, "runs": {}, "failures": [],
+               "inductor_options": args.inductor_options}
     tables = []
 
     def save():
