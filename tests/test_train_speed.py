@@ -188,3 +188,23 @@ def test_sync_count_ignores_the_debug_modes_notice():
     assert not train_speed.is_sync_warning(
         "Synchronization debug mode is a prototype feature and does not yet detect all "
         "synchronizing operations")
+
+
+def test_inductor_options_are_parsed_as_literals_and_reach_the_models_compile(monkeypatch):
+    # --inductor OPTION=VALUE (train_speed.py, bench_packing.py): Python literals, a malformed one
+    # refused by name, and the options added to those ElephantLM.compile_for passes to inductor
+    import elephant.model
+    from benchmarks.common import inductor_options, use_inductor_options
+    errors = []
+    got = inductor_options(["combo_kernels=True", " max_autotune = 0", "mode='x=y'"], errors.append)
+    assert got == {"combo_kernels": True, "max_autotune": 0, "mode": "x=y"} and not errors
+    for bad in ("combo_kernels", "=1", "combo_kernels=yes please"):
+        inductor_options([bad], errors.append)
+    assert len(errors) == 3 and all("--inductor" in e for e in errors) and repr("=1") in errors[1]
+    monkeypatch.setattr(elephant.model, "INDUCTOR_OPTIONS", dict(elephant.model.INDUCTOR_OPTIONS))
+    use_inductor_options({"combo_kernels": True})
+    kw = elephant.model.compile_kwargs("inductor")
+    assert kw["options"]["combo_kernels"] is True and kw["options"]["comprehensive_padding"] is False
+    assert train_speed.parse(["--inductor", "combo_kernels=True"]).inductor_options == {"combo_kernels": True}
+    with pytest.raises(SystemExit):
+        train_speed.parse(["--inductor", "combo_kernels"])
