@@ -189,8 +189,10 @@ class DataConfig:
     recall_max_queries: int = 4      # queries per document: 1..max_queries
     pack: bool = False               # training rows hold documents back to back (exact per-token
                                      # boundaries, no padding); false: one document per row, padded.
-                                     # Off by default: on the H100 the packed path runs at 0.43x
-                                     # (docs/RESULTS.md), more than the padding it saves
+                                     # Off by default: it pays with the chunk step as CUDA graphs
+                                     # (train.compile=graphs: 1.20x real tokens/s on log-normal
+                                     # lengths, H100), not with each block compiled (the default:
+                                     # 0.97x when last measured); docs/RESULTS.md, issue 11
     pack_eval: bool = False          # the same for the validation pass (faster on short documents;
                                      # with memory on, the numbers differ slightly from unpacked ones)
 
