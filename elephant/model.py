@@ -241,8 +241,9 @@ class ElephantLM(nn.Module):
         included; the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and
         copies the state it carries past a step out of the graphs' memory, whose tensors the next
         replay may overwrite: `state.StaticCarry` (the trainer's way) or `RecurrentState.clone`),
-        compiled without graphs in evaluation and without gradients (`TrainingGraphs`); "off"
-        leaves it eager. Static shapes.
+        compiled without graphs in evaluation and without gradients (`TrainingGraphs`); "window",
+        as "graphs", and a BPTT window's chunks given to `forward_window` as one graph (one
+        backward graph for the window); "off" leaves it eager. Static shapes.
         `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
         backend = backend or COMPILE_BACKEND
         if how != "off":
@@ -260,19 +261,21 @@ class ElephantLM(nn.Module):
         if how == "blocks":
             for block in self.blocks:
                 block.compile(**compile_kwargs(backend))
-        elif how in ("model", "graphs"):
+        elif how in ("model", "graphs", "window"):
             # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
             # the graph (see forward); the initial memory's prefix (packed documents) runs the
             # blocks outside forward
-            for name in ("_chunk", "init_prefix"):
+            names = ("_chunk", "init_prefix") + (("_window_chunks",) if how == "window" else ())
+            for name in names:
                 fn = getattr(self, name)
                 plain = torch.compile(fn, **compile_kwargs(backend))
-                if how == "graphs":
+                if how in ("graphs", "window"):
                     plain = TrainingGraphs(self, torch.compile(fn, **compile_kwargs(backend, True)),
                                            plain)
                 setattr(self, name, plain)
         elif how != "off":
-            raise ValueError(f"compile_for: expected blocks, model, graphs or off, got {how!r}")
+            raise ValueError(f"compile_for: expected blocks, model, graphs, window or off, "
+                             f"got {how!r}")
 
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD and conv on CUDA, SDPA and the fused q/k/v kernel, fused elephant
@@ -363,6 +366,36 @@ class ElephantLM(nn.Module):
         """
         B, T = tokens.shape
         cfg = self.cfg
+        state, reset, starts, room = self._prepare(tokens, state, reset, starts, inner_starts)
+        if state.chunks >= cfg.bptt_chunks:
+            state = state.detach()
+        if prefix is None:
+            prefix = state.prefix
+        # the memory-only path (training with it tracked) is updated here, outside `_chunk`, so
+        # that a compiled `_chunk` (compile_for("model")) is one autograd node that the window's
+        # backward may free, while the path's graph reaches across windows
+        path, links = state.memory_path, state.links
+        if path is not None and reset is not None:
+            path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
+        core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
+                              memory=state.memory, chunks=state.chunks)
+        h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
+                                                           path is not None, room)
+        out = self._output(h, gate, targets, loss_mask, reduction)
+        new.links = links
+        new.prefix = used if used is not None else prefix   # a chunk without starts uses none
+        if path is not None:  # the same update on the memory-only path (see RecurrentState)
+            if started is not None:   # a document that began in this chunk read the initial memory
+                path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
+            new.memory_path = self._memory_update(path, written)[0]
+        return out, new
+
+    def _prepare(self, tokens: Tensor, state: RecurrentState | None, reset: Tensor | None,
+                 starts: Tensor | None, inner_starts: int | None) -> tuple:
+        """forward's checks of one chunk's inputs -> (the state, a fresh one when None; the
+        reset flags on the tokens' device, with the documents that start at token 0 of `starts`;
+        starts as bool on that device; the varlen layout's room, 0 for none)."""
+        B, T = tokens.shape
         if state is None:  # a fresh state is every lane starting a document
             state = self.init_state(B, device=tokens.device)
             reset = torch.ones(B, dtype=torch.bool, device=tokens.device)
@@ -379,29 +412,73 @@ class ElephantLM(nn.Module):
                 inner_starts = counted
             starts = starts.to(device=tokens.device, dtype=torch.bool)
             reset = starts[:, 0] if reset is None else reset.to(tokens.device) | starts[:, 0]
-        if state.chunks >= cfg.bptt_chunks:
-            state = state.detach()
-        if prefix is None:
-            prefix = state.prefix
-        # the memory-only path (training with it tracked) is updated here, outside `_chunk`, so
-        # that a compiled `_chunk` (compile_for("model")) is one autograd node that the window's
-        # backward may free, while the path's graph reaches across windows
-        path, links = state.memory_path, state.links
-        if path is not None and reset is not None:
-            path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
-        core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
-                              memory=state.memory, chunks=state.chunks)
         room = 0 if starts is None else segment_room(B, inner_starts)
-        h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
-                                                           path is not None, room)
-        out = self._output(h, gate, targets, loss_mask, reduction)
-        new.links = links
-        new.prefix = used if used is not None else prefix   # a chunk without starts uses none
-        if path is not None:  # the same update on the memory-only path (see RecurrentState)
-            if started is not None:   # a document that began in this chunk read the initial memory
-                path = torch.where(started[:, None, None], self.mem_init.to(path.dtype), path)
-            new.memory_path = self._memory_update(path, written)[0]
-        return out, new
+        return state, reset, starts, room
+
+    def forward_window(self, chunks: list[dict], state: RecurrentState | None = None,
+                       reduction: str = "sum") -> tuple[Tensor, RecurrentState]:
+        """The chunks of one BPTT window in one call: for each in turn what `forward(**chunk,
+        reduction=reduction)` does, with the state carried from one to the next; returns the sum
+        of their losses and the state after the last. Each chunk is a dict of forward's
+        arguments: tokens, targets (both required), reset, loss_mask, starts, inner_starts.
+
+        compile_for("window") compiles the chunks' steps (`_window_chunks`) as one graph, so that
+        the window's backward is one graph too: each weight's gradient is summed over the
+        chunks inside it, and cast to bf16 once, not once a chunk. The losses (`_output`) run
+        after it, as in `forward`. A state that tracks the memory-only path goes chunk by chunk
+        through `forward`."""
+        if not chunks:
+            raise ValueError("forward_window: no chunk given")
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"forward_window: reduction must be sum or mean, got {reduction!r}")
+        if state is not None and state.memory_path is not None:
+            loss = 0.0
+            for chunk in chunks:
+                nll, state = self(state=state, reduction=reduction, **chunk)
+                loss = loss + nll
+            return loss, state
+        tokens, resets, starts, rooms = [], [], [], []
+        for chunk in chunks:
+            extra = set(chunk) - {"tokens", "targets", "reset", "loss_mask", "starts", "inner_starts"}
+            if extra:
+                raise ValueError(f"forward_window: unknown chunk keys {sorted(extra)}")
+            fresh = state is None and not tokens
+            st, reset, start, room = self._prepare(chunk["tokens"], state, chunk.get("reset"),
+                                                   chunk.get("starts"), chunk.get("inner_starts"))
+            if fresh:
+                state = st
+            tokens.append(chunk["tokens"])
+            resets.append(reset)
+            starts.append(start)
+            rooms.append(room)
+        outs, state = self._window_chunks(tokens, state, resets, starts, rooms)
+        loss = 0.0
+        for (h, gate), chunk in zip(outs, chunks):
+            loss = loss + self._output(h, gate, chunk["targets"], chunk.get("loss_mask"), reduction)
+        return loss, state
+
+    def _window_chunks(self, tokens: list, state: RecurrentState, resets: list, starts: list,
+                       rooms: list) -> tuple[list, RecurrentState]:
+        """forward_window's chunks after its checks: for each, forward's detach and `_chunk`
+        (the class's own, never a compiled one), the initial memory's prefix computed by the
+        first chunk that needs it and handed to the later ones. Returns [(the final normalized
+        hidden states, the memory gates or None)] a chunk, and the state after the last. What
+        compile_for("window") compiles."""
+        outs, links = [], state.links
+        prefix = state.prefix
+        for tok, reset, start, room in zip(tokens, resets, starts, rooms):
+            if state.chunks >= self.cfg.bptt_chunks:
+                state = state.detach()
+                prefix = state.prefix
+            core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
+                                  memory=state.memory, chunks=state.chunks)
+            h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start, prefix,
+                                                         False, room)
+            new.links = links
+            new.prefix = prefix = used if used is not None else prefix
+            outs.append((h, gate))
+            state = new
+        return outs, state
 
     def _output(self, h: Tensor, gate: Tensor | None, targets: Tensor | None,
                 loss_mask: Tensor | None, reduction: str) -> Tensor:

@@ -439,3 +439,84 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
     assert got[2].keys() == want[2].keys()
     for name, g in got[2].items():
         torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_forward_window_equals_the_chunks_one_by_one(compiled):
+    # forward_window (a BPTT window's chunks in one call; compile_for("window") makes them one
+    # graph): the summed loss, the gradients (mem_init included), the prefix handed on and the
+    # state after the window are forward's chunk by chunk (fp64), for windows packed or not,
+    # across a detach (the second window starts from a state that has been through bptt_chunks);
+    # compiled: no graph break, and a window of a form seen before adds no graph
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    B, T, k = 2, 10, 2
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, V, (4 * k, B, T + 1), generator=gen)
+    # packed: window 1 has inner starts in its second chunk, window 2 in both, windows 3 and 4
+    # (the same form) in none
+    starts = [None, starts_at(B, T, 4), starts_at(B, T, 2, 7), starts_at(B, T, 5), None, None,
+              None, None]
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, -3:] = False
+    results = []
+    for windowed in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k).train()
+        if windowed and compiled:
+            model.compile_for("window", backend="aot_eager")
+        state, losses, graphs = model.init_state(B), [], []
+        for w in range(4):
+            model.zero_grad()
+            chunks = [dict(tokens=tokens[c, :, :-1], targets=tokens[c, :, 1:], loss_mask=mask,
+                           starts=starts[c]) for c in range(w * k, (w + 1) * k)]
+            if windowed:
+                loss, state = model.forward_window(chunks, state)
+            else:
+                loss = 0.0
+                for chunk in chunks:
+                    nll, state = model(state=state, reduction="sum", **chunk)
+                    loss = loss + nll
+            loss.backward()
+            prefix = None if state.prefix is None else [t.detach() for e in state.prefix for t in e]
+            losses.append((loss.detach(), prefix, {n: p.grad.clone() for n, p in
+                                                   model.named_parameters() if p.grad is not None}))
+            state = state.detach()
+            graphs.append(counters["stats"]["unique_graphs"])
+        final = {n: t.clone() for n, t in state.tensors().items()}
+        results.append((losses, final))
+        if windowed and compiled:
+            assert not counters["graph_break"], dict(counters["graph_break"])
+            # a graph for each window's form (which chunks have inner starts, and whether the
+            # state comes fresh or carried past a detach); none for a form seen before
+            assert 1 <= graphs[0] < graphs[1] < graphs[2] == graphs[3], graphs
+    (want, want_state), (got, got_state) = results
+    for (l0, p0, g0), (l1, p1, g1) in zip(want, got):
+        torch.testing.assert_close(l1, l0, rtol=1e-12, atol=1e-12)
+        assert (p0 is None) == (p1 is None)
+        for a, b in zip(p1 or [], p0 or []):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert g0.keys() == g1.keys()
+        for name in g0:
+            torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-12, msg=name)
+    assert "mem_init" in want[1][2]
+    assert want_state.keys() == got_state.keys()
+    for name in want_state:
+        torch.testing.assert_close(got_state[name], want_state[name], rtol=1e-12, atol=1e-12)
+
+
+def test_forward_window_refuses_what_forward_would_not_take():
+    model = make(n_mem=2, kv_window=8)
+    tokens = torch.randint(0, V, (2, 9))
+    chunk = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:])
+    with pytest.raises(ValueError, match="no chunk"):
+        model.forward_window([])
+    with pytest.raises(ValueError, match="unknown chunk keys"):
+        model.forward_window([dict(chunk, target=tokens)])
+    with pytest.raises(ValueError, match="reduction"):
+        model.forward_window([chunk], reduction="none")
+    with pytest.raises(ValueError, match="lanes"):
+        model.forward_window([chunk], model.init_state(3))
+    with pytest.raises(ValueError, match="starts must be"):
+        model.forward_window([dict(chunk, starts=torch.zeros(2, 3, dtype=torch.bool))])
