@@ -233,7 +233,8 @@ class TrainConfig:
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"            # auto (on CUDA) | on (each block) | model (the whole chunk) |
                                      # graphs (model, replayed as CUDA graphs in training; with one
-                                     # process the clipping and optimizer step too) | off
+                                     # process the clipping and optimizer step too) | window (graphs,
+                                     # and a BPTT window's chunks as one graph) | off
     log_every: int = 10
     eval_every: int = 250            # 0: only at the end
     eval_docs: int = 0               # documents of the valid split per evaluation (0: all)
@@ -247,11 +248,11 @@ class TrainConfig:
                   "log_every", "keep_ckpts", "max_bad_steps")
         _non_negative(self, "eval_every", "eval_docs", "ckpt_every")
         _choice(self, "dtype", ("auto", "bf16", "fp32"))
-        _choice(self, "compile", ("auto", "on", "model", "graphs", "off"))
-        if self.compile == "graphs" and self.memory_windows > 1:
-            raise ConfigError("train.compile = \"graphs\" needs train.memory_windows = 1: memory-only "
-                              "backpropagation keeps the memory of earlier windows, which the next "
-                              "CUDA-graph replay would overwrite")
+        _choice(self, "compile", ("auto", "on", "model", "graphs", "window", "off"))
+        if self.compile in ("graphs", "window") and self.memory_windows > 1:
+            raise ConfigError(f"train.compile = \"{self.compile}\" needs train.memory_windows = 1: "
+                              "memory-only backpropagation keeps the memory of earlier windows, "
+                              "which the next CUDA-graph replay would overwrite")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 

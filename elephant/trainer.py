@@ -67,11 +67,15 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
+GRAPHS = ("graphs", "window")   # the train.compile settings that replay CUDA graphs
+
+
 def compile_mode(setting: str, device) -> str:
     """train.compile -> ElephantLM.compile_for's mode: auto compiles each block on CUDA."""
     if setting == "auto":
         return "blocks" if torch.device(device).type == "cuda" else "off"
-    return {"on": "blocks", "model": "model", "graphs": "graphs", "off": "off"}[setting]
+    return {"on": "blocks", "model": "model", "graphs": "graphs", "window": "window",
+            "off": "off"}[setting]
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -147,7 +151,7 @@ class Trainer:
         self.states = [self.init_state() for _ in range(t.grad_accum)]
         # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
         # several groups go through the same graphs, so theirs is cloned past each step
-        self.carry = StaticCarry() if t.compile == "graphs" and t.grad_accum == 1 else None
+        self.carry = StaticCarry() if t.compile in GRAPHS and t.grad_accum == 1 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -334,7 +338,7 @@ class Trainer:
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
-            if cfg.train.compile == "graphs" and self.opt.graphable():
+            if cfg.train.compile in GRAPHS and self.opt.graphable():
                 # clipping and the update compiled and replayed as one CUDA graph (with several
                 # processes, the collectives around it; the CPU runs the same compiled update
                 # without a graph)
@@ -367,12 +371,13 @@ class Trainer:
         return (the state after them, the summed loss as a float64 tensor). `on_loss`: called with
         that loss before the backward is queued."""
         rt, cfg = self.rt, self.cfg
-        graphs = cfg.train.compile == "graphs"
+        graphs = cfg.train.compile in GRAPHS
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
             if self.carry is not None:   # read in place by the first chunk's graph
                 state = self.carry.take(state)
-        loss = 0.0
+        window = cfg.train.compile == "window"   # the window's chunks as one graph
+        loss, chunks = 0.0, []
         for b in batches:
             tokens = to_device(b.tokens, rt.device)
             # packed rows: the boundary path only for chunks where a document starts inside
@@ -381,13 +386,19 @@ class Trainer:
             # window's first such chunk, in its own step, and the state carries it to the later
             # ones (RecurrentState.prefix)
             starts = to_device(b.starts, rt.device) if cfg.data.pack and b.inner_starts else None
+            chunk = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:],
+                         reset=to_device(b.reset, rt.device),
+                         loss_mask=to_device(b.loss_mask, rt.device), starts=starts,
+                         inner_starts=b.inner_starts)
+            if window:
+                chunks.append(chunk)
+                continue
             with rt.autocast():
-                nll, state = self.model(tokens[:, :-1], state, to_device(b.reset, rt.device),
-                                        targets=tokens[:, 1:],
-                                        loss_mask=to_device(b.loss_mask, rt.device),
-                                        reduction="sum", starts=starts,
-                                        inner_starts=b.inner_starts)
+                nll, state = self.model(state=state, reduction="sum", **chunk)
             loss = loss + nll
+        if window:
+            with rt.autocast():
+                loss, state = self.model.forward_window(chunks, state)
         if on_loss is not None:
             on_loss(loss.detach().double())
         # the optimizers average gradients over ranks: scale so the average is the global mean

@@ -408,13 +408,14 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
     # one per chunk or step), and the same losses and weights as the eager trainer over 5 steps.
     # train.compile=graphs, the same with the trainer's CUDA-graph steps (each window marked, the
     # state cloned past it, the update compiled; the backend here has no graphs,
-    # tests/test_gpu_packing.py and tests/test_gpu_optim.py have them)
+    # tests/test_gpu_packing.py and tests/test_gpu_optim.py have them); window, the same with
+    # each window's chunks as one graph (ElephantLM.forward_window)
     import torch._dynamo
     from torch._dynamo.utils import counters
     from elephant import model as model_mod
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     runs = {}
-    for mode in ("off", "model", "graphs"):
+    for mode in ("off", "model", "graphs", "window"):
         cfg = load_config(ROOT / "configs/tiny.toml",
                           overrides(tmp_path / mode, corpus_dir, **{"train.compile": mode,
                                                                     "data.pack": pack}))
@@ -429,9 +430,9 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
         if mode != "off":
             assert not counters["graph_break"], dict(counters["graph_break"])
             # graphs: one more, the clipping and optimizer update (Optimizers.graphed_step)
-            assert 1 <= counters["stats"]["unique_graphs"] <= (7 if mode == "graphs" else 6)
+            assert 1 <= counters["stats"]["unique_graphs"] <= (6 if mode == "model" else 7)
     eager_losses, eager_w = runs["off"]
-    for mode in ("model", "graphs"):
+    for mode in ("model", "graphs", "window"):
         losses_, w = runs[mode]
         assert torch.allclose(torch.tensor(losses_), torch.tensor(eager_losses), rtol=1e-4), \
             (mode, losses_, eager_losses)
@@ -441,9 +442,10 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
 
 def test_cuda_graph_training_refuses_memory_only_backpropagation():
     from elephant.config import ConfigError, TrainConfig
-    TrainConfig(compile="graphs").validate()
-    with pytest.raises(ConfigError, match="memory_windows"):
-        TrainConfig(compile="graphs", memory_windows=2).validate()
+    for mode in ("graphs", "window"):
+        TrainConfig(compile=mode).validate()
+        with pytest.raises(ConfigError, match="memory_windows"):
+            TrainConfig(compile=mode, memory_windows=2).validate()
 
 
 def test_training_graphs_serve_training_with_gradients_only():
