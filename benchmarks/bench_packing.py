@@ -117,7 +117,8 @@ def batches_from(corpus, B, T, n, pack, device):
 
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
-            prefix: str = "state", graphs: bool = False, count: bool = True) -> dict:
+            prefix: str = "state", graphs: bool = False, count: bool = True,
+            window: bool = False) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
     choice); prefix: where the initial-memory prefix is computed, "state" (the trainer's way: in
@@ -128,7 +129,8 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
     trainer's StaticCarry). The attention window is kept in bf16 on CUDA, as the trainer keeps it
     in its autocast dtype. count: the model is given the host's
     count of inner starts (the trainer's way; attention by document by the variable-length kernel
-    when they fit), else not (the explicit mask)."""
+    when they fit), else not (the explicit mask). window: the step's chunks go to
+    `forward_window` in one call (compile_for("window"): one graph for them; prefix "state" only)."""
     k = model.cfg.bptt_chunks
     B, T = batches[0][0].shape[0], batches[0][0].shape[1] - 1
     state = model.init_state(B, device=device,
@@ -145,11 +147,19 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
             state = CARRY.take(state)
-        loss, given = 0.0, None
+        loss, given, chunks = 0.0, None, []
         with autocast():
             for tokens, reset, mask, starts, inner in batches[i * k:(i + 1) * k]:
                 if starts is not None and host_skip and not inner:
                     starts = None
+                if i >= warmup:
+                    real += mask.sum()
+                    boundary_chunks += starts is not None
+                if window:
+                    chunks.append(dict(tokens=tokens[:, :-1], reset=reset, targets=tokens[:, 1:],
+                                       loss_mask=mask, starts=starts,
+                                       inner_starts=inner if count else None))
+                    continue
                 if starts is not None and model.cfg.n_mem and prefix == "step" and given is None:
                     given = model.init_prefix()
                 if prefix == "chunk":
@@ -158,9 +168,8 @@ def measure(model, batches, device, autocast, warmup: int, host_skip: bool = Tru
                                    loss_mask=mask, reduction="sum", starts=starts, prefix=given,
                                    inner_starts=inner if count else None)
                 loss = loss + nll
-                if i >= warmup:
-                    real += mask.sum()
-                    boundary_chunks += starts is not None
+            if window:
+                loss, state = model.forward_window(chunks, state)
         loss.backward()
         state = state.detach()   # drops the state's prefix too
         if graphs:
@@ -342,9 +351,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--only", choices=["paths", "breakdown"], default=None)
-    ap.add_argument("--compile", choices=["blocks", "model", "graphs"], default="blocks",
+    ap.add_argument("--compile", choices=["blocks", "model", "graphs", "window"], default="blocks",
                     help="each block compiled (default), the whole chunk step (train.compile=model), "
-                         "or that step replayed as CUDA graphs (reduce-overhead)")
+                         "that step replayed as CUDA graphs (reduce-overhead), or a step's chunks "
+                         "as one CUDA graph (train.compile=window)")
     ap.add_argument("--profile", action="store_true",
                     help="every kernel of a few steps of the PROFILED paths (JSON, _profile.txt)")
     ap.add_argument("--paths", default="",
@@ -371,7 +381,8 @@ def main() -> None:
         if args.compile == "graphs":  # say why a graph is not replayed, if one is not
             torch._logging.set_logs(perf_hints=True)
     autocast = bf16_autocast(device)
-    graphs = args.compile == "graphs" and not smoke
+    graphs = args.compile in ("graphs", "window") and not smoke
+    window = args.compile == "window"
     out_path = result_path("packing" if args.compile == "blocks" else f"packing_compile_{args.compile}",
                            smoke)
     results = {**environment(device),
@@ -432,7 +443,8 @@ def main() -> None:
                     continue   # failed in an earlier round
                 try:
                     runs[name].append(measure(model, batches, device, autocast,
-                                              warmup if r == 0 else 1, graphs=graphs, **opts))
+                                              warmup if r == 0 else 1, graphs=graphs, window=window,
+                                              **opts))
                 except Exception as e:  # record and go on with the other paths
                     results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                               "trace": traceback.format_exc()[-1500:]}
@@ -448,7 +460,7 @@ def main() -> None:
                     continue
                 batches, opts = variants[name]
                 step = (lambda b=batches[:k], o=opts:           # one trainer step
-                        measure(model, b, device, autocast, 0, graphs=graphs, **o))
+                        measure(model, b, device, autocast, 0, graphs=graphs, window=window, **o))
                 top, table, summary = profile(step, 3, device, name, top=400)
                 results["paths"][name]["top_kernels"] = top
                 results["paths"][name]["by_kind"] = summary["by_kind"]

@@ -31,6 +31,11 @@ def test_measure_counts_the_real_tokens_and_boundary_chunks_of_the_timed_steps()
                                         graphs=True)
         assert {k: v for k, v in graphed.items() if k != "times"} == \
             {k: v for k, v in out.items() if k != "times"}
+        # a step's chunks in one forward_window call (--compile window): the same counts
+        windowed = bench_packing.measure(model, batches, device, bf16_autocast(device), warmup,
+                                         graphs=True, window=True)
+        assert {k: v for k, v in windowed.items() if k != "times"} == \
+            {k: v for k, v in out.items() if k != "times"}
         names = list(model.init_state(B).tensors())
         assert len(bench_packing.CARRY.buffers) == len(names)
     assert fills[True] > 0.95 and fills[False] < fills[True]   # packing fills what padding wastes
