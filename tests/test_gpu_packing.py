@@ -197,8 +197,9 @@ def test_compiled_prefix_takes_the_plain_paths_and_equals_the_custom_ops_on_cuda
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("pattern", ["SS", "NS", "SN"])
-def test_cuda_graph_steps_equal_the_eager_steps(pattern):
+@pytest.mark.parametrize("pattern, window", [("SS", False), ("NS", False), ("SN", False),
+                                             ("SN", True)])
+def test_cuda_graph_steps_equal_the_eager_steps(pattern, window):
     # compile_for("graphs"): the chunk step and the prefix replayed as CUDA graphs (reduce-overhead)
     # over trainer-like steps (two chunks, one backward, the state carried past each step in the
     # trainer's StaticCarry): the same losses and gradients as the eager model (float32), no graph
@@ -207,6 +208,7 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
     # (N). Each pattern makes two graphs (a chunk after the step's detach, and one carrying the
     # gradient path) and runs each three times (warm-up, recording, replay); the three patterns are
     # three tests so that their compiles, the cost of this test, run side by side under xdist.
+    # `window`: compile_for("window"), the step's two chunks as one graph (forward_window).
     import copy
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -219,7 +221,7 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
     eager = ElephantLM(cfg).cuda()
     eager.set_fast_paths(True)
     graphs = copy.deepcopy(eager)
-    graphs.compile_for("graphs")
+    graphs.compile_for("window" if window else "graphs")
     gen = torch.Generator().manual_seed(3)
     B, T, steps = 4, 64, 3
     data = []
@@ -242,13 +244,18 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern):
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
                 state = carry.take(state)
-            loss, prefix = 0.0, None
-            for tokens, reset, starts in data[2 * s:2 * s + 2]:
-                if starts is not None and prefix is None and not cuda_graphs:
-                    prefix = model.init_prefix()
-                nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
-                                   starts=starts, prefix=prefix)
-                loss = loss + nll
+            loss, prefix, step = 0.0, None, data[2 * s:2 * s + 2]
+            if cuda_graphs and window:
+                loss, state = model.forward_window(
+                    [dict(tokens=tokens[:, :-1], targets=tokens[:, 1:], reset=reset, starts=starts)
+                     for tokens, reset, starts in step], state, reduction="mean")
+            else:
+                for tokens, reset, starts in step:
+                    if starts is not None and prefix is None and not cuda_graphs:
+                        prefix = model.init_prefix()
+                    nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
+                                       starts=starts, prefix=prefix)
+                    loss = loss + nll
             model.zero_grad(set_to_none=True)
             loss.backward()
             state = state.detach()
