@@ -270,7 +270,9 @@ def test_cuda_graph_steps_equal_the_eager_steps(pattern, window):
         assert rel(l1, l2) < 1e-4 and g1.keys() == g2.keys() and "mem_init" in g1
         for name, g in g2.items():
             assert rel(g1[name], g) < 1e-3, name
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # per chunk: a graph for the chunk after the step's detach and one for the chunk carrying
+    # the gradient path; a window: one for both
+    assert counters["stats"]["unique_graphs"] == (1 if window else 2), dict(counters["stats"])
     assert not counters["inductor"].get("cudagraph_skips", 0), dict(counters["inductor"])
     from torch._inductor import cudagraph_trees
     manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
