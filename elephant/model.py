@@ -424,7 +424,7 @@ class ElephantLM(nn.Module):
 
         compile_for("window") compiles the chunks' steps (`_window_chunks`) as one graph, so that
         the window's backward is one graph too: each weight's gradient is summed over the
-        chunks inside it, and cast to bf16 once, not once a chunk. The losses (`_output`) run
+        chunks inside it, not by an addition of its own after them. The losses (`_output`) run
         after it, as in `forward`. A state that tracks the memory-only path goes chunk by chunk
         through `forward`."""
         if not chunks:
@@ -440,8 +440,11 @@ class ElephantLM(nn.Module):
         tokens, resets, starts, rooms = [], [], [], []
         for chunk in chunks:
             extra = set(chunk) - {"tokens", "targets", "reset", "loss_mask", "starts", "inner_starts"}
-            if extra:
-                raise ValueError(f"forward_window: unknown chunk keys {sorted(extra)}")
+            missing = {"tokens", "targets"} - set(chunk)
+            if extra or missing:
+                raise ValueError(f"forward_window: a chunk needs tokens and targets, and takes "
+                                 f"reset, loss_mask, starts and inner_starts; got unknown keys "
+                                 f"{sorted(extra)}, missing {sorted(missing)}")
             fresh = state is None and not tokens
             st, reset, start, room = self._prepare(chunk["tokens"], state, chunk.get("reset"),
                                                    chunk.get("starts"), chunk.get("inner_starts"))

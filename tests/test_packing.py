@@ -512,8 +512,10 @@ def test_forward_window_refuses_what_forward_would_not_take():
     chunk = dict(tokens=tokens[:, :-1], targets=tokens[:, 1:])
     with pytest.raises(ValueError, match="no chunk"):
         model.forward_window([])
-    with pytest.raises(ValueError, match="unknown chunk keys"):
+    with pytest.raises(ValueError, match=r"unknown keys \['target'\]"):
         model.forward_window([dict(chunk, target=tokens)])
+    with pytest.raises(ValueError, match=r"missing \['targets'\]"):
+        model.forward_window([dict(tokens=chunk["tokens"])])
     with pytest.raises(ValueError, match="reduction"):
         model.forward_window([chunk], reduction="none")
     with pytest.raises(ValueError, match="lanes"):
