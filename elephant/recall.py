@@ -337,6 +337,11 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     from elephant.trainer import compile_mode, setup_runtime
 
     t, d = cfg.train, cfg.data
+    if t.compile in ("graphs", "window"):
+        from elephant.config import ConfigError
+        raise ConfigError(f"train.compile = \"{t.compile}\" is train.py's (CUDA-graph steps whose "
+                          f"state the trainer carries in fixed buffers); the recall trainer takes "
+                          f"auto, on, model or off")
     rt = setup_runtime(cfg)          # train.device and train.dtype, as the general trainer reads them
     device = rt.device
     torch.manual_seed(t.seed)

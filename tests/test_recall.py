@@ -114,6 +114,12 @@ def test_train_recall_trains_saves_and_resumes(tmp_path):
     again, _, _ = from_pretrained(tmp_path / "run")
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                      again.state_dict().values()))
+    # the CUDA-graph steps are train.py's: the recall trainer refuses them by name, before any work
+    from elephant.config import ConfigError
+    for mode in ("graphs", "window"):
+        cfg.train.compile = mode
+        with pytest.raises(ConfigError, match=f"train.compile = \"{mode}\""):
+            train_recall(cfg, resume=True, log=lambda m: None)
 
 
 @pytest.mark.parametrize("gate_init, shut", [(-12.0, True), (12.0, False)])
