@@ -216,6 +216,11 @@ class DataConfig:
         return {}
 
 
+# the train.compile settings whose training steps replay CUDA graphs (the trainer marks each
+# step and carries the state past it in fixed buffers)
+GRAPH_COMPILES = ("graphs", "window")
+
+
 @dataclass
 class TrainConfig:
     run_dir: str = "runs/default"
@@ -249,7 +254,7 @@ class TrainConfig:
         _non_negative(self, "eval_every", "eval_docs", "ckpt_every")
         _choice(self, "dtype", ("auto", "bf16", "fp32"))
         _choice(self, "compile", ("auto", "on", "model", "graphs", "window", "off"))
-        if self.compile in ("graphs", "window") and self.memory_windows > 1:
+        if self.compile in GRAPH_COMPILES and self.memory_windows > 1:
             raise ConfigError(f"train.compile = \"{self.compile}\" needs train.memory_windows = 1: "
                               "memory-only backpropagation keeps the memory of earlier windows, "
                               "which the next CUDA-graph replay would overwrite")

@@ -337,8 +337,8 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     from elephant.trainer import compile_mode, setup_runtime
 
     t, d = cfg.train, cfg.data
-    if t.compile in ("graphs", "window"):
-        from elephant.config import ConfigError
+    from elephant.config import GRAPH_COMPILES, ConfigError
+    if t.compile in GRAPH_COMPILES:
         raise ConfigError(f"train.compile = \"{t.compile}\" is train.py's (CUDA-graph steps whose "
                           f"state the trainer carries in fixed buffers); the recall trainer takes "
                           f"auto, on, model or off")

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .checkpoint import (CheckpointError, check_model_config, init_from, load_checkpoint,
                          newest_intact_checkpoint, read_meta, save_checkpoint, set_aside, set_latest)
-from .config import Config, ConfigError
+from .config import GRAPH_COMPILES, Config, ConfigError
 from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
 from .metrics import mfu, peak_flops
@@ -65,9 +65,6 @@ class Runtime:
         if self.dtype == torch.float32:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
-
-
-GRAPHS = ("graphs", "window")   # the train.compile settings that replay CUDA graphs
 
 
 def compile_mode(setting: str, device) -> str:
@@ -151,7 +148,7 @@ class Trainer:
         self.states = [self.init_state() for _ in range(t.grad_accum)]
         # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
         # several groups go through the same graphs, so theirs is cloned past each step
-        self.carry = StaticCarry() if t.compile in GRAPHS and t.grad_accum == 1 else None
+        self.carry = StaticCarry() if t.compile in GRAPH_COMPILES and t.grad_accum == 1 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -338,7 +335,7 @@ class Trainer:
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
-            if cfg.train.compile in GRAPHS and self.opt.graphable():
+            if cfg.train.compile in GRAPH_COMPILES and self.opt.graphable():
                 # clipping and the update compiled and replayed as one CUDA graph (with several
                 # processes, the collectives around it; the CPU runs the same compiled update
                 # without a graph)
@@ -371,7 +368,7 @@ class Trainer:
         return (the state after them, the summed loss as a float64 tensor). `on_loss`: called with
         that loss before the backward is queued."""
         rt, cfg = self.rt, self.cfg
-        graphs = cfg.train.compile in GRAPHS
+        graphs = cfg.train.compile in GRAPH_COMPILES
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
             if self.carry is not None:   # read in place by the first chunk's graph
