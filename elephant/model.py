@@ -364,11 +364,8 @@ class ElephantLM(nn.Module):
         by its variable-length kernel when they fit its layout (attention.SEGMENT_ROOM), else by
         the explicit mask.
         """
-        B, T = tokens.shape
-        cfg = self.cfg
         state, reset, starts, room = self._prepare(tokens, state, reset, starts, inner_starts)
-        if state.chunks >= cfg.bptt_chunks:
-            state = state.detach()
+        state, core = self._carried(state)
         if prefix is None:
             prefix = state.prefix
         # the memory-only path (training with it tracked) is updated here, outside `_chunk`, so
@@ -377,8 +374,6 @@ class ElephantLM(nn.Module):
         path, links = state.memory_path, state.links
         if path is not None and reset is not None:
             path = torch.where(reset.to(path.device).view(-1, 1, 1), self.mem_init.to(path.dtype), path)
-        core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
-                              memory=state.memory, chunks=state.chunks)
         h, new, written, started, gate, used = self._chunk(tokens, core, reset, starts, prefix,
                                                            path is not None, room)
         out = self._output(h, gate, targets, loss_mask, reduction)
@@ -415,6 +410,14 @@ class ElephantLM(nn.Module):
         room = 0 if starts is None else segment_room(B, inner_starts)
         return state, reset, starts, room
 
+    def _carried(self, state: RecurrentState) -> tuple[RecurrentState, RecurrentState]:
+        """A chunk's start: (the state, detached once it has been through bptt_chunks chunks;
+        what `_chunk` takes of it: no memory path, links or prefix)."""
+        if state.chunks >= self.cfg.bptt_chunks:
+            state = state.detach()
+        return state, RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
+                                     memory=state.memory, chunks=state.chunks)
+
     def forward_window(self, chunks: list[dict], state: RecurrentState | None = None,
                        reduction: str = "sum") -> tuple[Tensor, RecurrentState]:
         """The chunks of one BPTT window in one call: for each in turn what `forward(**chunk,
@@ -445,11 +448,9 @@ class ElephantLM(nn.Module):
                 raise ValueError(f"forward_window: a chunk needs tokens and targets, and takes "
                                  f"reset, loss_mask, starts and inner_starts; got unknown keys "
                                  f"{sorted(extra)}, missing {sorted(missing)}")
-            fresh = state is None and not tokens
-            st, reset, start, room = self._prepare(chunk["tokens"], state, chunk.get("reset"),
-                                                   chunk.get("starts"), chunk.get("inner_starts"))
-            if fresh:
-                state = st
+            # (a fresh state for the first chunk when none is given, the same one after it)
+            state, reset, start, room = self._prepare(chunk["tokens"], state, chunk.get("reset"),
+                                                      chunk.get("starts"), chunk.get("inner_starts"))
             tokens.append(chunk["tokens"])
             resets.append(reset)
             starts.append(start)
@@ -467,18 +468,13 @@ class ElephantLM(nn.Module):
         first chunk that needs it and handed to the later ones. Returns [(the final normalized
         hidden states, the memory gates or None)] a chunk, and the state after the last. What
         compile_for("window") compiles."""
-        outs, links = [], state.links
-        prefix = state.prefix
+        outs = []
         for tok, reset, start, room in zip(tokens, resets, starts, rooms):
-            if state.chunks >= self.cfg.bptt_chunks:
-                state = state.detach()
-                prefix = state.prefix
-            core = RecurrentState(pos=state.pos, kv=state.kv, conv=state.conv, ssm=state.ssm,
-                                  memory=state.memory, chunks=state.chunks)
-            h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start, prefix,
-                                                         False, room)
-            new.links = links
-            new.prefix = prefix = used if used is not None else prefix
+            state, core = self._carried(state)
+            h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start,
+                                                         state.prefix, False, room)
+            new.links = state.links
+            new.prefix = used if used is not None else state.prefix
             outs.append((h, gate))
             state = new
         return outs, state
