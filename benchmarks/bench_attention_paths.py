@@ -19,6 +19,12 @@ the chunk), the rest a random suffix. Paths:
               document's segments per lane would launch)
   flex        attention.attend_flex compiled, its block mask built in the same graph
   chunk_only  causal SDPA over the chunk alone (the work without the window, a floor)
+  cudnn_split[_full|_nobias]  cuDNN's attention twice, merged by their log-sum-exps: the queries
+              over the window (no causal form; the invalid slots by an additive bias of -30000, a
+              (B, 1, 1, W) row broadcast over the queries, or _full: written out (B, 1, S, W);
+              _nobias: every slot valid, a bound), and causally over the chunk; the backward is
+              cuDNN's backward of each part with the merged output and log-sum-exp (the blockwise
+              form of exact attention), so the window's part gives only dq
 Each path's forward is timed as a CUDA graph (flex: as compiled), its forward and backward eagerly
 (fwd_bwd_ms: the host's launches included) and by the device time of its kernels in the profiler
 (fwd_bwd_device_ms), the mask, the K / V concatenation and the sequence bounds inside (the
@@ -53,11 +59,45 @@ def with_empty(empty: int):
     return kernel
 
 
+CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention
+CUDNN_BWD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+
+class SplitCudnn(torch.autograd.Function):
+    """Attention over [window | chunk] as two cuDNN calls merged by log-sum-exp (see `cudnn_split`).
+    q, k, v (B, H, S, hd), ck, cv (B, H, W, hd) carrying no gradient, bias (B, 1, S, W) or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ck, cv, bias, scale):
+        o1, l1, *_, seed1, off1, _ = CUDNN(q, ck, cv, bias, True, 0.0, False, False, scale=scale)
+        o2, l2, *_, seed2, off2, _ = CUDNN(q, k, v, None, True, 0.0, True, False, scale=scale)
+        shape = q.shape[:3] + (1,)
+        a, b = l1.float().reshape(shape), l2.float().reshape(shape)
+        lse = torch.logaddexp(a, b)
+        out = (o1.float() * torch.exp(a - lse) + o2.float() * torch.exp(b - lse)).to(q.dtype)
+        lse = lse.reshape(l1.shape).to(l1.dtype)
+        ctx.save_for_backward(q, k, v, ck, cv, bias, out, lse, seed1, off1, seed2, off2)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, ck, cv, bias, out, lse, seed1, off1, seed2, off2 = ctx.saved_tensors
+        S, W = q.shape[2], ck.shape[2]
+        dout = dout.contiguous()
+        dq1, _, _ = CUDNN_BWD(dout, q, ck, cv, out, lse, seed1, off1, bias, None, None, S, W, 0.0,
+                              False, scale=ctx.scale)
+        dq2, dk, dv = CUDNN_BWD(dout, q, k, v, out, lse, seed2, off2, None, None, None, S, S, 0.0,
+                                True, scale=ctx.scale)
+        return dq1 + dq2, dk, dv, None, None, None, None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--paths", default="", help="comma-separated subset of the paths to time")
     args = ap.parse_args()
     device = cuda_or_exit("bench_attention_paths")
     B, H, S, W, hd = 32, 8, 8 + 512 + 8, 512, 64
@@ -103,7 +143,18 @@ def main():
         return heads(F.scaled_dot_product_attention(heads(q_rows), heads(k_rows), heads(v_rows),
                                                     is_causal=True))
 
-    paths = {"masked": masked, "fa2_causal": fa2_causal, "varlen": varlen(),
+    def cudnn_split(form):
+        row = torch.where(valid, 0.0, -30000.0).to(dt)[:, None, None, :]          # (B, 1, 1, W)
+        bias = {"bcast": row.expand(B, 1, S, W), "full": row.expand(B, 1, S, W).contiguous(),
+                "none": None}[form]
+
+        def run():
+            return heads(SplitCudnn.apply(heads(q_rows), heads(k_rows), heads(v_rows),
+                                          heads(cache_k), heads(cache_v), bias, scale))
+        return run
+
+    paths = {"cudnn_split": cudnn_split("bcast"), "cudnn_split_full": cudnn_split("full"),
+             "cudnn_split_nobias": cudnn_split("none"), "masked": masked, "fa2_causal": fa2_causal, "varlen": varlen(),
              "varlen_empty": varlen(64), "chunk_only": chunk_only}
     if not args.no_flex:
         flex_c = torch.compile(attend_flex, dynamic=False)   # its block mask built in the graph
@@ -112,6 +163,9 @@ def main():
             return heads(flex_c(heads(q_rows), heads(k_rows), heads(v_rows), heads(cache_k),
                                 heads(cache_v), valid))
         paths["flex"] = flex
+
+    if args.paths:
+        paths = {name: fn for name, fn in paths.items() if name in args.paths.split(",")}
 
     def fwd_bwd(fn):
         def run():
@@ -122,9 +176,14 @@ def main():
     ref = fwd_bwd(masked)()
     rows = []
     for name, fn in paths.items():
-        got = fwd_bwd(fn)()
+        try:
+            got = fwd_bwd(fn)()
+        except Exception as e:   # a kernel that refuses this form: recorded, the others go on
+            rows.append({"path": name, "error": f"{type(e).__name__}: {e}"[:800]})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         err = None
-        if name not in ("fa2_causal", "chunk_only"):
+        if name not in ("fa2_causal", "chunk_only", "cudnn_split_nobias"):
             err = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, ref)]
         graph = name != "flex"   # as a CUDA graph: the kernels' time, not the host's launches
         fwd = median_ms(fn, device, args.iters, args.warmup, graph=graph)

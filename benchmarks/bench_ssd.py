@@ -3,7 +3,8 @@
     python benchmarks/bench_ssd.py                 # CUDA: writes benchmarks/results/ssd_<gpu>.json
     python benchmarks/bench_ssd.py --cpu-smoke     # tiny shapes on CPU (Triton in the interpreter)
 
-Scan at B16 T2048 H16 P64 N64, chunk 64, bf16 x/B/C (dt, A, D, initial state in float32):
+Scan at B16 T2048 H16 P64 N64 (--lanes, --tokens), chunk 64 (--chunks: others beside it), bf16
+x/B/C (dt, A, D, initial state in float32):
 ssd_chunked eager, torch.compile(ssd_chunked), the Triton kernels; causal SDPA at the same shape
 (B16, 16 heads x 64, T2048) for scale. Mixer: Mamba2(d_model 512, expand 2, head 64, d_state 64) on
 (16, 2048, 512) under bf16 autocast, with the reference (eager and compiled) and the Triton path.
@@ -97,6 +98,11 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=80.0, help="seconds after which paths are skipped")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile paths")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ssd_<gpu>.json)")
+    ap.add_argument("--lanes", type=int, default=16, help="the scan's and mixer's batch (GPU)")
+    ap.add_argument("--tokens", type=int, default=2048, help="their sequence length (GPU; the "
+                    "recipe's chunk step: --lanes 32 --tokens 528)")
+    ap.add_argument("--chunks", default="", help="comma-separated other chunk lengths of the "
+                    "Triton scan, timed beside 64 (the same scan, other blocks)")
     args = ap.parse_args()
 
     t_begin = time.perf_counter()
@@ -107,7 +113,7 @@ def main() -> None:
     if smoke:
         b, l, h, p, n, chunk, d_model, head, iters, warmup = 1, 40, 2, 16, 16, 16, 32, 16, 2, 1
     else:
-        b, l, h, p, n, chunk, d_model, head = 16, 2048, 16, 64, 64, 64, 512, 64
+        b, l, h, p, n, chunk, d_model, head = args.lanes, args.tokens, 16, 64, 64, 64, 512, 64
         iters, warmup = args.iters, args.warmup
     dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bf16 matmul
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu-smoke"
@@ -149,6 +155,11 @@ def main() -> None:
         return make
 
     run("scan/triton", scan_paths(ssd_triton.ssd_triton))
+    for q in (int(c) for c in args.chunks.split(",") if c):
+        def other_chunk(q=q):
+            fwd, fwd_bwd = scan_steps(ssd_triton.ssd_triton, inputs, grads, q)
+            return {"fwd": fwd, "fwd_bwd": fwd_bwd}
+        run(f"scan/triton_chunk{q}", other_chunk)
     run("scan/ssd_chunked_eager", scan_paths(ssd_chunked))
 
     def sdpa():
