@@ -10,6 +10,8 @@ the GPU), each timed with CUDA events over `--steps` steps after `--warmup` step
              and parameter count (its MLP widened to match), fused AdamW, importing nothing of ours;
   attention  `Trainer.train_step` of the wt103-70m shape with layers AAAAAAAA, no memory, no cache;
   hybrid     `Trainer.train_step` of the wt103-70m recipe (MAMMAMMA, 8 memory tokens, KV window 512).
+Both as train.py runs them by default (train.compile=auto: on the GPU each BPTT window as one CUDA
+graph, `window`; --set train.compile=on|model|graphs for the others).
 Data: pycode read as bytes (this interpreter's standard library; tokenized once into --cache).
 `tokens_per_s` counts every token slot of the step (the work done, comparable with the baseline's
 B x T); `real_tokens_per_s` only the predicted tokens (the rest is the padding after a document's
@@ -324,7 +326,7 @@ def trainer_config(args, kind: str, run_dir: Path):
     overrides = ["data.source=pycode", "data.tokenizer=bytes", f"data.cache_dir={args.cache}",
                  "data.valid_split=", f"train.run_dir={run_dir}", "train.max_steps=1000000",
                  "train.eval_every=0", "train.ckpt_every=0", "train.tensorboard=false",
-                 f"train.compile={'off' if args.cpu_smoke else 'on'}", *extra, *args.set]
+                 f"train.compile={'off' if args.cpu_smoke else 'auto'}", *extra, *args.set]
     return load_config(recipe, overrides)
 
 

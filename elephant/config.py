@@ -191,8 +191,9 @@ class DataConfig:
                                      # boundaries, no padding); false: one document per row, padded.
                                      # Off by default: it pays with the chunk step as CUDA graphs
                                      # (train.compile=graphs: 1.20x real tokens/s on log-normal
-                                     # lengths, H100), not with each block compiled (the default:
-                                     # 0.97x when last measured); docs/RESULTS.md, issue 11
+                                     # lengths, H100; window, auto's choice on CUDA: 1.19x), not
+                                     # with each block compiled (0.97x when last measured);
+                                     # docs/RESULTS.md, issue 11
     pack_eval: bool = False          # the same for the validation pass (faster on short documents;
                                      # with memory on, the numbers differ slightly from unpacked ones)
 
@@ -236,7 +237,8 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: str = "auto"            # auto (on CUDA) | on (each block) | model (the whole chunk) |
+    compile: str = "auto"            # auto (window on CUDA with one memory window, else on;
+                                     # off on the CPU) | on (each block) | model (the whole chunk) |
                                      # graphs (model, replayed as CUDA graphs in training; with one
                                      # process the clipping and optimizer step too) | window (graphs,
                                      # and a BPTT window's chunks as one graph) | off

@@ -363,7 +363,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
         log(f"resumed from {ckpt} (step {step})")
     elif t.init_from:   # a new stage (e.g. more facts per document) from another run's weights
         log(f"weights from {init_from(t.init_from, model, cfg.model.to_dict())}")
-    model.compile_for(compile_mode(t.compile, device))
+    model.compile_for(compile_mode(t.compile, device, graphs=False))   # auto: each block
     torch.manual_seed(t.seed * 1_000_003 + step)   # exploration noise (model.kv_keep) of a resumed run
     task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
     lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)

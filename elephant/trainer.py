@@ -67,10 +67,15 @@ class Runtime:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def compile_mode(setting: str, device) -> str:
-    """train.compile -> ElephantLM.compile_for's mode: auto compiles each block on CUDA."""
+def compile_mode(setting: str, device, graphs: bool = True) -> str:
+    """train.compile -> ElephantLM.compile_for's mode. auto: nothing on the CPU; on CUDA a BPTT
+    window's chunks as one CUDA graph (`window`, the fastest step: docs/RESULTS.md, issue 12) where
+    the caller's steps can replay CUDA graphs (`graphs`: train.py's with one memory window), else
+    each block compiled."""
     if setting == "auto":
-        return "blocks" if torch.device(device).type == "cuda" else "off"
+        if torch.device(device).type != "cuda":
+            return "off"
+        return "window" if graphs else "blocks"
     return {"on": "blocks", "model": "model", "graphs": "graphs", "window": "window",
             "off": "off"}[setting]
 
@@ -135,7 +140,9 @@ class Trainer:
             for p in self.model.parameters():
                 dist.broadcast(p.data, 0)
         self.opt = build_optimizers(self.model, cfg.optim)
-        self.model.compile_for(compile_mode(cfg.train.compile, rt.device))
+        # the mode train.compile resolves to here (auto: see compile_mode)
+        self.compile = compile_mode(cfg.train.compile, rt.device, cfg.train.memory_windows == 1)
+        self.model.compile_for(self.compile)
 
         from data_packing import RollingChunkBatcher
         t = cfg.train
@@ -148,7 +155,7 @@ class Trainer:
         self.states = [self.init_state() for _ in range(t.grad_accum)]
         # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
         # several groups go through the same graphs, so theirs is cloned past each step
-        self.carry = StaticCarry() if t.compile in GRAPH_COMPILES and t.grad_accum == 1 else None
+        self.carry = StaticCarry() if self.compile in GRAPH_COMPILES and t.grad_accum == 1 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -335,7 +342,7 @@ class Trainer:
         out = {"loss": loss, "tokens": n_tokens}
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
-            if cfg.train.compile in GRAPH_COMPILES and self.opt.graphable():
+            if self.compile in GRAPH_COMPILES and self.opt.graphable():
                 # clipping and the update compiled and replayed as one CUDA graph (with several
                 # processes, the collectives around it; the CPU runs the same compiled update
                 # without a graph)
@@ -368,12 +375,12 @@ class Trainer:
         return (the state after them, the summed loss as a float64 tensor). `on_loss`: called with
         that loss before the backward is queued."""
         rt, cfg = self.rt, self.cfg
-        graphs = cfg.train.compile in GRAPH_COMPILES
+        graphs = self.compile in GRAPH_COMPILES
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
             if self.carry is not None:   # read in place by the first chunk's graph
                 state = self.carry.take(state)
-        window = cfg.train.compile == "window"   # the window's chunks as one graph
+        window = self.compile == "window"   # the window's chunks as one graph
         loss, chunks = 0.0, []
         for b in batches:
             tokens = to_device(b.tokens, rt.device)

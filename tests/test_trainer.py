@@ -440,6 +440,18 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
             assert torch.allclose(w[name], p, rtol=1e-3, atol=1e-5), (mode, name)
 
 
+def test_auto_compile_takes_the_window_graphs_on_cuda_where_steps_can_replay_them():
+    # train.compile=auto: nothing on the CPU; on CUDA a BPTT window as one CUDA graph, unless the
+    # caller's steps cannot replay graphs (memory_windows > 1, the recall trainer): each block
+    from elephant.trainer import compile_mode
+    assert compile_mode("auto", "cpu") == "off"
+    assert compile_mode("auto", "cuda") == "window"
+    assert compile_mode("auto", "cuda:1", graphs=False) == "blocks"
+    for setting, mode in (("on", "blocks"), ("model", "model"), ("graphs", "graphs"),
+                          ("window", "window"), ("off", "off")):
+        assert compile_mode(setting, "cuda") == mode == compile_mode(setting, "cpu", graphs=False)
+
+
 def test_cuda_graph_training_refuses_memory_only_backpropagation():
     from elephant.config import ConfigError, TrainConfig
     for mode in ("graphs", "window"):
