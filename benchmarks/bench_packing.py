@@ -1,6 +1,7 @@
 """What packing documents back to back (issue 11) costs and gains, on the wt103-70m model shape
 (configs/wt103-70m.toml: d_model 512, MAMMAMMA, 8 memory tokens, 512-token KV window; random
-weights, bf16 autocast, fast paths, compiled blocks as the trainer does; 32 lanes x 512 tokens).
+weights, bf16 autocast, fast paths, each block compiled (--compile: the trainer's other forms;
+train.py's default on the GPU is window); 32 lanes x 512 tokens).
 A step is what the trainer does: `bptt_chunks` chunks, one backward; a packed step takes the
 boundary path only for chunks where a document starts inside (the batcher's `inner_starts`) and
 computes the initial-memory prefix once per step (in the step of its first chunk with an inner start).
