@@ -153,9 +153,10 @@ def main():
                                           heads(cache_k), heads(cache_v), bias, scale))
         return run
 
-    paths = {"cudnn_split": cudnn_split("bcast"), "cudnn_split_full": cudnn_split("full"),
-             "cudnn_split_nobias": cudnn_split("none"), "masked": masked, "fa2_causal": fa2_causal, "varlen": varlen(),
-             "varlen_empty": varlen(64), "chunk_only": chunk_only}
+    paths = {"masked": masked, "fa2_causal": fa2_causal, "varlen": varlen(),
+             "varlen_empty": varlen(64), "chunk_only": chunk_only,
+             "cudnn_split": cudnn_split("bcast"), "cudnn_split_full": cudnn_split("full"),
+             "cudnn_split_nobias": cudnn_split("none")}
     if not args.no_flex:
         flex_c = torch.compile(attend_flex, dynamic=False)   # its block mask built in the graph
 
