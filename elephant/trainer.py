@@ -111,6 +111,7 @@ class Trainer:
         self.rt = setup_runtime(cfg)
         self.run_dir = Path(cfg.train.run_dir)
         self.progress = sys.stderr.isatty() if progress is None else progress
+        self.stop_request = None   # fit's StopRequest, read by train_step with several ranks
         self.lock = self._claim_run_dir(resume, restart)
         try:
             self._setup(resume)
@@ -289,7 +290,9 @@ class Trainer:
         Else the loss is read after the last backward is queued. The batches go to the device by
         non-blocking copies and the token count is taken from the host's masks. `grad_norm` is
         returned as a 0-d device tensor: reading it waits for the GPU, so the loop reads it only
-        when it logs."""
+        when it logs. With several ranks `stop` is the largest stop signal (SIGTERM, SIGINT) any
+        rank had received by the end of its forward (0: none; `fit` stops every rank after the step
+        where it is set)."""
         rt, cfg = self.rt, self.cfg
         k, windows = cfg.model.bptt_chunks, cfg.train.memory_windows
         memory_path = windows > 1 and cfg.model.n_mem > 0
@@ -307,15 +310,22 @@ class Trainer:
 
         def stage(total: Tensor):
             """Queue the step's mean loss over every rank and its token count for the host, without
-            waiting; the function returned waits for them and returns (loss, tokens): the sync."""
+            waiting; the function returned waits for them and returns (loss, tokens, stop): the
+            sync. With several ranks `stop` is the largest stop signal any rank has had by now
+            (`stop_request`), reduced with the loss, so that every rank stops after the same step
+            without a collective and a wait of its own; else 0."""
             if rt.world > 1:
                 dist.all_reduce(total)
-                values = torch.stack([total / count.clamp(min=1), count])
+                signum = self.stop_request.signum if self.stop_request is not None else 0
+                stop = torch.full((), float(signum), dtype=torch.float64, device=total.device)
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+                values = torch.stack([total / count.clamp(min=1), count, stop])
             else:
                 values = (total / max(count, 1)).reshape(1)
 
-            def result(read: list) -> tuple[float, int]:
-                return (read[0], int(read[1])) if rt.world > 1 else (read[0], count)
+            def result(read: list) -> tuple[float, int, int]:
+                return ((read[0], int(read[1]), int(read[2])) if rt.world > 1
+                        else (read[0], count, 0))
             if not values.is_cuda:
                 return lambda: result(values.tolist())
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -338,8 +348,10 @@ class Trainer:
                 self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
                 lambda window, state: self._window(window, state, scale, on_loss), memory_path)
             total += sum(losses)
-        loss, n_tokens = (staged[0] if staged else stage(total))()
+        loss, n_tokens, stop = (staged[0] if staged else stage(total))()
         out = {"loss": loss, "tokens": n_tokens}
+        if rt.world > 1:
+            out["stop"] = stop
         if math.isfinite(loss):
             out.update(self.opt.set_step(self.step, cfg.train.max_steps))
             if self.compile in GRAPH_COMPILES and self.opt.graphable():
@@ -428,8 +440,10 @@ class Trainer:
         try:
             with StopRequest(announce=self.rt.main) as stop, \
                     RunLog(self.run_dir, self.rt.main, self.cfg.train.tensorboard) as log:
+                self.stop_request = stop
                 return self._fit(log, stop)
         finally:
+            self.stop_request = None
             self.close()
 
     def _fit(self, log: "RunLog", stop: StopRequest) -> dict:
@@ -453,6 +467,7 @@ class Trainer:
         t0, tokens0 = time.perf_counter(), self.tokens_seen
         while self.step < t.max_steps:
             out = self.train_step()
+            agreed = out.pop("stop", 0)   # several ranks: every rank's stop signal, reduced
             if self.bad_steps >= t.max_bad_steps:
                 raise TrainingStopped(
                     f"{self.bad_steps} consecutive steps had a non-finite loss; stopped at step "
@@ -484,8 +499,10 @@ class Trainer:
                 t0, tokens0 = time.perf_counter(), self.tokens_seen
             if bar is not None:
                 bar.update(1)
-            # a signal on any rank stops every rank after this same step
-            preempted = self._agree(stop.signum, "max")
+            # a signal on any rank stops every rank after this same step: with several ranks the
+            # step reduced the ranks' signals with its loss (a per-step collective and wait here
+            # drained every GPU's queue before the next step was queued)
+            preempted = agreed if rt.world > 1 else stop.signum
             if preempted and self.step < t.max_steps:
                 break
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
