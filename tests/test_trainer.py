@@ -212,6 +212,46 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, co
         assert abs(evals[0][s] - evals[1][s]) <= 1e-5 * evals[0][s]
 
 
+def _stop_worker(rank: int, port: int, args: list, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from types import SimpleNamespace
+    trainer = Trainer(load_config(ROOT / "configs/tiny.toml", args), progress=False)
+    try:
+        got = []
+        for signum in (int(signal.SIGTERM) if rank == 1 else 0, 0):
+            trainer.stop_request = SimpleNamespace(signum=signum)   # fit's StopRequest
+            out_ = trainer.train_step()
+            got.append([out_["stop"], "stop" in out_])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
+def test_each_step_reduces_the_ranks_stop_signals_with_its_loss(tmp_path, corpus_dir):
+    # with several ranks fit no longer agrees on a stop signal by a collective and a wait after
+    # every step: train_step reduces each rank's signal (max) with the step's loss, so both ranks
+    # read rank 1's SIGTERM from the step it was raised in, and 0 from a step with none
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_stop_worker, args=(port, overrides(tmp_path / "run", corpus_dir), str(tmp_path)),
+             nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == [[int(signal.SIGTERM), True], [0, True]], (rank, got)
+    one = Trainer(load_config(ROOT / "configs/tiny.toml", overrides(tmp_path / "one", corpus_dir)),
+                  progress=False)
+    try:
+        assert "stop" not in one.train_step()   # one process: fit reads its own StopRequest
+    finally:
+        one.close()
+
+
 # ---------------------------------------------------------------------------- failures
 def test_non_finite_losses_skip_steps_then_stop_with_checkpoint_intact(tmp_path, corpus_dir):
     run = tmp_path / "nan"
