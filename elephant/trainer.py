@@ -70,8 +70,9 @@ class Runtime:
 def compile_mode(setting: str, device, graphs: bool = True) -> str:
     """train.compile -> ElephantLM.compile_for's mode. auto: nothing on the CPU; on CUDA a BPTT
     window's chunks as one CUDA graph (`window`, the fastest step: docs/RESULTS.md, issue 12) where
-    the caller's steps can replay CUDA graphs (`graphs`: train.py's with one memory window), else
-    each block compiled."""
+    the caller's steps can replay CUDA graphs (`graphs`: train.py's with one memory window and one
+    lane group; the gradients of several groups would be overwritten by the next group's replay
+    before they are summed), else each block compiled."""
     if setting == "auto":
         if torch.device(device).type != "cuda":
             return "off"
@@ -142,7 +143,8 @@ class Trainer:
                 dist.broadcast(p.data, 0)
         self.opt = build_optimizers(self.model, cfg.optim)
         # the mode train.compile resolves to here (auto: see compile_mode)
-        self.compile = compile_mode(cfg.train.compile, rt.device, cfg.train.memory_windows == 1)
+        self.compile = compile_mode(cfg.train.compile, rt.device,
+                                    cfg.train.memory_windows == 1 and cfg.train.grad_accum == 1)
         self.model.compile_for(self.compile)
 
         from data_packing import RollingChunkBatcher
@@ -154,9 +156,9 @@ class Trainer:
                          for g in range(t.grad_accum)]
         self.iters = [iter(b) for b in self.batchers]
         self.states = [self.init_state() for _ in range(t.grad_accum)]
-        # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
-        # several groups go through the same graphs, so theirs is cloned past each step
-        self.carry = StaticCarry() if self.compile in GRAPH_COMPILES and t.grad_accum == 1 else None
+        # CUDA-graph steps (one lane group: TrainConfig refuses more) carry their state in fixed
+        # buffers (StaticCarry)
+        self.carry = StaticCarry() if self.compile in GRAPH_COMPILES else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -390,8 +392,7 @@ class Trainer:
         graphs = self.compile in GRAPH_COMPILES
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-            if self.carry is not None:   # read in place by the first chunk's graph
-                state = self.carry.take(state)
+            state = self.carry.take(state)   # read in place by the first chunk's graph
         window = self.compile == "window"   # the window's chunks as one graph
         loss, chunks = 0.0, []
         for b in batches:
@@ -420,7 +421,7 @@ class Trainer:
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
         if graphs:  # the state goes on past this step: out of the graphs' memory
-            state = self.carry.take(state) if self.carry is not None else state.clone()
+            state = self.carry.take(state)
         return state, loss.detach().double()
 
     # ------------------------------------------------------------------ evaluation

@@ -492,12 +492,34 @@ def test_auto_compile_takes_the_window_graphs_on_cuda_where_steps_can_replay_the
         assert compile_mode(setting, "cuda") == mode == compile_mode(setting, "cpu", graphs=False)
 
 
-def test_cuda_graph_training_refuses_memory_only_backpropagation():
+def test_the_trainer_allows_auto_its_cuda_graphs_only_with_one_window_and_one_lane_group(
+        tmp_path, corpus_dir, monkeypatch):
+    # what Trainer tells compile_mode: CUDA graphs (auto -> window) only where its steps can replay
+    # them; recorded on the CPU, where auto compiles nothing either way
+    from elephant import trainer as trainer_mod
+    seen = []
+    real = trainer_mod.compile_mode
+    monkeypatch.setattr(trainer_mod, "compile_mode",
+                        lambda setting, device, graphs=True: seen.append(graphs) or
+                        real(setting, device, graphs))
+    for i, extra in enumerate(({}, {"train.grad_accum": 2}, {"train.memory_windows": 2})):
+        cfg = load_config(ROOT / "configs/tiny.toml", overrides(
+            tmp_path / f"run{i}", corpus_dir, **{"train.compile": "auto", **extra}))
+        Trainer(cfg, progress=False).close()
+    assert seen == [True, False, False]
+
+
+def test_cuda_graph_training_refuses_memory_only_backpropagation_and_lane_groups():
+    # both keep what a backward left in the CUDA graphs' memory past the next replay: the memory of
+    # earlier windows, the gradients of earlier lane groups (the next replay overwrites them)
     from elephant.config import ConfigError, TrainConfig
     for mode in ("graphs", "window"):
         TrainConfig(compile=mode).validate()
         with pytest.raises(ConfigError, match="memory_windows"):
             TrainConfig(compile=mode, memory_windows=2).validate()
+        with pytest.raises(ConfigError, match="grad_accum = 1"):
+            TrainConfig(compile=mode, grad_accum=2).validate()
+    TrainConfig(compile="auto", grad_accum=2).validate()   # auto compiles each block then
 
 
 def test_training_graphs_serve_training_with_gradients_only():
