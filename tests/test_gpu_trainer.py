@@ -44,14 +44,20 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
         try:
             if mode == "auto":
                 assert trainer.compile == "window"
+            start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             losses = [trainer.train_step()["loss"] for _ in range(4)]
-            runs[mode] = (losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+            runs[mode] = (losses, {n: p.detach() - start[n]
+                                   for n, p in trainer.model.named_parameters()})
             fills = [b.last_fill for b in trainer.batchers]
         finally:
             trainer.close()
         assert min(fills) > 0.9, fills   # packed: the rows full (unpacked, these would be ~0.4)
-    (eager_losses, eager_w), (losses, w) = runs["off"], runs["auto"]
-    assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-4), \
+    # the same start (the run's seed); the compiled update rounds its fused passes differently and
+    # Muon iterates in bf16, so the weights' moves agree to ~1e-3, not bit for bit (as in
+    # test_gpu_optim.py::test_compiled_graphed_step_follows_the_eager_step)
+    (eager_losses, eager_moves), (losses, moves) = runs["off"], runs["auto"]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-3), \
         (losses, eager_losses)
-    for name, p in eager_w.items():
-        assert torch.allclose(w[name], p, rtol=1e-3, atol=1e-5), name
+    for name, want in eager_moves.items():
+        err = ((moves[name].double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+        assert err < 2e-2, (name, err.item())
