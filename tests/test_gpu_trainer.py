@@ -59,5 +59,5 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
     assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-3), \
         (losses, eager_losses)
     for name, want in eager_moves.items():
-        err = ((moves[name].double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-        assert err < 2e-2, (name, err.item())
+        diff = (moves[name].double() - want.double()).norm().item()
+        assert diff <= 2e-2 * want.double().norm().item() + 1e-7, (name, diff)
