@@ -47,8 +47,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
 from elephant.config import ModelConfig  # noqa: E402
-from benchmarks.common import (bf16_autocast, environment, inductor_options, profile,  # noqa: E402
-                               result_path, timer, use_inductor_options)
+from benchmarks.common import (add_inductor_argument, bf16_autocast, environment,  # noqa: E402
+                               inductor_options, profile, result_path, timer,
+                               use_inductor_options)
 from elephant.layers import ssd  # noqa: E402
 from elephant.layers.attention import Attention, attend, attend_segments, segment_room  # noqa: E402
 from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
@@ -362,9 +363,7 @@ def main() -> None:
                     help="comma-separated: time (and profile) only these paths (default: all)")
     ap.add_argument("--pieces", default="",
                     help="comma-separated name prefixes: time only these breakdown pieces")
-    ap.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE",
-                    help="an inductor option for the model's compile (repeatable; a Python "
-                         "literal, e.g. combo_kernels=True), to A/B it")
+    add_inductor_argument(ap, "the model's compile")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()

@@ -179,6 +179,14 @@ def result_path(prefix: str, smoke: bool):
     return out / f"{prefix}_{tag}.json"
 
 
+def add_inductor_argument(ap, what: str) -> None:
+    """The `--inductor OPTION=VALUE` argument (repeatable) of a benchmark whose `what` is compiled
+    (parse it with `inductor_options`)."""
+    ap.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE",
+                    help=f"an inductor option for {what} (repeatable; a Python literal, e.g. "
+                         f"combo_kernels=True), to A/B it")
+
+
 def inductor_options(items: list[str], error) -> dict:
     """`--inductor OPTION=VALUE` arguments (VALUE a Python literal) as a dict; `error(message)`
     reports a malformed one (argparse's ap.error)."""

@@ -68,8 +68,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import baseline_gpt  # noqa: E402
-from benchmarks.common import (environment, inductor_options, profile, result_path,  # noqa: E402
-                               use_inductor_options)
+from benchmarks.common import (add_inductor_argument, environment, inductor_options,  # noqa: E402
+                               profile, result_path, use_inductor_options)
 
 RECIPES = {"attention": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0"],
            "hybrid": []}
@@ -456,9 +456,7 @@ def parse(argv):
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")
-    ap.add_argument("--inductor", action="append", default=[], metavar="OPTION=VALUE",
-                    help="an inductor option for the attention and hybrid steps' compile "
-                         "(repeatable; a Python literal, e.g. combo_kernels=True), to A/B it")
+    add_inductor_argument(ap, "the attention and hybrid steps' compile")
     ap.add_argument("--in-place-head", action="store_true",
                     help="the blocked loss without its fused block kernels (head.FUSED off), to A/B them")
     ap.add_argument("--reference-head", action="store_true",
