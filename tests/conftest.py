@@ -33,6 +33,18 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def free_port():
+    """A function returning a TCP port free on 127.0.0.1 now (a process group's rendezvous)."""
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return port
+
+
 @pytest.hookimpl(trylast=True)   # after `-m` has deselected: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
     # `gpu_slow`: GPU tests of opt-in paths that are slow to compile (FlexAttention, a recorded

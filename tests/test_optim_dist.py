@@ -10,7 +10,6 @@ ranks continues bitwise; and the trainer's graphed step (collectives around a ca
 gives bitwise the eager step's weights, norms and states.
 """
 import os
-import socket
 
 import pytest
 import torch
@@ -125,12 +124,6 @@ def _graphed_steps(rank: int, out: str):
     torch.save(result, f"{out}-graphed-rank{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference():
     torch.manual_seed(0)
     model = Shapes()
@@ -144,9 +137,9 @@ def _reference():
 
 
 @pytest.fixture(scope="module")
-def two_process_results(tmp_path_factory):
+def two_process_results(tmp_path_factory, free_port):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return out
 
 
