@@ -237,9 +237,8 @@ class TrainConfig:
     seed: int = 1337
     device: str = "auto"             # auto | cpu | cuda | cuda:N
     dtype: str = "auto"              # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32
-    compile: str = "auto"            # auto (window on CUDA with one memory window and one lane
-                                     # group, else on; off on the CPU) | on (each block) | model (the
-                                     # whole chunk) |
+    compile: str = "auto"            # auto (window on CUDA with one memory window, else on; off
+                                     # on the CPU) | on (each block) | model (the whole chunk) |
                                      # graphs (model, replayed as CUDA graphs in training; with one
                                      # process the clipping and optimizer step too) | window (graphs,
                                      # and a BPTT window's chunks as one graph) | off
@@ -261,12 +260,6 @@ class TrainConfig:
             raise ConfigError(f"train.compile = \"{self.compile}\" needs train.memory_windows = 1: "
                               "memory-only backpropagation keeps the memory of earlier windows, "
                               "which the next CUDA-graph replay would overwrite")
-        if self.compile in GRAPH_COMPILES and self.grad_accum > 1:
-            raise ConfigError(f"train.compile = \"{self.compile}\" needs train.grad_accum = 1: "
-                              "each lane group's backward leaves its gradients in the CUDA graphs' "
-                              "memory, which the next group's replay would overwrite before they "
-                              "are added up (use train.compile = \"auto\", which compiles each "
-                              "block then, or more lanes)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 

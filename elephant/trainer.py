@@ -70,9 +70,9 @@ class Runtime:
 def compile_mode(setting: str, device, graphs: bool = True) -> str:
     """train.compile -> ElephantLM.compile_for's mode. auto: nothing on the CPU; on CUDA a BPTT
     window's chunks as one CUDA graph (`window`, the fastest step: docs/RESULTS.md, issue 12) where
-    the caller's steps can replay CUDA graphs (`graphs`: train.py's with one memory window and one
-    lane group; the gradients of several groups would be overwritten by the next group's replay
-    before they are summed), else each block compiled."""
+    the caller's steps can replay CUDA graphs (`graphs`: train.py's with one memory window; the
+    memory-only backpropagation across several windows keeps what the next replay overwrites),
+    else each block compiled."""
     if setting == "auto":
         if torch.device(device).type != "cuda":
             return "off"
@@ -143,8 +143,7 @@ class Trainer:
                 dist.broadcast(p.data, 0)
         self.opt = build_optimizers(self.model, cfg.optim)
         # the mode train.compile resolves to here (auto: see compile_mode)
-        self.compile = compile_mode(cfg.train.compile, rt.device,
-                                    cfg.train.memory_windows == 1 and cfg.train.grad_accum == 1)
+        self.compile = compile_mode(cfg.train.compile, rt.device, cfg.train.memory_windows == 1)
         self.model.compile_for(self.compile)
 
         from data_packing import RollingChunkBatcher
@@ -156,9 +155,12 @@ class Trainer:
                          for g in range(t.grad_accum)]
         self.iters = [iter(b) for b in self.batchers]
         self.states = [self.init_state() for _ in range(t.grad_accum)]
-        # CUDA-graph steps (one lane group: TrainConfig refuses more) carry their state in fixed
-        # buffers (StaticCarry)
-        self.carry = StaticCarry() if self.compile in GRAPH_COMPILES else None
+        # CUDA-graph steps of one lane group carry their state in fixed buffers (StaticCarry);
+        # several groups take turns on the same graphs, so each group's state and gradients are
+        # moved out of the graphs' memory after its window (`_set_aside`)
+        graphs = self.compile in GRAPH_COMPILES
+        self.carry = StaticCarry() if graphs and t.grad_accum == 1 else None
+        self.aside_grads: dict | None = {} if graphs and t.grad_accum > 1 else None
         self.step = 0
         self.bad_steps = 0
         self.skipped_steps = 0
@@ -350,6 +352,8 @@ class Trainer:
                 self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
                 lambda window, state: self._window(window, state, scale, on_loss), memory_path)
             total += sum(losses)
+        if self.aside_grads is not None:
+            self._take_back_grads()
         loss, n_tokens, stop = (staged[0] if staged else stage(total))()
         out = {"loss": loss, "tokens": n_tokens}
         if rt.world > 1:
@@ -392,7 +396,8 @@ class Trainer:
         graphs = self.compile in GRAPH_COMPILES
         if graphs:  # a new step of the CUDA graphs: the last one's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-            state = self.carry.take(state)   # read in place by the first chunk's graph
+            if self.carry is not None:
+                state = self.carry.take(state)   # read in place by the first chunk's graph
         window = self.compile == "window"   # the window's chunks as one graph
         loss, chunks = 0.0, []
         for b in batches:
@@ -420,9 +425,37 @@ class Trainer:
             on_loss(loss.detach().double())
         # the optimizers average gradients over ranks: scale so the average is the global mean
         (loss * scale).backward()
+        loss = loss.detach().double()
         if graphs:  # the state goes on past this step: out of the graphs' memory
-            state = self.carry.take(state)
-        return state, loss.detach().double()
+            state = self.carry.take(state) if self.carry is not None else self._set_aside(state)
+        return state, loss
+
+    def _set_aside(self, state):
+        """After a lane group's window, with several groups on CUDA graphs: the next group's replay
+        reuses the graphs' memory, which holds this group's final state and the gradients its
+        backward left in the parameters' `.grad`. Both are moved out: the state cloned, the
+        gradients added into `aside_grads` (the first group's copied) and `.grad` cleared; the
+        step's last group takes them back (`_take_back_grads`), so the update sees their sum, as
+        the eager trainer accumulates it. One multi-tensor pass over the gradients a group."""
+        with torch.no_grad():
+            first, more = [], []
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    (more if p in self.aside_grads else first).append(p)
+            if more:
+                torch._foreach_add_([self.aside_grads[p] for p in more], [p.grad for p in more])
+            if first:
+                for p, g in zip(first, torch._foreach_mul([p.grad for p in first], 1.0)):
+                    self.aside_grads[p] = g
+            for p in first + more:
+                p.grad = None
+        return state.clone()
+
+    def _take_back_grads(self) -> None:
+        """The lane groups' summed gradients back into `.grad`, for the update."""
+        for p, g in self.aside_grads.items():
+            p.grad = g
+        self.aside_grads = {}
 
     # ------------------------------------------------------------------ evaluation
     def validate(self) -> dict | None:

@@ -31,7 +31,10 @@ def short_documents(folder: Path) -> Path:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_documents(tmp_path):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_documents(tmp_path, groups):
+    # groups: train.grad_accum, lane groups that take turns on the same CUDA graphs (each group's
+    # state and gradients moved out of the graphs' memory before the next group's replay)
     corpus = short_documents(tmp_path / "corpus")
     runs = {}
     for mode in ("off", "auto"):
@@ -39,7 +42,7 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
             "data.source=text", f"data.path={corpus}", "data.pack=true",
             f"data.cache_dir={tmp_path / 'cache'}", f"train.run_dir={tmp_path / mode}",
             f"train.compile={mode}", "train.dtype=fp32", "train.device=cuda",
-            "train.tensorboard=false", "train.max_steps=4"])
+            "train.tensorboard=false", "train.max_steps=4", f"train.grad_accum={groups}"])
         trainer = Trainer(cfg, progress=False)
         try:
             if mode == "auto":
