@@ -285,8 +285,8 @@ class Trainer:
         across them: memory-only backpropagation), update.
 
         One host synchronization per step: reading the loss, to skip the update of a non-finite
-        step. With one window and one lane group (no memory_windows, no grad_accum) the loss's copy
-        to the host is queued right after the forward pass, without waiting, and the backward right
+        step. With one window per lane group (no memory_windows) the loss's copy to the host is
+        queued right after the last group's forward pass, without waiting, and its backward right
         after it; the host then waits for the copy (the forward alone) and queues the clipping and
         the optimizer step while the GPU runs the backward, so the GPU never idles between the
         forward and the backward, nor while the optimizer's many small launches are queued (a
@@ -343,11 +343,11 @@ class Trainer:
             return wait
 
         staged: list = []
-        on_loss = None
-        if len(groups) == 1 and windows == 1:
-            on_loss = lambda window_loss: staged.append(stage(window_loss.clone()))  # noqa: E731
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         for g, batches in enumerate(groups):
+            on_loss = None
+            if windows == 1 and g == len(groups) - 1:   # the earlier groups' losses are in total
+                on_loss = lambda window_loss: staged.append(stage(total + window_loss))  # noqa: E731
             self.states[g], losses = backprop_windows(
                 self.states[g], [batches[w * k:(w + 1) * k] for w in range(windows)],
                 lambda window, state: self._window(window, state, scale, on_loss), memory_path)

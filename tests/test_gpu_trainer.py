@@ -30,11 +30,21 @@ def short_documents(folder: Path) -> Path:
     return folder
 
 
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).norm().item() / (b.double().norm().item() + 1e-12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("groups", [1, 2])
 def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_documents(tmp_path, groups):
     # groups: train.grad_accum, lane groups that take turns on the same CUDA graphs (each group's
-    # state and gradients moved out of the graphs' memory before the next group's replay)
+    # state and gradients moved out of the graphs' memory before the next group's replay).
+    # Each step of the graph trainer starts from the eager trainer's weights before that step, so
+    # its losses and gradients can be held to float32 rounding over the steps: left to their own
+    # updates the two runs drift apart (the compiled update rounds differently and Muon iterates in
+    # bf16; a gradient 1e-6 apart at the first step was ~1e-2 apart by the third, and Muon's
+    # orthogonalization moved some small matrices 16% apart by the fourth). What the graphs carry
+    # from step to step (the state, the optimizer's moments) is the graph trainer's own.
     corpus = short_documents(tmp_path / "corpus")
     runs = {}
     for mode in ("off", "auto"):
@@ -47,20 +57,40 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
         try:
             if mode == "auto":
                 assert trainer.compile == "window"
-            start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-            losses = [trainer.train_step()["loss"] for _ in range(4)]
-            runs[mode] = (losses, {n: p.detach() - start[n]
-                                   for n, p in trainer.model.named_parameters()})
+            grads, before, losses = [], [], []
+            set_step = trainer.opt.set_step
+
+            def snapshot(*args, **kwargs):   # the step's summed gradients, before the update
+                grads.append({n: p.grad.detach().clone() for n, p in
+                              trainer.model.named_parameters() if p.grad is not None})
+                return set_step(*args, **kwargs)
+            trainer.opt.set_step = snapshot
+            for step in range(4):
+                if mode == "auto":   # in place: the graphs read the parameters where they are
+                    with torch.no_grad():
+                        for n, p in trainer.model.named_parameters():
+                            p.copy_(runs["off"]["before"][step][n])
+                before.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+                losses.append(trainer.train_step()["loss"])
+            after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             fills = [b.last_fill for b in trainer.batchers]
         finally:
             trainer.close()
         assert min(fills) > 0.9, fills   # packed: the rows full (unpacked, these would be ~0.4)
-    # the same start (the run's seed); the compiled update rounds its fused passes differently and
-    # Muon iterates in bf16, so the weights' moves agree to ~1e-3, not bit for bit (as in
-    # test_gpu_optim.py::test_compiled_graphed_step_follows_the_eager_step)
-    (eager_losses, eager_moves), (losses, moves) = runs["off"], runs["auto"]
-    assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-3), \
-        (losses, eager_losses)
-    for name, want in eager_moves.items():
-        diff = (moves[name].double() - want.double()).norm().item()
-        assert diff <= 2e-2 * want.double().norm().item() + 1e-7, (name, diff)
+        runs[mode] = dict(grads=grads, before=before, losses=losses, after=after)
+    eager, graphs = runs["off"], runs["auto"]
+    assert torch.allclose(torch.tensor(graphs["losses"]), torch.tensor(eager["losses"]), rtol=1e-4), \
+        (graphs["losses"], eager["losses"])
+    for step, (got, want) in enumerate(zip(graphs["grads"], eager["grads"])):
+        assert got.keys() == want.keys(), step
+        for name, g in want.items():
+            assert relative(got[name], g) < 1e-4, (step, name, relative(got[name], g))
+    # the last update, from the same weights and gradients 1e-4 apart, with the graph trainer's
+    # own moments: the compiled update is within 2e-2 of the eager one from the same gradients and
+    # moments (test_gpu_optim.py::test_compiled_graphed_step_follows_the_eager_step); here the
+    # moments differ too (Muon's in_proj moved 2.1e-2 apart on an H100), so 5e-2. The gradients'
+    # scale is held above: Muon's and Adam's moves barely see it
+    for name, p in eager["after"].items():
+        want = p.double() - eager["before"][-1][name].double()
+        got = graphs["after"][name].double() - eager["before"][-1][name].double()
+        assert relative(got, want) <= 5e-2, (name, relative(got, want))

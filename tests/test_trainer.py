@@ -563,12 +563,16 @@ def test_training_graphs_serve_training_with_gradients_only():
     assert calls == ["graphs", "plain", "plain"]
 
 
-def test_the_loss_is_read_after_the_backward_is_queued_and_before_the_update(tmp_path, corpus_dir):
-    # one window, one lane group: the loss goes to the host without a wait after the forward pass,
-    # the backward is queued, and only then does the step read the loss, once, before it queues
-    # the update (so on a GPU neither the gap before the backward nor the optimizer's launches
-    # leave it idle); a non-finite loss has run its backward but skips the update and its gradients
-    cfg = load_config(ROOT / "configs/tiny.toml", overrides(tmp_path / "early", corpus_dir))
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_loss_is_read_after_the_backward_is_queued_and_before_the_update(tmp_path, corpus_dir,
+                                                                             groups):
+    # one window per lane group: the loss goes to the host without a wait after the last group's
+    # forward pass, its backward is queued, and only then does the step read the loss, once, before
+    # it queues the update (so on a GPU neither the gap before the backward nor the optimizer's
+    # launches leave it idle); a non-finite loss has run its backward but skips the update and its
+    # gradients
+    cfg = load_config(ROOT / "configs/tiny.toml", overrides(tmp_path / "early", corpus_dir,
+                                                            **{"train.grad_accum": groups}))
     trainer = Trainer(cfg, progress=False)
     try:
         events = []
@@ -591,13 +595,13 @@ def test_the_loss_is_read_after_the_backward_is_queued_and_before_the_update(tmp
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.Tensor, "tolist", tolist)
             out = trainer.train_step()
-            assert events == ["backward", "read", "update"], events
+            assert events == ["backward"] * groups + ["read", "update"], events
             assert math.isfinite(out["loss"]) and "skipped" not in out
             before = weight.detach().clone()
             events.clear()
             poison["on"] = True
             out = trainer.train_step()
-        assert out["skipped"] and events == ["backward", "read"], events   # no update
+        assert out["skipped"] and events == ["backward"] * groups + ["read"], events   # no update
         assert torch.equal(weight.detach(), before)
         assert all(p.grad is None for p in trainer.model.parameters())
     finally:
