@@ -12,7 +12,7 @@
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
 #   speed   benchmarks/train_speed.py: plain GPT vs attention-only vs hybrid through Trainer.train_step
 #           at equal tokens per step, and streaming evaluation speed (~5 min; SPEED_ARGS passed on)
-#   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up; TRAIN_EXTRA: more
+#   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up; TRAIN2_GPUS=4: on 4; TRAIN_EXTRA: more
 #           overrides for both, e.g. train.compile=graphs; TRAIN2_BEFORE=<folder holding an older
 #           checkout's train.py, elephant/ and data_packing/>: its 2-GPU run too, the A/B)
 #   recall  benchmarks/recall_study.py: the recall recipe and its ablations, trained side by side
@@ -86,8 +86,8 @@ for stage in $stages; do
       rm -rf /tmp/run-1gpu /tmp/run-2gpu /tmp/run-2gpu-before
       CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_TIMEOUT:-900} python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-1gpu 1
-      timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
-      python benchmarks/train_summary.py /tmp/run-2gpu 2 /tmp/run-1gpu
+      timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
+      python benchmarks/train_summary.py /tmp/run-2gpu ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       if [ -n "${TRAIN2_BEFORE:-}" ]; then
         timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_2gpu_before.log" | tail -5
         SUMMARY_TAG=before python benchmarks/train_summary.py /tmp/run-2gpu-before 2 /tmp/run-1gpu
