@@ -86,7 +86,7 @@ for stage in $stages; do
       rm -rf /tmp/run-1gpu /tmp/run-2gpu /tmp/run-2gpu-before
       CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_TIMEOUT:-900} python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-1gpu 1
-      timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_2gpu.log" | tail -5
+      timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_${TRAIN2_GPUS:-2}gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-2gpu ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       if [ -n "${TRAIN2_BEFORE:-}" ]; then
         timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_2gpu_before.log" | tail -5

@@ -31,7 +31,7 @@ def main() -> None:
     env = json.loads((run / "env.json").read_text())
     out.update(gpus=n, gpu=env.get("gpu"), torch=env.get("torch"), triton=env.get("triton"),
                date=datetime.datetime.now().isoformat(timespec="seconds"),
-               command=("torchrun --standalone --nproc_per_node=2 " if n > 1 else "python ") +
+               command=(f"torchrun --standalone --nproc_per_node={n} " if n > 1 else "python ") +
                "train.py (benchmarks/gpu.sh TRAIN_ARGS) " + os.environ.get("TRAIN_EXTRA", ""),
                config=json.loads((run / "resolved_config.json").read_text()))
     if len(sys.argv) > 3:
