@@ -453,9 +453,11 @@ def test_whole_model_compile_traces_without_graph_breaks_and_trains_the_same(tmp
     monkeypatch.setattr(model_mod, "COMPILE_BACKEND", "aot_eager")
     runs = {}
     for mode in ("off", "model", "graphs", "window"):
+        # one block of each kind: a deeper stack adds tracing time, not paths
         cfg = load_config(ROOT / "configs/tiny.toml",
                           overrides(tmp_path / mode, corpus_dir, **{"train.compile": mode,
-                                                                    "data.pack": pack}))
+                                                                    "data.pack": pack,
+                                                                    "model.layers": "MA"}))
         torch._dynamo.reset()
         counters.clear()
         tr = Trainer(cfg, progress=False)
@@ -489,7 +491,8 @@ def test_cuda_graph_lane_groups_train_as_the_eager_trainer(tmp_path, corpus_dir,
     runs = {}
     for mode in ("off", "window"):
         cfg = load_config(ROOT / "configs/tiny.toml", overrides(
-            tmp_path / mode, corpus_dir, **{"train.compile": mode, "train.grad_accum": 2}))
+            tmp_path / mode, corpus_dir, **{"train.compile": mode, "train.grad_accum": 2,
+                                            "model.layers": "MA"}))
         torch._dynamo.reset()
         tr = Trainer(cfg, progress=False)
         try:
