@@ -28,6 +28,10 @@ from __future__ import annotations
 import math
 
 import torch
+
+# how gradients are packed into a buffer that stays put (the graphed step's): "foreach", one
+# multi-tensor copy into the buffer's views; "cat", torch.cat(out=) (the A/B's other side)
+PACK_BY = "foreach"
 import torch.distributed as dist
 from torch import Tensor
 
@@ -203,7 +207,17 @@ class ShardLayout:
                 pieces += seg.pieces(r, ts, like)
         if not pieces:
             return _zeros(0, like) if out is None else out
-        return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
+        if out is None or PACK_BY == "cat":
+            return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
+        # into a buffer that stays put: one multi-tensor copy into its consecutive views
+        views, at = [], 0
+        for piece in pieces:
+            views.append(out[at:at + piece.numel()])
+            at += piece.numel()
+        if at != out.numel():
+            raise ValueError(f"pack: {at} elements of pieces for a buffer of {out.numel()}")
+        torch._foreach_copy_(views, pieces)
+        return out
 
     @torch.no_grad()
     def pack_gradients(self, grads: list[Tensor | None], out: Tensor) -> Tensor:
