@@ -34,6 +34,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).norm().item() / (b.double().norm().item() + 1e-12)
 
 
+@pytest.mark.heavy   # ~53 s of compiles: started at the head of a worker's share (conftest)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("groups", [1, 2])
 def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_documents(tmp_path, groups):
