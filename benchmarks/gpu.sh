@@ -89,8 +89,8 @@ for stage in $stages; do
       timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_${TRAIN2_GPUS:-2}gpu.log" | tail -5
       python benchmarks/train_summary.py /tmp/run-2gpu ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       if [ -n "${TRAIN2_BEFORE:-}" ]; then
-        timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=2 $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_2gpu_before.log" | tail -5
-        SUMMARY_TAG=before python benchmarks/train_summary.py /tmp/run-2gpu-before 2 /tmp/run-1gpu
+        timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_${TRAIN2_GPUS:-2}gpu_before.log" | tail -5
+        SUMMARY_TAG=before python benchmarks/train_summary.py /tmp/run-2gpu-before ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       fi ;;
     recall)
       timeout 580 python benchmarks/recall_study.py --variants ${RECALL_VARIANTS:-hybrid,attention,replace,nomem} \

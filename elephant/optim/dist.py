@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 # how gradients are packed into a buffer that stays put (the graphed step's): "foreach", one
 # multi-tensor copy into the buffer's views; "cat", torch.cat(out=) (the A/B's other side)
 PACK_BY = "foreach"
-import torch.distributed as dist
-from torch import Tensor
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
