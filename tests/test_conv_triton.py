@@ -11,15 +11,12 @@ import torch.nn.functional as F
 
 from elephant.layers import conv_triton
 from elephant.layers.mamba import segment_conv, segment_conv_reference
+from numerics import rel
 
 pytestmark = pytest.mark.skipif(
     not (conv_triton.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"),
     reason="CPU tensors through the Triton interpreter (TRITON_INTERPRET=1, set by conftest.py "
            "without a GPU); the CUDA forms are in the test_gpu_*.py files")
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):

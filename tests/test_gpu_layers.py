@@ -12,6 +12,7 @@ from elephant.layers import elephant as E
 from elephant.layers.attention import (Attention, attend, attend_reference, attend_segments,
                                        varlen_supported)
 from elephant.layers.elephant import ElephantMLP, elephant, elephant_glu, elephant_glu_ref
+from numerics import rel as rel_err
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -20,11 +21,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 # FlexAttention is an opt-in backend (3x slower than masked SDPA here, LOG.md) whose compile
 # took 3 of the GPU suite's 5 minutes: its tests run with ELEPHANT_GPU_SLOW=1 (conftest.py)
 FLEX = pytest.param("flex", marks=pytest.mark.gpu_slow)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):

@@ -10,6 +10,7 @@ import torch
 from elephant.config import ModelConfig
 from elephant.layers import ssd
 from elephant.model import ElephantLM
+from numerics import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +20,6 @@ def cfg(**kw) -> ModelConfig:
                 mamba_head_dim=32, ssd_chunk=32, n_mem=0, kv_window=256)
     base.update(kw)
     return ModelConfig(**base)
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,7 @@ import torch
 from elephant.config import ModelConfig, OptimConfig
 from elephant.model import ElephantLM
 from elephant.optim import build_optimizers
+from numerics import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -85,10 +86,6 @@ def test_compiled_graphed_step_follows_the_eager_step():
     for name, p in twin.named_parameters():
         moved, want = p.detach() - start[name], dict(model.named_parameters())[name].detach() - start[name]
         assert rel(moved, want) < 2e-2, (name, rel(moved, want))
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _two_gpu_worker(rank: int, port: int, out: str):

@@ -14,12 +14,9 @@ from elephant.config import ModelConfig
 from elephant.layers.mamba import segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
 from elephant.state import StaticCarry
+from numerics import rel
 
 pytestmark = pytest.mark.gpu
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

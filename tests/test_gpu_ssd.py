@@ -12,16 +12,12 @@ from elephant.config import ModelConfig
 from elephant.layers import ssd, ssd_triton
 from elephant.layers.mamba import Mamba2
 from elephant.layers.ssd import add_segment_init, ssd_chunked, ssd_scan
+from numerics import rel as rel_err
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 NAMES = ["x", "dt", "A", "B", "C", "D", "initial_state"]
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(b, l, h, g, p, n, dtype, init=True, D=True, seed=0):

@@ -11,6 +11,7 @@ import torch
 
 from elephant.config import load_config
 from elephant.trainer import Trainer
+from numerics import rel
 
 pytestmark = pytest.mark.gpu
 
@@ -28,10 +29,6 @@ def short_documents(folder: Path) -> Path:
                 text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 20)))
                 f.write(json.dumps({"text": text}) + "\n")
     return folder
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).norm().item() / (b.double().norm().item() + 1e-12)
 
 
 @pytest.mark.heavy   # ~53 s of compiles: started at the head of a worker's share (conftest)
@@ -86,7 +83,7 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
     for step, (got, want) in enumerate(zip(graphs["grads"], eager["grads"])):
         assert got.keys() == want.keys(), step
         for name, g in want.items():
-            assert relative(got[name], g) < 1e-4, (step, name, relative(got[name], g))
+            assert rel(got[name], g) < 1e-4, (step, name, rel(got[name], g))
     # the last update, from the same weights and gradients 1e-4 apart, with the graph trainer's
     # own moments: the compiled update is within 2e-2 of the eager one from the same gradients and
     # moments (test_gpu_optim.py::test_compiled_graphed_step_follows_the_eager_step); here the
@@ -95,4 +92,4 @@ def test_default_cuda_graph_trainer_steps_equal_the_eager_trainer_on_packed_docu
     for name, p in eager["after"].items():
         want = p.double() - eager["before"][-1][name].double()
         got = graphs["after"][name].double() - eager["before"][-1][name].double()
-        assert relative(got, want) <= 5e-2, (name, relative(got, want))
+        assert rel(got, want) <= 5e-2, (name, rel(got, want))

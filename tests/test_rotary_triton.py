@@ -8,10 +8,7 @@ import torch
 from elephant.config import ModelConfig
 from elephant.layers import rotary_triton
 from elephant.layers.attention import Attention, rotary_cos_sin
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+from numerics import rel
 
 
 def make_layer(qk_norm=True, max_period=0.0, dtype=torch.float32):
