@@ -208,24 +208,19 @@ def test_loading_a_sharded_state_into_another_world_size_is_refused(tmp_path):
         opt.load_state_dict(sd)
 
 
-def test_packing_into_a_fixed_buffer_by_views_equals_the_concatenation(monkeypatch):
-    # pack_gradients' multi-tensor copy into the buffer's views (PACK_BY "foreach", the default)
-    # writes exactly what torch.cat(out=) wrote: every piece at its offset, a None gradient as
-    # zeros, every slot of the buffer (whatever it held before) overwritten
+def test_packing_into_a_fixed_buffer_by_views_equals_the_concatenation():
+    # pack_gradients' multi-tensor copy into the buffer's views writes exactly the concatenation
+    # of the pieces: every piece at its offset, a None gradient as zeros, every slot of the buffer
+    # (whatever it held before) overwritten
     mats = [torch.randn(3, 4) for _ in range(3)]
     rows = torch.randn(5, 2)
     layout = optim_dist.ShardLayout(1)
     layout.add_matrices(mats)
     layout.add_rows(rows)
     grads = [torch.randn(3, 4), None, torch.randn(3, 4), torch.randn(5, 2)]
-    packed = {}
-    for how in ("cat", "foreach"):
-        monkeypatch.setattr(optim_dist, "PACK_BY", how)
-        out = torch.full((layout.region,), float("nan"))
-        assert layout.pack_gradients(grads, out) is out
-        packed[how] = out
-    assert torch.equal(packed["cat"], packed["foreach"])
+    out = torch.full((layout.region,), float("nan"))
+    assert layout.pack_gradients(grads, out) is out
     want = torch.cat([grads[0].flatten(), torch.zeros(12), grads[2].flatten(), grads[3].flatten()])
-    assert torch.equal(packed["foreach"][:want.numel()], want)
+    assert want.numel() == layout.region and torch.equal(out, want)
     with pytest.raises(ValueError, match="elements of pieces"):
         layout.pack_gradients(grads, torch.zeros(layout.region + 1))
