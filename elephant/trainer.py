@@ -316,8 +316,8 @@ class Trainer:
             """Queue the step's mean loss over every rank and its token count for the host, without
             waiting; the function returned waits for them and returns (loss, tokens, stop): the
             sync. With several ranks `stop` is the largest stop signal any rank has had by now
-            (`stop_request`), reduced with the loss, so that every rank stops after the same step
-            without a collective and a wait of its own; else 0."""
+            (`stop_request`): a small max all-reduce queued beside the loss's and read in the same
+            copy, so that every rank stops after the same step without a wait of its own; else 0."""
             if rt.world > 1:
                 dist.all_reduce(total)
                 signum = self.stop_request.signum if self.stop_request is not None else 0
