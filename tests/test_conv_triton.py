@@ -41,9 +41,11 @@ def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
 @pytest.mark.parametrize("with_seg,with_tail,K", [(False, False, 4), (True, False, 4), (True, True, 4),
                                                    (True, True, 2), (True, True, 3), (True, True, 6)])
 @pytest.mark.parametrize("L", [37, 2])
-def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L):
+@pytest.mark.parametrize("silu", [False, True])
+def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L, silu):
+    # silu: the Mamba block's form, the activation written by the same kernel (against F.silu)
     xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
-    check(xin, x, state, w, b, tail, seg, K)
+    check(xin, x, state, w, b, tail, seg, K, silu)
 
 
 def test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not():
@@ -59,9 +61,9 @@ def test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not():
     check(xin, x, state, w, b, tail, seg, K)
 
 
-def check(xin, x, state, w, b, tail, seg, K):
+def check(xin, x, state, w, b, tail, seg, K, silu=False):
     with_seg, with_tail = seg is not None, tail is not None
-    out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail)
+    out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail, silu=silu)
     window = torch.cat([state, x.transpose(1, 2)], dim=2)
     if with_seg:
         want, want_state = segment_conv(window, seg, w, b, tail)
@@ -70,6 +72,8 @@ def check(xin, x, state, w, b, tail, seg, K):
     else:
         want, want_state = F.conv1d(window, w, b, groups=w.shape[0]), window[:, :, -(K - 1):]
     want = want.transpose(1, 2)
+    if silu:
+        want = F.silu(want)
     assert out.shape == want.shape and new_state.shape == want_state.shape
     assert rel(out, want) < 1e-6 and rel(new_state, want_state) < 1e-6
     gen = torch.Generator().manual_seed(9)

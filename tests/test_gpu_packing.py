@@ -52,8 +52,10 @@ def test_packed_conv_equals_indexing_reference_on_cuda(dtype, compiled):
 @pytest.mark.parametrize("with_seg", [False, True])
 def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
     # layers/conv_triton.py on CUDA, eager and inside a compiled graph (triton_op), against the
-    # PyTorch forms in float32: values, the state after the chunk and every gradient
+    # PyTorch forms in float32: values, the state after the chunk and every gradient. Compiled, it
+    # runs as the Mamba block calls it, with the SiLU written by the same kernel
     from elephant.layers.conv_triton import depthwise_conv
+    silu = compiled
     gen = torch.Generator(device="cuda").manual_seed(0)
     B, C, K, L = 4, 200, 4, 300
     xin = torch.randn(B, L, C + 8, device="cuda", generator=gen).to(dtype).requires_grad_()
@@ -72,14 +74,15 @@ def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
     inputs = [xin, state, w, b] + ([tail] if with_seg else [])
 
     def fast(xin, state, w, b, tail):
-        return depthwise_conv(xin[:, :, 8:], state, w, b, seg, tail)
+        return depthwise_conv(xin[:, :, 8:], state, w, b, seg, tail, silu=silu)
 
     def reference(xin, state, w, b, tail):
         window = torch.cat([state, xin[:, :, 8:].float().transpose(1, 2)], dim=2)
         if seg is None:
-            return F.conv1d(window, w, b, groups=C).transpose(1, 2), window[:, :, -(K - 1):]
-        out, st = segment_conv_reference(window, seg, w, b, tail)
-        return out.transpose(1, 2), st
+            out, st = F.conv1d(window, w, b, groups=C), window[:, :, -(K - 1):]
+        else:
+            out, st = segment_conv_reference(window, seg, w, b, tail)
+        return (F.silu(out) if silu else out).transpose(1, 2), st
 
     fn = torch.compile(fast, dynamic=False) if compiled else fast
     res = []

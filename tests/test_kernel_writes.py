@@ -75,9 +75,11 @@ for seg in (False, True):
                   ssb=1, ssc=1, ssk=1, x_ptr=x, st_ptr=torch.randn(B, K - 1, C),
                   w_ptr=torch.randn(C, 1, K), seg_ptr=torch.zeros(B, L, dtype=torch.int32),
                   since_ptr=torch.zeros(B, L, dtype=torch.int32), tail_ptr=torch.randn(C, K - 1))
-    out[f"conv fwd {seg}"] = written(conv_triton._conv_fwd_kernel,
-                                     dict(common, bias_ptr=torch.randn(C), out_ptr=torch.empty_like(x),
-                                          sob=1, sol=1, soc=1))
+    for act in (False, True):
+        out[f"conv fwd {seg} {act}"] = written(
+            conv_triton._conv_fwd_kernel,
+            dict(common, bias_ptr=torch.randn(C), out_ptr=torch.empty_like(x),
+                 act_ptr=torch.empty_like(x), sob=1, sol=1, soc=1, ACT=act))
     out[f"conv bwd {seg}"] = written(conv_triton._conv_bwd_kernel,
                                      dict(common, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
                                           dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
@@ -106,7 +108,8 @@ def test_qkv_kernels_write_only_their_outputs(writes):
 
 @pytest.mark.parametrize("segments", [False, True])
 def test_conv_kernels_write_only_their_outputs(writes, segments):
-    assert writes[f"conv fwd {segments}"] == {"out_ptr"}
+    assert writes[f"conv fwd {segments} False"] == {"out_ptr"}
+    assert writes[f"conv fwd {segments} True"] == {"out_ptr", "act_ptr"}   # with the SiLU
     assert writes[f"conv bwd {segments}"] == ({"dx_ptr", "dw_ptr", "db_ptr"}
                                               | ({"dtail_ptr"} if segments else set()))
 

@@ -139,9 +139,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                       L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                       act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
                        K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                       BL: tl.constexpr, BC: tl.constexpr, FIRST: tl.constexpr):
+                       BL: tl.constexpr, BC: tl.constexpr, FIRST: tl.constexpr, ACT: tl.constexpr):
         t = lb * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
         tm, cm = t < L, c < C
@@ -153,33 +153,38 @@ if HAS_TRITON:
             v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
                      sxb, sxl, sxc, ssb, ssc, ssk, s, K, HAS_SEG, HAS_TAIL, FIRST)
             acc += w[None, :] * v
-        tl.store(out_ptr + b * sob + t[:, None] * sol + c[None, :] * soc,
-                 acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+        out = acc.to(out_ptr.dtype.element_ty)
+        off = b * sob + t[:, None] * sol + c[None, :] * soc
+        tl.store(out_ptr + off, out, mask=tm[:, None] & cm[None, :])
+        if ACT:   # SiLU of the stored (rounded) output, into act (out's strides)
+            v = out.to(tl.float32)
+            tl.store(act_ptr + off, (v / (1.0 + tl.exp(-v))).to(act_ptr.dtype.element_ty),
+                     mask=tm[:, None] & cm[None, :])
 
     @triton.jit
     def _conv_fwd_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                         L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
+                         act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
-                         BL: tl.constexpr, BC: tl.constexpr, SUB: tl.constexpr):
+                         BL: tl.constexpr, BC: tl.constexpr, SUB: tl.constexpr, ACT: tl.constexpr):
         """Without HAS_SEG: every tile of BL tokens as if the chunk held one document. With it:
         only the tiles that hold a boundary (see `_launches`), by sub-tiles of SUB tokens in the
-        form with segments; the other programs return at once."""
+        form with segments; the other programs return at once. ACT: also SiLU(out) into act."""
         b = tl.program_id(0)
         lb = tl.program_id(1)
         if HAS_SEG:
             if not _one_segment(seg_ptr, b, lb, L, K, BL, 0):
                 for h in tl.static_range(BL // SUB):
                     _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                                   out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
-                                   lb * (BL // SUB) + h, K, HAS_SEG, HAS_TAIL, SUB, BC, True)
+                                   out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
+                                   lb * (BL // SUB) + h, K, HAS_SEG, HAS_TAIL, SUB, BC, True, ACT)
         elif lb * BL >= K - 1:   # reads nothing carried
             _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                           out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, False, False, BL, BC, False)
+                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, False, False, BL, BC, False, ACT)
         else:
             _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                           out_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, False, False, BL, BC, True)
+                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
+                           K, False, False, BL, BC, True, ACT)
 
     @triton.jit
     def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
@@ -343,9 +348,8 @@ def _args(x, seg, since, tail):
             tail if has_tail else x.new_zeros(1), has_seg, has_tail)
 
 
-@torch.library.triton_op("elephant::depthwise_conv", mutates_args=())
-def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
-             since: Tensor | None, tail: Tensor | None) -> Tensor:
+def _conv_fwd(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
+              since: Tensor | None, tail: Tensor | None, act: Tensor | None) -> Tensor:
     B, L, C = x.shape
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
@@ -354,12 +358,27 @@ def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: T
     for segments, BL, sub, BC, warps in _launches(False, has_seg):
         grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
         torch.library.wrap_triton(_conv_fwd_kernel)[grid](
-            x, st, weight, bias, seg_, since_, tail_, out, L, C,
+            x, st, weight, bias, seg_, since_, tail_, out, out if act is None else act, L, C,
             x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
             K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC, SUB=sub,
-            num_warps=warps)
+            ACT=act is not None, num_warps=warps)
     return out
+
+
+@torch.library.triton_op("elephant::depthwise_conv", mutates_args=())
+def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
+             since: Tensor | None, tail: Tensor | None) -> Tensor:
+    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, None)
+
+
+@torch.library.triton_op("elephant::depthwise_conv_silu", mutates_args=())
+def _conv_silu_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
+                  since: Tensor | None, tail: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, SiLU(out)) from one pass: the Mamba block's activation written beside the conv's
+    output instead of read back from it by a kernel of its own."""
+    act = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, act), act
 
 
 @torch.library.triton_op("elephant::depthwise_conv_backward", mutates_args=())
@@ -404,15 +423,16 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
     return dx, dstate, dw.sum(0), db.sum(0), dtail.sum(0)
 
 
-def _conv_setup(ctx, inputs, output):
+def _conv_setup(ctx, inputs, output, keep_out: bool = False):
     x, conv_state, weight, bias, seg, since, tail = inputs
-    ctx.save_for_backward(x, conv_state, weight, seg, since, tail)
+    out = (output[0],) if keep_out else ()   # the SiLU form's derivative reads the conv's output
+    ctx.save_for_backward(x, conv_state, weight, seg, since, tail, *out)
     ctx.dtypes = (conv_state.dtype, weight.dtype, bias.dtype,
                   None if tail is None else tail.dtype)
 
 
 def _conv_grad(ctx, g):
-    x, conv_state, weight, seg, since, tail = ctx.saved_tensors
+    x, conv_state, weight, seg, since, tail = ctx.saved_tensors[:6]
     dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail)
     st, wt, bt, tt = ctx.dtypes
     return (dx, dstate.to(st), dw.view(weight.shape).to(wt), db.to(bt), None, None,
@@ -422,10 +442,36 @@ def _conv_grad(ctx, g):
 torch.library.register_autograd("elephant::depthwise_conv", _conv_grad, setup_context=_conv_setup)
 
 
+def _conv_silu_setup(ctx, inputs, output):
+    _conv_setup(ctx, inputs, output, keep_out=True)
+
+
+def _conv_silu_grad(ctx, g_out, g_act):
+    """The gradient reaching the conv's output: g_out, plus g_act through SiLU'(v) = s (1 + v (1 -
+    s)), s = sigmoid(v), in float32 (PyTorch ops, which a compiled graph fuses with the kernel
+    that produces g_act)."""
+    out = ctx.saved_tensors[6]
+    v = out.float()
+    g = None if g_out is None else g_out.float()
+    if g_act is not None:
+        s = torch.sigmoid(v)
+        ga = g_act.float() * s * (1.0 + v * (1.0 - s))
+        g = ga if g is None else g + ga
+    if g is None:
+        g = torch.zeros_like(v)
+    return _conv_grad(ctx, g.to(out.dtype))
+
+
+torch.library.register_autograd("elephant::depthwise_conv_silu", _conv_silu_grad,
+                                setup_context=_conv_silu_setup)
+
+
 def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
-                   seg: Tensor | None = None, tail: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   seg: Tensor | None = None, tail: Tensor | None = None,
+                   silu: bool = False) -> tuple[Tensor, Tensor]:
     """The conv's output (B, L, C) in x's dtype and the state after the chunk (B, C, K-1) in
-    conv_state's dtype (see the module docstring)."""
+    conv_state's dtype (see the module docstring). `silu`: the output's SiLU instead, computed by
+    the same kernel (F.silu of the output; its backward through the conv's saved output)."""
     if not supported(x):
         raise RuntimeError(f"depthwise_conv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1) "
                            f"of float32/bfloat16/float16, got {x.device} {x.dtype}")
@@ -437,5 +483,8 @@ def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
         seg = seg.to(torch.int32).contiguous()
         if tail is not None:
             since = segment_since(seg)
-    out = _conv_op(x, conv_state, weight, bias, seg, since, tail)
+    if silu:
+        out = _conv_silu_op(x, conv_state, weight, bias, seg, since, tail)[1]
+    else:
+        out = _conv_op(x, conv_state, weight, bias, seg, since, tail)
     return out, state_after(x, conv_state, seg, since, tail)

@@ -186,8 +186,8 @@ class Mamba2(nn.Module):
             # the Triton conv reads [carried inputs | this chunk] in place, channels last
             tail = None if seg is None or init is None else init[0]
             xBC, new_conv_state = conv_triton.depthwise_conv(xBC, conv_state, self.conv1d.weight,
-                                                             self.conv1d.bias, seg, tail)
-            return self._after_conv(F.silu(xBC), z, dt, ssm_state, seg, init, b, l, new_conv_state)
+                                                             self.conv1d.bias, seg, tail, silu=True)
+            return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
         # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
         window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
         if seg is None:
