@@ -508,3 +508,17 @@ def test_triton_backward_op_fake_matches_its_outputs():
     torch.library.opcheck(T._ssd_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
     for a, r in zip(T._ssd_bwd_op(*args), T._bwd(*args)):
         assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_sum_is_the_sum_over_each_groups_heads(groups, dtype):
+    # the scan backward's dB and dC per head, summed over each B/C group's heads in float32 by one
+    # launch (ragged token count, a width that is not a power of two)
+    _needs_triton()
+    from elephant.layers.ssd_triton import group_sum
+    src = torch.randn(3, 37, 8, 24, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = group_sum(src, groups)
+    want = src.float().view(3, 37, groups, 8 // groups, 24).sum(3)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert rel_err(got, want) < 1e-6

@@ -348,7 +348,7 @@ if HAVE_TRITON:
     @triton.jit
     def _chunk_scan_bwd_kernel(
         x_ptr, dt_ptr, b_ptr, c_ptr, cs_ptr, seg_ptr, states_ptr, sinit_ptr, d_ptr, dy_ptr, dstates_ptr,
-        dcs_end_ptr, dx_ptr, ddt_ptr, db_ptr, dc_ptr, dcs_ptr, dd_ptr,
+        dcs_end_ptr, dx_ptr, ddt_ptr, dbc_ptr, dcs_ptr, dd_ptr,
         L, H, NC, P, N, HEADS_PER_GROUP, NBLK,
         s_xb, s_xl, s_xh, s_xp,
         s_db, s_dl, s_dh,
@@ -361,7 +361,8 @@ if HAVE_TRITON:
         """All gradients of one chunk given dy and dS_c (the gradient w.r.t. the chunk's own state).
         (dS0 is formed by the backward state kernel; here S0's term adds to dC and dcs, and the
         state kernel's parts of dcs_end, NBLK of them, to dcs.)
-        dB, dC are written per head (b, l, h, n) in x's dtype; dcs per (b, h, c, Q); dD per (b, c, h)."""
+        dB and dC are written per head into one tensor (b, l, h, 2, n) in x's dtype (dB at [..., 0, :],
+        dC at [..., 1, :]); dcs per (b, h, c, Q); dD per (b, c, h)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -430,9 +431,9 @@ if HAVE_TRITON:
         dK = dM * decay
         dC += _dot(dK, Bm, DT, PREC)
         dB += _dot(tl.trans(dK), Cm, DT, PREC)
-        qn_off = ((b * L + t[:, None]) * H + h) * N + n[None, :]
-        tl.store(db_ptr + qn_off, dB.to(db_ptr.dtype.element_ty), mask=qn_mask)
-        tl.store(dc_ptr + qn_off, dC.to(dc_ptr.dtype.element_ty), mask=qn_mask)
+        qn_off = ((b * L + t[:, None]) * H + h) * (2 * N) + n[None, :]
+        tl.store(dbc_ptr + qn_off, dB.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
+        tl.store(dbc_ptr + qn_off + N, dC.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
         M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
         dxdt += _dot(tl.trans(M), dy, DT, PREC)                                             # (Q, P)
         R = dM * M
@@ -447,6 +448,39 @@ if HAVE_TRITON:
         tl.store(dx_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], dx, mask=qp_mask)
         tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
         tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
+
+
+    @triton.jit
+    def _group_sum_kernel(src_ptr, out_ptr, T, H, W, HEADS_PER_GROUP: tl.constexpr,
+                          BT: tl.constexpr, BW: tl.constexpr):
+        """out (T, G, W) float32 = the sum of src (T, H, W) over each group's heads (h // HEADS_PER_GROUP
+        = g), accumulated in float32 in head order."""
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        g = tl.program_id(1)
+        w = tl.arange(0, BW)
+        m = (t < T)[:, None] & (w < W)[None, :]
+        row = t[:, None].to(tl.int64) * H
+        acc = tl.zeros((BT, BW), dtype=tl.float32)
+        for j in tl.static_range(HEADS_PER_GROUP):
+            acc += tl.load(src_ptr + (row + g * HEADS_PER_GROUP + j) * W + w[None, :], mask=m,
+                           other=0.0).to(tl.float32)
+        G = H // HEADS_PER_GROUP
+        tl.store(out_ptr + (t[:, None].to(tl.int64) * G + g) * W + w[None, :], acc, mask=m)
+
+
+def group_sum(src: torch.Tensor, groups: int) -> torch.Tensor:
+    """src (..., H, W) contiguous -> (..., groups, W) float32: the sum over each group's H / groups
+    heads (the scan backward's dB and dC per head, one launch for both)."""
+    *lead, H, W = src.shape
+    T = src.numel() // (H * W)
+    out = torch.empty(*lead, groups, W, device=src.device, dtype=torch.float32)
+    BW = triton.next_power_of_2(W)
+    # 8 tokens and 8 warps a program at the recipe's width (2 x 64): on an H100 28.8 us against 32.8
+    # for 32 tokens and 4 warps (benchmarks/bench_group_sum.py; ~2.4 TB/s)
+    BT = max(1, 1024 // BW)
+    _group_sum_kernel[(triton.cdiv(T, BT), groups)](src, out, T, H, W, H // groups, BT=BT, BW=BW,
+                                                    num_warps=8)
+    return out
 
 
 # float32 inputs: three TF32 tensor-core products per product (about float32 accuracy at a fraction of
@@ -542,25 +576,23 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
     dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
-    # per head in x's dtype (bf16 in training: half the bytes of the largest outputs), summed over
-    # the group's heads in float32 below
-    dB = torch.empty(b, l, h, n, device=x.device, dtype=x.dtype)
-    dC = torch.empty(b, l, h, n, device=x.device, dtype=x.dtype)
+    # dB and dC per head in one tensor, in x's dtype (bf16 in training: half the bytes of the
+    # largest outputs), summed over the group's heads in float32 below by one launch for both
+    dBC = torch.empty(b, l, h, 2, n, device=x.device, dtype=x.dtype)
     dcs = torch.empty(b, h, nc, Q, **f32)
     dD = torch.empty(b, nc, h, **f32) if D is not None else None
     _chunk_scan_bwd_kernel[(nc, b, h)](
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, dy,
-        dstates, dcs_end, dx, ddt, dB, dC, dcs, dD if dD is not None else ddt,
+        dstates, dcs_end, dx, ddt, dBC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g, nblk,
         *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
         Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec,
         HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
-    dB = dB.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
-    dC = dC.view(b, l, g, h // g, n).sum(3, dtype=torch.float32)
+    dBC = group_sum(dBC.view(b, l, h, 2 * n), g).view(b, l, g, 2, n)
     dD = dD.sum((0, 1)) if dD is not None else None
     dsinit = dsinit.sum(0) if dsinit is not None else None
-    return dx, ddt, dcs, dB, dC, dD, dinit, dsinit
+    return dx, ddt, dcs, dBC, dD, dinit, dsinit
 
 
 # ------------------------------------------------------------------------------- custom ops
@@ -657,9 +689,9 @@ def _ssd_bwd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Option
                 sinit: Optional[torch.Tensor], states: torch.Tensor, dy: torch.Tensor,
                 dfinal: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor]:
-    """The gradients (dx, ddt, dcs, dB, dC, dD, dinit, dsinit); the last three are empty when
-    D, init or sinit is None."""
+                                                       torch.Tensor]:
+    """The gradients (dx, ddt, dcs, dBC, dD, dinit, dsinit), dBC (b, l, g, 2, n) holding dB at
+    [..., 0, :] and dC at [..., 1, :]; the last three are empty when D, init or sinit is None."""
     with _on_device(x):
         grads = _bwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
                      _contiguous(sinit), states.contiguous(), dy, dfinal, Q)
@@ -673,7 +705,7 @@ def _(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
 
     def f32(*shape):
         return x.new_empty(*shape, dtype=torch.float32)
-    return (x.new_empty(b, l, h, p), f32(b, l, h), f32(b, h, nc, Q), f32(b, l, g, n), f32(b, l, g, n),
+    return (x.new_empty(b, l, h, p), f32(b, l, h), f32(b, h, nc, Q), f32(b, l, g, 2, n),
             f32(h) if D is not None else f32(0), f32(b, h, p, n) if init is not None else f32(0),
             f32(h, p, n) if sinit is not None else f32(0))
 
@@ -691,10 +723,10 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
         dy = torch.zeros_like(x)
     if dfinal is None:
         dfinal = x.new_zeros(b, h, p, B.shape[3], dtype=torch.float32)
-    dx, ddt, dcs, dB, dC, dD, dinit, dsinit = _ssd_bwd_op(
+    dx, ddt, dcs, dBC, dD, dinit, dsinit = _ssd_bwd_op(
         x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q)
     dD, dinit, dsinit = (_none_if_empty(t) for t in (dD, dinit, dsinit))
-    return (dx, ddt.to(dt.dtype), dcs, None, dB.to(B.dtype), dC.to(C.dtype),
+    return (dx, ddt.to(dt.dtype), dcs, None, dBC[..., 0, :].to(B.dtype), dBC[..., 1, :].to(C.dtype),
             dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
 
 
