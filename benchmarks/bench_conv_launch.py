@@ -1,7 +1,8 @@
 """The Mamba block's depthwise conv kernels (conv_triton, forward and backward with the weight and
 bias partial sums) over their launch: tokens and channels per program, warps.
 
-    python benchmarks/bench_conv_launch.py [--segments]   # CUDA: benchmarks/results/conv_launch[_segments]_<gpu>.json
+    python benchmarks/bench_conv_launch.py [--segments] [--silu]
+        # CUDA: benchmarks/results/conv_launch[_segments][_silu]_<gpu>.json
 
 Shape: one chunk step of the wt103-70m recipe, 32 lanes x (8 + 512 + 8) tokens, 1,152 conv
 channels (d_inner 1,024 + 2 x d_state 64) read in place from the in-projection's output (2,192
@@ -16,7 +17,9 @@ out; backward: read x and the output's gradient, write dx), and its outputs chec
 of the launch before this benchmark (32 tokens x 128 channels, 4 warps). --before FILE times
 another copy of conv_triton.py (e.g. `git show <rev>:elephant/layers/conv_triton.py >
 /tmp/conv_before.py`) at its own launch beside this one, in turns: the A/B of a kernel change in
-one run (its ops registered under another namespace, so that both can load).
+one run (its ops registered under another namespace, so that both can load). --silu: the forward
+as the Mamba block calls it, with the SiLU written beside the output by the same kernel (three
+tensors moved instead of two); a --before copy without that form is timed as its conv then F.silu.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--channels", default="128,64,256")
     ap.add_argument("--warps", default="4,2,8")
     ap.add_argument("--before", help="another copy of conv_triton.py, timed beside this one")
+    ap.add_argument("--silu", action="store_true",
+                    help="the forward with the SiLU written by the same kernel (the Mamba block's form)")
     ap.add_argument("--every", type=float, default=150.0,
                     help="with --segments: a document boundary every ~this many tokens")
     args = ap.parse_args()
@@ -67,7 +72,11 @@ def main() -> None:
         seg = since = tail = None
 
     def fwd(mod=conv_triton):
-        return mod._conv_op(x, state, weight, bias, seg, since, tail)
+        if not args.silu:
+            return mod._conv_op(x, state, weight, bias, seg, since, tail)
+        if hasattr(mod, "_conv_silu_op"):
+            return mod._conv_silu_op(x, state, weight, bias, seg, since, tail)[1]
+        return torch.nn.functional.silu(mod._conv_op(x, state, weight, bias, seg, since, tail))
 
     def bwd(mod=conv_triton):
         return mod._conv_bwd_op(g, x, state, weight, seg, since, tail)
@@ -85,7 +94,8 @@ def main() -> None:
         configs = list(itertools.product(*[[int(v) for v in a.split(",")]
                                            for a in (args.tokens, args.channels, args.warps)]))
         meta = {"command": " ".join(["python benchmarks/bench_conv_launch.py"] + sys.argv[1:]),
-                "segments": S, "boundary_every": args.every if S else None, "chosen": saved,
+                "segments": S, "silu": args.silu, "boundary_every": args.every if S else None,
+                "chosen": saved,
                 "configs_asked": len(configs),
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
         for bl, bc, warps in configs:
@@ -93,7 +103,8 @@ def main() -> None:
             conv_triton.LAUNCH.update({kind: (bl, bc, warps) for kind in kinds})
             # forward and backward apart: with segments a sub-tile that does not divide the plain
             # tile of one of them is refused by that one only
-            for name, fn, ref, n_bytes in (("fwd", fwd, [ref_f], 2), ("bwd", bwd, ref_b, 3)):
+            for name, fn, ref, n_bytes in (("fwd", fwd, [ref_f], 3 if args.silu else 2),
+                                           ("bwd", bwd, ref_b, 3)):
                 try:
                     out = fn()
                     row[f"equal_{name}"] = all(close(a, r) for a, r in
@@ -131,7 +142,8 @@ def write(rows: list, meta: dict, device) -> dict:
     out = {**environment(device), **meta,
            "before": {"launch": BEFORE, **{f"{k}_us": v for k, v in before.items()}},
            "best": best, "configs": rows}
-    path = result_path("conv_launch_segments" if meta["segments"] else "conv_launch", False)
+    path = result_path("conv_launch" + ("_segments" if meta["segments"] else "")
+                       + ("_silu" if meta.get("silu") else ""), False)
     path.write_text(json.dumps(out, indent=1))
     return out
 

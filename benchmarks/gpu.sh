@@ -69,6 +69,9 @@ for stage in $stages; do
       # machine has no index); without it, serially
       python -c "import xdist" 2>/dev/null || pip install -q --no-index --find-links .whl pytest-xdist 2>/dev/null
       par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$(nproc)} --dist worksteal")
+      # one compile thread per test process: the workers already fill the cores, and each one's
+      # own pool of compile processes (a torch import each) was work on top (TEST_COMPILE_THREADS)
+      [ -n "$par" ] && export TORCHINDUCTOR_COMPILE_THREADS=${TEST_COMPILE_THREADS:-1}
       timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=30 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
