@@ -106,3 +106,17 @@ def test_unsupported_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="depthwise_conv needs"):
         conv_triton.depthwise_conv(x, torch.zeros(1, 3, 3, dtype=torch.float64),
                                    torch.zeros(3, 1, 4), torch.zeros(3))
+
+
+@pytest.mark.parametrize("with_seg", [False, True])
+def test_silu_op_passes_opcheck(with_seg):
+    # the op the Mamba block calls: its schema and its autograd registration (its fake, what a
+    # compiled graph plans with, cannot run under the interpreter, for this op as for the plain
+    # one: the compiled form is held to the reference on CUDA, tests/test_gpu_packing.py)
+    xin, x, state, w, b, tail, seg = case(2, 37, 20, 4, 5, with_seg, with_seg)
+    since = None
+    if with_seg:
+        seg = seg.to(torch.int32).contiguous()
+        since = conv_triton.segment_since(seg)
+    torch.library.opcheck(conv_triton._conv_silu_op, (x, state, w, b, seg, since, tail),
+                          test_utils=("test_schema", "test_autograd_registration"))
