@@ -85,6 +85,12 @@ for seg in (False, True):
                                           dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
                                           dtail_ptr=torch.zeros(8, C, K - 1), NL=3, sgb=1, sgl=1,
                                           sgc=1, sdb=1, sdl=1, sdc=1, KP=4, KW=4))
+walk = dict(L=L, C=C, BL=16, BC=16, sxb=1, sxl=1, sxc=1, ssb=1, ssc=1, ssk=1, x_ptr=x,
+            st_ptr=torch.randn(B, 3, C), w_ptr=torch.randn(C, 1, 4))
+out["conv bwd walk"] = written(conv_triton._conv_bwd_walk_kernel,
+                               dict(walk, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                    dw_ptr=torch.empty(8, C, 4), db_ptr=torch.empty(8, C), NL=3,
+                                    sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
 z = torch.randn(4, 64).half()
 for fw, gr in ((True, False), (True, True), (False, True)):
     out[f"ce {fw} {gr}"] = written(ce_triton._ce_kernel,
@@ -112,6 +118,10 @@ def test_conv_kernels_write_only_their_outputs(writes, segments):
     assert writes[f"conv fwd {segments} True"] == {"out_ptr", "act_ptr"}   # with the SiLU
     assert writes[f"conv bwd {segments}"] == ({"dx_ptr", "dw_ptr", "db_ptr"}
                                               | ({"dtail_ptr"} if segments else set()))
+
+
+def test_conv_walk_kernel_writes_only_its_outputs(writes):
+    assert writes["conv bwd walk"] == {"dx_ptr", "dw_ptr", "db_ptr"}
 
 
 @pytest.mark.parametrize("forward, grad", [(True, False), (True, True), (False, True)])

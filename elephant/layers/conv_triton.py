@@ -15,7 +15,9 @@ state in front (one full copy), then a cuDNN depthwise conv at a fraction of the
 the segment path paid a chain of masked sums whose weight gradient compiled into a slow reduction.
 Here the forward reads each input K times from cache and writes the output once; the backward
 writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
-summed by torch, no atomics). With segments, the kernel without them runs over every tile
+summed by torch, no atomics). The backward of width 4 without segments walks each tile's tokens in
+order instead (`_conv_bwd_walk_kernel`, BWD_WALK): each input and gradient read once, the sums
+piled up in each thread, no reduction across a program. With segments, the kernel without them runs over every tile
 first, and a second launch recomputes over its output the few tiles that hold a boundary (most
 tiles lie in one document: documents are hundreds of tokens), so that only those pay for the
 segment and tail reads and their registers (see LAUNCH). The state after the chunk is formed by
@@ -239,6 +241,74 @@ if HAS_TRITON:
         return db, dw, dtail
 
     @triton.jit
+    def _row(ptr, b, t, c, cm, L, sb, sl, sc, st_ptr, ssb, ssc, ssk, K: tl.constexpr,
+             CARRIED: tl.constexpr):
+        """Row t (BC channels, float32) of a (B, L, C) tensor; zero past L, and with CARRIED the
+        carried inputs (st, (B, K-1, C)) for t < 0 (else zero there too)."""
+        v = tl.load(ptr + b * sb + t * sl + c * sc, mask=cm & (t >= 0) & (t < L),
+                    other=0.0).to(tl.float32)
+        if CARRIED:
+            sv = tl.load(st_ptr + b * ssb + c * ssc + (K - 1 + t) * ssk, mask=cm & (t < 0),
+                         other=0.0).to(tl.float32)
+            v = tl.where(t < 0, sv, v)
+        return v
+
+    @triton.jit
+    def _conv_bwd_walk_kernel(x_ptr, st_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr,
+                              L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                              BL: tl.constexpr, BC: tl.constexpr):
+        """The backward of width 4 without segments, a tile of BL tokens by walking them in
+        order: each program's threads own its BC channels and keep the last three inputs and the
+        next three output gradients in registers, so that x and g are read once (no tap re-reads
+        a shifted tile) and the weight's and bias's sums pile up in each thread (no reduction
+        across the program). dx and one slot of partial sums per tile, as `_conv_bwd_kernel`."""
+        K: tl.constexpr = 4
+        b = tl.program_id(0)
+        lb = tl.program_id(1)
+        c = tl.program_id(2) * BC + tl.arange(0, BC)
+        cm = c < C
+        t0 = lb * BL
+        w0 = tl.load(w_ptr + c * K + 0, mask=cm, other=0.0).to(tl.float32)
+        w1 = tl.load(w_ptr + c * K + 1, mask=cm, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + c * K + 2, mask=cm, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + c * K + 3, mask=cm, other=0.0).to(tl.float32)
+        # inputs t-3, t-2, t-1 (the carried ones before the chunk) and gradients t, t+1, t+2
+        xa = _row(x_ptr, b, t0 - 3, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
+        xb = _row(x_ptr, b, t0 - 2, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
+        xc = _row(x_ptr, b, t0 - 1, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
+        ga = _row(g_ptr, b, t0, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+        gb = _row(g_ptr, b, t0 + 1, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+        gc = _row(g_ptr, b, t0 + 2, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+        d0 = tl.zeros((BC,), dtype=tl.float32)
+        d1 = tl.zeros((BC,), dtype=tl.float32)
+        d2 = tl.zeros((BC,), dtype=tl.float32)
+        d3 = tl.zeros((BC,), dtype=tl.float32)
+        db = tl.zeros((BC,), dtype=tl.float32)
+        for i in range(BL):
+            t = t0 + i
+            xt = _row(x_ptr, b, t, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, False)
+            gd = _row(g_ptr, b, t + 3, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+            # output t = sum_s w[3-s] x[t-s]: its gradient ga goes to w[3-s] times x[t-s]
+            d3 += ga * xt
+            d2 += ga * xc
+            d1 += ga * xb
+            d0 += ga * xa
+            db += ga
+            # input t is read by outputs t .. t+3 through w[3], w[2], w[1], w[0]
+            dx = w3 * ga + w2 * gb + w1 * gc + w0 * gd
+            tl.store(dx_ptr + b * sdb + t * sdl + c * sdc, dx.to(dx_ptr.dtype.element_ty),
+                     mask=cm & (t < L))
+            xa, xb, xc = xb, xc, xt
+            ga, gb, gc = gb, gc, gd
+        part = (b * NL + lb).to(tl.int64)
+        tl.store(db_ptr + part * C + c, db, mask=cm)
+        base = dw_ptr + (part * C + c) * K
+        tl.store(base + 0, d0, mask=cm)
+        tl.store(base + 1, d1, mask=cm)
+        tl.store(base + 2, d2, mask=cm)
+        tl.store(base + 3, d3, mask=cm)
+
+    @triton.jit
     def _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K: tl.constexpr,
                     BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr, TAIL: tl.constexpr):
         """A tile's partial sums into slot `part` of dw (P, C, K), db (P, C), dtail (P, C, K-1)."""
@@ -308,6 +378,16 @@ if HAS_TRITON:
 # slower, 311 -> 322 and 63 -> 71 (bench_conv_launch.py --segments --every N --before, session 24).
 # Looking at several tiles a program in the second launch was slower still (279 and 384 us).
 LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bwd_seg": (32, 128, 4)}
+
+
+# (channels, warps) a program of the width-4 backward without segments, which walks a tile's
+# tokens in order (`_conv_bwd_walk_kernel`; the tile's tokens are LAUNCH["bwd"]'s); None, or another
+# width: the tile kernel. H100, the recipe's chunk (32 lanes x 528 tokens x 1,152 channels, bf16),
+# the backward op as a CUDA graph: 180.4 -> 123.1 us at (128, 2) and 64 tokens (129.1 at 256
+# channels, 150.6 at 64; 152.6 at 32 tokens), dx equal to 7e-6 and dw to 9e-5 relative (summed in
+# another order). The forward walked the same way was slower than its tile kernel (74.6 against
+# 61.4 us with the SiLU), so it stays tiled.
+BWD_WALK = (128, 2)
 
 
 def _blocks(backward: bool, boundary: bool) -> tuple[int, int, int]:
@@ -399,6 +479,14 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
     dtail = torch.zeros(P if has_tail else 1, C, K - 1, device=x.device, dtype=torch.float32)
     st = _channels_last(conv_state)
     for segments, _, sub, BC, warps in launches:
+        if not segments and K == 4 and BWD_WALK is not None:   # every tile, walked in order
+            wbc, wwarps = (16, 1) if _INTERPRET else BWD_WALK
+            torch.library.wrap_triton(_conv_bwd_walk_kernel)[(B, NL, triton.cdiv(C, wbc))](
+                x, st, weight, g, dx, dw, db, L, C, NL,
+                x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
+                g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+                BL=BL, BC=wbc, num_warps=wwarps)
+            continue
         grid = (B, NL, triton.cdiv(C, BC))
         torch.library.wrap_triton(_conv_bwd_kernel)[grid](
             x, st, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
