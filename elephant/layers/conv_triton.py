@@ -17,8 +17,8 @@ Here the forward reads each input K times from cache and writes the output once;
 writes dx once and the weight, bias and tail gradients as per-block partial sums (deterministic:
 summed by torch, no atomics). The backward of width 4 without segments walks each tile's tokens in
 order instead (`_conv_bwd_walk_kernel`, BWD_WALK): each input and gradient read once, the sums
-piled up in each thread, no reduction across a program. With segments, the kernel without them runs over every tile
-first, and a second launch recomputes over its output the few tiles that hold a boundary (most
+piled up in each thread, no reduction across a program. With segments, the kernel without them
+runs over every tile first, and a second launch recomputes over its output the few tiles that hold a boundary (most
 tiles lie in one document: documents are hundreds of tokens), so that only those pay for the
 segment and tail reads and their registers (see LAUNCH). The state after the chunk is formed by
 the caller's small tensors (`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
@@ -177,16 +177,17 @@ if HAS_TRITON:
             if not _one_segment(seg_ptr, b, lb, L, K, BL, 0):
                 for h in tl.static_range(BL // SUB):
                     _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                                   out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
-                                   lb * (BL // SUB) + h, K, HAS_SEG, HAS_TAIL, SUB, BC, True, ACT)
+                                   out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol,
+                                   soc, b, lb * (BL // SUB) + h, K, HAS_SEG, HAS_TAIL, SUB, BC, True,
+                                   ACT)
         elif lb * BL >= K - 1:   # reads nothing carried
             _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, False, False, BL, BC, False, ACT)
+                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
+                           lb, K, False, False, BL, BC, False, ACT)
         else:
             _conv_fwd_tile(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
-                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, lb,
-                           K, False, False, BL, BC, True, ACT)
+                           out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b,
+                           lb, K, False, False, BL, BC, True, ACT)
 
     @triton.jit
     def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
@@ -381,8 +382,8 @@ LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bw
 
 
 # (channels, warps) a program of the width-4 backward without segments, which walks a tile's
-# tokens in order (`_conv_bwd_walk_kernel`; the tile's tokens are LAUNCH["bwd"]'s); None, or another
-# width: the tile kernel. H100, the recipe's chunk (32 lanes x 528 tokens x 1,152 channels, bf16),
+# tokens in order (`_conv_bwd_walk_kernel`; the tile's tokens are LAUNCH["bwd"]'s); None, or
+# another width: the tile kernel. H100, the recipe's chunk (32 lanes x 528 tokens x 1,152 channels, bf16),
 # the backward op as a CUDA graph: 180.4 -> 123.1 us at (128, 2) and 64 tokens (129.1 at 256
 # channels, 150.6 at 64; 152.6 at 32 tokens), dx equal to 7e-6 and dw to 9e-5 relative (summed in
 # another order). The forward walked the same way was slower than its tile kernel (74.6 against

@@ -449,12 +449,11 @@ if HAVE_TRITON:
         tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
         tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
 
-
     @triton.jit
     def _group_sum_kernel(src_ptr, out_ptr, T, H, W, HEADS_PER_GROUP: tl.constexpr,
                           BT: tl.constexpr, BW: tl.constexpr):
-        """out (T, G, W) float32 = the sum of src (T, H, W) over each group's heads (h // HEADS_PER_GROUP
-        = g), accumulated in float32 in head order."""
+        """out (T, G, W) float32 = the sum of src (T, H, W) over each group's heads
+        (h // HEADS_PER_GROUP = g), accumulated in float32 in head order."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         g = tl.program_id(1)
         w = tl.arange(0, BW)
