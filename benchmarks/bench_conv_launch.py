@@ -20,6 +20,9 @@ another copy of conv_triton.py (e.g. `git show <rev>:elephant/layers/conv_triton
 one run (its ops registered under another namespace, so that both can load). --silu: the forward
 as the Mamba block calls it, with the SiLU written beside the output by the same kernel (three
 tensors moved instead of two); a --before copy without that form is timed as its conv then F.silu.
+Without --segments the backward is the kernel that walks its tokens (conv_triton.BWD_WALK: its own
+channels and warps, the sweep's tokens); --tile sweeps the tile kernel instead (benchmarks/
+bench_conv_walk.py compares the two).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ def main() -> None:
     ap.add_argument("--before", help="another copy of conv_triton.py, timed beside this one")
     ap.add_argument("--silu", action="store_true",
                     help="the forward with the SiLU written by the same kernel (the Mamba block's form)")
+    ap.add_argument("--tile", action="store_true",
+                    help="without --segments: the backward's tile kernel, not the walk (BWD_WALK)")
     ap.add_argument("--every", type=float, default=150.0,
                     help="with --segments: a document boundary every ~this many tokens")
     args = ap.parse_args()
@@ -84,17 +89,20 @@ def main() -> None:
     def timed(fn):   # as a CUDA graph: eagerly, the small sums' launches are what is timed
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
 
-    saved = dict(conv_triton.LAUNCH)
+    saved, saved_walk = dict(conv_triton.LAUNCH), conv_triton.BWD_WALK
     moved = x.numel() * 2
     kinds = ("fwd_seg", "bwd_seg") if S else ("fwd", "bwd")   # the launches this form takes
     try:
+        if args.tile:
+            conv_triton.BWD_WALK = None
         conv_triton.LAUNCH.update({kind: BEFORE for kind in kinds})
         ref_f, ref_b = fwd(), bwd()
         rows = []
         configs = list(itertools.product(*[[int(v) for v in a.split(",")]
                                            for a in (args.tokens, args.channels, args.warps)]))
         meta = {"command": " ".join(["python benchmarks/bench_conv_launch.py"] + sys.argv[1:]),
-                "segments": S, "silu": args.silu, "boundary_every": args.every if S else None,
+                "segments": S, "silu": args.silu, "tile": args.tile,
+                "boundary_every": args.every if S else None,
                 "chosen": saved,
                 "configs_asked": len(configs),
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}
@@ -118,6 +126,7 @@ def main() -> None:
             write(rows, meta, device)   # after each row: a sweep cut off keeps what it measured
     finally:
         conv_triton.LAUNCH.update(saved)
+        conv_triton.BWD_WALK = saved_walk
     if args.before:   # both modules at their own launches, in turns
         mods = {"now": conv_triton, "before": load_before(args.before, "_conv_before")}
         ab = {name: {"equal_fwd": close(fwd(m), ref_f),
