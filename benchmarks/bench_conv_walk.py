@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import cuda_or_exit, environment, median_ms, result_path, sweep_parser  # noqa: E402
+from benchmarks.common import (cuda_or_exit, environment, median_ms, rel_error,  # noqa: E402
+                               result_path, sweep_parser)
 from elephant.layers import conv_triton as CT  # noqa: E402
 
 
@@ -42,9 +43,6 @@ def main() -> None:
     def timed():
         return median_ms(bwd, dev, args.iters, args.warmup, graph=True) * 1e3
 
-    def rels(out, ref):
-        return [((a.float() - r.float()).norm() / r.float().norm().clamp(min=1e-12)).item()
-                for a, r in zip(out, ref)]
     saved_walk, saved_launch = CT.BWD_WALK, dict(CT.LAUNCH)
     res = {**environment(dev), "shape": {"lanes": B, "tokens": L, "channels": C, "width": K},
            "chosen": {"walk": saved_walk, "tokens": saved_launch["bwd"][0]}, "walks": []}
@@ -59,7 +57,7 @@ def main() -> None:
                 bc, warps = (int(v) for v in spec.split("x"))
                 CT.BWD_WALK = (bc, warps)
                 row = {"tokens": bl, "channels": bc, "warps": warps, "us": timed(),
-                       "rel_err": rels(bwd(), ref)}
+                       "rel_err": [rel_error(a, r) for a, r in zip(bwd(), ref)]}
                 res["walks"].append(row)
                 print(json.dumps(row), flush=True)
     finally:

@@ -78,12 +78,17 @@ def cuda_or_exit(name: str) -> torch.device:
     return torch.device("cuda")
 
 
+def rel_error(a, b) -> float:
+    """The relative (norm) error ||a - b|| / ||b|| in float32."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
 def rel_close(a, b, tol: float) -> bool:
     """Whether a is b to a relative (norm) error under tol; two Nones agree."""
     if a is None or b is None:
         return a is None and b is None
-    a, b = a.float(), b.float()
-    return bool(((a - b).norm() / b.norm().clamp(min=1e-12)) < tol)
+    return rel_error(a, b) < tol
 
 
 def fastest(rows: list, kinds=("fwd", "bwd")) -> dict:
