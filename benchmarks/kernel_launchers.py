@@ -40,38 +40,22 @@ def project_frames(stack) -> str:
 
 
 def launchers(step, patterns: dict[str, str]) -> dict[str, list[tuple[int, str, str]]]:
-    """Run `step()` once under the profiler with stacks; for each pattern, [(kernels, 'runtime call
-    / enclosing op', project frames)] by count."""
+    """Run `step()` once under the profiler with stacks; for each pattern, [(kernels, the op that
+    queued them, its project frames)] by count."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         step()
         torch.cuda.synchronize()
-    raw = prof.profiler.kineto_results.events()
-    device = [e for e in raw if e.device_type() == torch.autograd.DeviceType.CUDA]
-    runtime = {e.correlation_id(): e for e in raw
-               if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cuda")}
-    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU
-           and not e.name.startswith("cuda")]
+    # each op's kernels are the device events linked to it by correlation id (the innermost op
+    # around the launch: an aten op, a custom op, or a compiled graph's record_function)
+    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels]
     out = {}
     for kind, pattern in patterns.items():
         counts = collections.Counter()
-        for e in device:
-            if not re.search(pattern, e.name()):
-                continue
-            call = runtime.get(e.correlation_id())
-            if call is None:
-                counts[("(no host call)", "")] += 1
-                continue
-            t = call.start_ns() / 1e3
-            thread = getattr(call, "start_thread_id", lambda: None)()
-            inner = None   # the innermost op on the launching thread around the call
-            for o in ops:
-                if (o.time_range.start <= t <= o.time_range.end
-                        and (thread is None or getattr(o, "thread", thread) == thread)
-                        and (inner is None or o.time_range.start >= inner.time_range.start)):
-                    inner = o
-            counts[(f"{call.name()} / {inner.name if inner else '-'}",
-                    project_frames(inner.stack if inner else None))] += 1
+        for o in ops:
+            n = sum(1 for k in o.kernels if re.search(pattern, k.name))
+            if n:
+                counts[(o.name, project_frames(o.stack))] += n
         out[kind] = [(n, who, where) for (who, where), n in counts.most_common()]
     return out
 
