@@ -9,7 +9,9 @@ channels (d_inner 1,024 + 2 x d_state 64) read in place from the in-projection's
 columns), width 4, bfloat16; with --segments, a document boundary every ~--every tokens (default
 150; packed log-normal documents of median 600 put one every ~1,000 chunk tokens) and the
 segments' tail inputs (the packed path); the sweep is then over the launch of the tiles that hold
-a boundary (sub-tiles of the plain tile: a size that does not divide it is recorded as an error).
+a boundary (sub-tiles of the plain tile: a size that does not divide it is recorded as an error);
+with --starts too, the segments' other form (conv_triton.SEGMENT_FORM "starts": what each start
+changes mended over the plain launch, a program a lane) and the sweep is over the plain launch.
 Each configuration is captured as a CUDA graph (eager
 calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
 --iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
@@ -58,6 +60,9 @@ def main() -> None:
                     help="without --segments: the backward's tile kernel, not the walk (BWD_WALK)")
     ap.add_argument("--every", type=float, default=150.0,
                     help="with --segments: a document boundary every ~this many tokens")
+    ap.add_argument("--starts", action="store_true",
+                    help="with --segments: the starts mended over the plain launch (SEGMENT_FORM "
+                         "'starts'), not the boundary tiles recomputed")
     args = ap.parse_args()
     device = cuda_or_exit("bench_conv_launch")
     B, L, C, K, width = 32, 8 + 512 + 8, 1152, 4, 2192
@@ -75,23 +80,28 @@ def main() -> None:
         since = conv_triton.segment_since(seg)
     else:
         seg = since = tail = None
+    starts = bool(S and args.starts)
+
+    def mend(mod):   # the "starts" form's flag, for a module that has that form
+        return (True,) if starts and hasattr(mod, "SEGMENT_FORM") else ()
 
     def fwd(mod=conv_triton):
         if not args.silu:
-            return mod._conv_op(x, state, weight, bias, seg, since, tail)
+            return mod._conv_op(x, state, weight, bias, seg, since, tail, *mend(mod))
         if hasattr(mod, "_conv_silu_op"):
-            return mod._conv_silu_op(x, state, weight, bias, seg, since, tail)[1]
+            return mod._conv_silu_op(x, state, weight, bias, seg, since, tail, *mend(mod))[1]
         return torch.nn.functional.silu(mod._conv_op(x, state, weight, bias, seg, since, tail))
 
     def bwd(mod=conv_triton):
-        return mod._conv_bwd_op(g, x, state, weight, seg, since, tail)
+        return mod._conv_bwd_op(g, x, state, weight, seg, since, tail, *mend(mod))
 
     def timed(fn):   # as a CUDA graph: eagerly, the small sums' launches are what is timed
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
 
     saved, saved_walk = dict(conv_triton.LAUNCH), conv_triton.BWD_WALK
     moved = x.numel() * 2
-    kinds = ("fwd_seg", "bwd_seg") if S else ("fwd", "bwd")   # the launches this form takes
+    # the launches this form takes (mended at the starts: the plain ones, then the lanes')
+    kinds = ("fwd_seg", "bwd_seg") if S and not starts else ("fwd", "bwd")
     try:
         if args.tile:
             conv_triton.BWD_WALK = None
@@ -102,7 +112,7 @@ def main() -> None:
                                            for a in (args.tokens, args.channels, args.warps)]))
         meta = {"command": " ".join(["python benchmarks/bench_conv_launch.py"] + sys.argv[1:]),
                 "segments": S, "silu": args.silu, "tile": args.tile,
-                "boundary_every": args.every if S else None,
+                "boundary_every": args.every if S else None, "starts": starts,
                 "chosen": saved,
                 "configs_asked": len(configs),
                 "shape": {"lanes": B, "tokens": L, "channels": C, "width": K, "dtype": "bfloat16"}}

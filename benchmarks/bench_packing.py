@@ -29,7 +29,9 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               the initial-memory prefix.
 
     python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown] [--compile model]
-                                       [--rounds 3] [--profile]
+                                       [--rounds 3] [--profile] [--conv-form tiles|starts]
+(--conv-form: the Mamba conv's form with segments, conv_triton.SEGMENT_FORM; run once with each
+for the A/B on one machine)
 writes benchmarks/results/packing_<device>.json after every section.
 """
 import argparse
@@ -52,6 +54,7 @@ from benchmarks.common import (add_inductor_argument, bf16_autocast, environment
                                use_inductor_options)
 from elephant.layers import ssd  # noqa: E402
 from elephant.layers.attention import Attention, attend, attend_segments, segment_room  # noqa: E402
+from elephant.layers import conv_triton  # noqa: E402
 from elephant.layers.conv_triton import depthwise_conv  # noqa: E402
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference  # noqa: E402
 from elephant.model import ElephantLM  # noqa: E402
@@ -366,8 +369,12 @@ def main() -> None:
     add_inductor_argument(ap, "the model's compile")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
+    ap.add_argument("--conv-form", choices=["tiles", "starts"], default=None,
+                    help="the Mamba conv's form with segments (conv_triton.SEGMENT_FORM; default its own)")
     args = ap.parse_args()
     use_inductor_options(inductor_options(args.inductor, ap.error))
+    if args.conv_form:
+        conv_triton.SEGMENT_FORM = args.conv_form
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     B, T, steps, warmup = (2, 32, 3, 1) if smoke else (32, 512, 15, 4)
@@ -393,8 +400,10 @@ def main() -> None:
                + (f" --paths {args.paths}" if args.paths else "")
                + (f" --pieces {args.pieces}" if args.pieces else "")
                + (" --profile" if args.profile else "")
+               + (f" --conv-form {args.conv_form}" if args.conv_form else "")
                + "".join(f" --inductor {item}" for item in args.inductor),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
+               "conv_segment_form": conv_triton.SEGMENT_FORM,
                "lengths": {"distribution": "log-normal", "median": median, "sigma": SIGMA},
                "paths": {}}
 

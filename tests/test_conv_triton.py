@@ -41,11 +41,14 @@ def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
 @pytest.mark.parametrize("with_seg,with_tail,K", [(False, False, 4), (True, False, 4), (True, True, 4),
                                                    (True, True, 2), (True, True, 3), (True, True, 6)])
 @pytest.mark.parametrize("L", [37, 2])
-@pytest.mark.parametrize("silu", [False, True])
-def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L, silu):
-    # silu: the Mamba block's form, the activation written by the same kernel (against F.silu)
+@pytest.mark.parametrize("silu,form", [(False, "tiles"), (True, "tiles"), (True, "starts")])
+def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L, silu, form):
+    # silu: the Mamba block's form, the activation written by the same kernel (against F.silu);
+    # form: segments by the boundary tiles recomputed, or mended at each start (SEGMENT_FORM)
+    if form == "starts" and not with_seg:
+        pytest.skip("the forms differ only with segments")
     xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
-    check(xin, x, state, w, b, tail, seg, K, silu)
+    check(xin, x, state, w, b, tail, seg, K, silu, form)
 
 
 def test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not():
@@ -59,11 +62,12 @@ def test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not():
         starts[row, at] = True      # row 3: one document; row 4: a new one at 0 reads the tail
     seg = starts.long().cumsum(1)
     check(xin, x, state, w, b, tail, seg, K)
+    check(xin, x, state, w, b, tail, seg, K, form="starts")   # the same mended at each start
 
 
-def check(xin, x, state, w, b, tail, seg, K, silu=False):
+def check(xin, x, state, w, b, tail, seg, K, silu=False, form="tiles"):
     with_seg, with_tail = seg is not None, tail is not None
-    out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail, silu=silu)
+    out, new_state = conv_triton.depthwise_conv(x, state, w, b, seg, tail, silu=silu, form=form)
     window = torch.cat([state, x.transpose(1, 2)], dim=2)
     if with_seg:
         want, want_state = segment_conv(window, seg, w, b, tail)
@@ -85,16 +89,17 @@ def check(xin, x, state, w, b, tail, seg, K, silu=False):
         assert a.dtype == r.dtype and rel(a, r) < 1e-6, name
 
 
-def test_a_document_inside_the_chunk_never_reads_the_one_before():
+@pytest.mark.parametrize("form", ["tiles", "starts"])
+def test_a_document_inside_the_chunk_never_reads_the_one_before(form):
     # every input of the earlier segments changed: the outputs of the last segment, and their
-    # gradients with respect to its own inputs, stay bit for bit
+    # gradients with respect to its own inputs, stay bit for bit (in both forms)
     xin, x, state, w, b, tail, seg = case(2, 30, 8, 4, 1, True, True, p=0.1)
     last = seg == seg[:, -1:]                                       # (B, L)
     x2 = torch.where(last[:, :, None], x.detach(), torch.randn_like(x) * 100).requires_grad_()
     x1 = x.detach().requires_grad_()
     outs = []
     for xx, st in ((x1, state.detach()), (x2, torch.randn_like(state) * 100)):
-        out, new_state = conv_triton.depthwise_conv(xx, st, w, b, seg, tail)
+        out, new_state = conv_triton.depthwise_conv(xx, st, w, b, seg, tail, form=form)
         g, = torch.autograd.grad((out * last[:, :, None]).sum(), xx)
         outs.append((out[last], new_state, g[last]))
     for a, r in zip(*outs):
@@ -106,10 +111,13 @@ def test_unsupported_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="depthwise_conv needs"):
         conv_triton.depthwise_conv(x, torch.zeros(1, 3, 3, dtype=torch.float64),
                                    torch.zeros(3, 1, 4), torch.zeros(3))
+    with pytest.raises(ValueError, match="form must be"):
+        conv_triton.depthwise_conv(torch.zeros(1, 4, 3), torch.zeros(1, 3, 3), torch.zeros(3, 1, 4),
+                                   torch.zeros(3), form="lanes")
 
 
-@pytest.mark.parametrize("with_seg", [False, True])
-def test_silu_op_passes_opcheck(with_seg):
+@pytest.mark.parametrize("with_seg,mend", [(False, False), (True, False), (True, True)])
+def test_silu_op_passes_opcheck(with_seg, mend):
     # the op the Mamba block calls: its schema and its autograd registration (its fake, what a
     # compiled graph plans with, cannot run under the interpreter, for this op as for the plain
     # one: the compiled form is held to the reference on CUDA, tests/test_gpu_packing.py)
@@ -118,5 +126,5 @@ def test_silu_op_passes_opcheck(with_seg):
     if with_seg:
         seg = seg.to(torch.int32).contiguous()
         since = conv_triton.segment_since(seg)
-    torch.library.opcheck(conv_triton._conv_silu_op, (x, state, w, b, seg, since, tail),
+    torch.library.opcheck(conv_triton._conv_silu_op, (x, state, w, b, seg, since, tail, mend),
                           test_utils=("test_schema", "test_autograd_registration"))

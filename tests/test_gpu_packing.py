@@ -49,11 +49,12 @@ def test_packed_conv_equals_indexing_reference_on_cuda(dtype, compiled):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("with_seg", [False, True])
-def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
+@pytest.mark.parametrize("with_seg,form", [(False, "tiles"), (True, "tiles"), (True, "starts")])
+def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg, form):
     # layers/conv_triton.py on CUDA, eager and inside a compiled graph (triton_op), against the
     # PyTorch forms in float32: values, the state after the chunk and every gradient. Compiled, it
-    # runs as the Mamba block calls it, with the SiLU written by the same kernel
+    # runs as the Mamba block calls it, with the SiLU written by the same kernel. form: segments
+    # by the boundary tiles recomputed, or mended at each start (conv_triton.SEGMENT_FORM)
     from elephant.layers.conv_triton import depthwise_conv
     silu = compiled
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -74,7 +75,7 @@ def test_triton_conv_equals_the_reference_on_cuda(dtype, compiled, with_seg):
     inputs = [xin, state, w, b] + ([tail] if with_seg else [])
 
     def fast(xin, state, w, b, tail):
-        return depthwise_conv(xin[:, :, 8:], state, w, b, seg, tail, silu=silu)
+        return depthwise_conv(xin[:, :, 8:], state, w, b, seg, tail, silu=silu, form=form)
 
     def reference(xin, state, w, b, tail):
         window = torch.cat([state, xin[:, :, 8:].float().transpose(1, 2)], dim=2)

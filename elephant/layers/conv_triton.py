@@ -18,11 +18,13 @@ writes dx once and the weight, bias and tail gradients as per-block partial sums
 summed by torch, no atomics). The backward of width 4 without segments walks each tile's tokens in
 order instead (`_conv_bwd_walk_kernel`, BWD_WALK): each input and gradient read once, the sums
 piled up in each thread, no reduction across a program. With segments, the kernel without them
-runs over every tile first, and a second launch recomputes over its output the few tiles that hold a boundary (most
-tiles lie in one document: documents are hundreds of tokens), so that only those pay for the
-segment and tail reads and their registers (see LAUNCH). The state after the chunk is formed by
-the caller's small tensors (`state_after`). Registered with torch.library.triton_op, so that torch.compile launches the
-kernels from its own code (no custom-op host glue) and eager mode calls them directly.
+runs over every tile first, and a second launch recomputes over its output the few tiles that
+hold a boundary (most tiles lie in one document: documents are hundreds of tokens), so that only
+those pay for the segment and tail reads and their registers (see LAUNCH); or, in the other form
+(SEGMENT_FORM "starts"), a program a lane finds its starts and mends only what each one changes.
+The state after the chunk is formed by the caller's small tensors (`state_after`). Registered
+with torch.library.triton_op, so that torch.compile launches the kernels from its own code (no
+custom-op host glue) and eager mode calls them directly.
 
 Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
@@ -367,6 +369,156 @@ if HAS_TRITON:
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
 
+    @triton.jit
+    def _next_start(seg_ptr, b, lo, last, L, BS: tl.constexpr):
+        """The first segment start of lane b after token `last` among tokens lo .. lo+BS-1 (a
+        token whose segment id differs from the one before it, or at 0 from the carried 0), or L."""
+        t = lo + tl.arange(0, BS)
+        tm = t < L
+        sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
+        before = tl.load(seg_ptr + b * L + t - 1, mask=tm & (t > 0), other=0)
+        return tl.min(tl.where(tm & (sg != before) & (t > last), t, L))
+
+    @triton.jit
+    def _fix_fwd_at(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr, act_ptr,
+                    L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, p, c, cm,
+                    K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    ACT: tl.constexpr):
+        """Outputs p .. p+K-2 of lane b recomputed in the form with segments."""
+        i = tl.arange(0, BT)
+        t = p + i
+        tm = (i < K - 1) & (t < L)
+        sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, True, HAS_TAIL)
+        acc = tl.zeros((BT, BC), dtype=tl.float32) + tl.load(bias_ptr + c, mask=cm, other=0.0).to(
+            tl.float32)[None, :]
+        for s in tl.static_range(K):
+            w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+            v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
+                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, True, HAS_TAIL, True)
+            acc += w[None, :] * v
+        out = acc.to(out_ptr.dtype.element_ty)
+        off = b * sob + t[:, None] * sol + c[None, :] * soc
+        tl.store(out_ptr + off, out, mask=tm[:, None] & cm[None, :])
+        if ACT:
+            v = out.to(tl.float32)
+            tl.store(act_ptr + off, (v / (1.0 + tl.exp(-v))).to(act_ptr.dtype.element_ty),
+                     mask=tm[:, None] & cm[None, :])
+
+    @triton.jit
+    def _conv_fwd_fix_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                             out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
+                             K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+                             ACT: tl.constexpr):
+        """Over the plain kernel's output, lane program_id(0): at each segment start p, found by
+        reading the lane's segment ids, the K-1 outputs p .. p+K-2 recomputed in the form with
+        segments (only they read across a start; where two starts are closer than K-1 tokens,
+        both write the same values). No list and no bound on the number of starts."""
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = c < C
+        for j in range(NB):
+            lo = j * BS
+            p = _next_start(seg_ptr, b, lo, -1, L, BS)
+            while p < L:
+                _fix_fwd_at(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                            act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, p, c,
+                            cm, K, HAS_TAIL, BT, BC, ACT)
+                p = _next_start(seg_ptr, b, lo, p, L, BS)
+
+    @triton.jit
+    def _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
+                    sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, p, c, cm,
+                    K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                    KP: tl.constexpr, KW: tl.constexpr):
+        """For the start p of lane b: dx of the K-1 inputs before p recomputed in the form with
+        segments (only they are read by outputs across the start), and what the start changes in
+        the weight and tail gradients through the outputs p .. p+K-2 of its segment: each tap
+        that reaches before p read zero or the tail there, not the input the plain kernel took.
+        Returns (dw change (BC, KW) by weight index, dtail (BC, KP))."""
+        kcol = tl.arange(0, KW)
+        col = tl.arange(0, KP)
+        dw = tl.zeros((BC, KW), dtype=tl.float32)
+        dtail = tl.zeros((BC, KP), dtype=tl.float32)
+        i = tl.arange(0, BT)
+        # the inputs u = p-K+1 .. p-1: read by outputs u + s of their own segment only
+        u = p - (K - 1) + i
+        um = (i < K - 1) & (u >= 0)
+        su = tl.load(seg_ptr + b * L + u, mask=um, other=0)
+        dx = tl.zeros((BT, BC), dtype=tl.float32)
+        for s in tl.static_range(K):
+            us = u + s
+            ok = um & (us < L)
+            same = tl.load(seg_ptr + b * L + us, mask=ok, other=-1) == su
+            gs = tl.load(g_ptr + b * sgb + us[:, None] * sgl + c[None, :] * sgc,
+                         mask=(ok & same)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+            dx += w[None, :] * gs
+        tl.store(dx_ptr + b * sdb + u[:, None] * sdl + c[None, :] * sdc,
+                 dx.to(dx_ptr.dtype.element_ty), mask=um[:, None] & cm[None, :])
+        # the outputs t = p .. p+K-2 of this segment: tap s reads t - s; before p the plain
+        # kernel took x (or the carried inputs), the segment reads zero or tail[K-1-s+t-p]
+        t = p + i
+        tm = (i < K - 1) & (t < L)
+        tm = tm & (tl.load(seg_ptr + b * L + t, mask=tm, other=-1) == tl.load(seg_ptr + b * L + p))
+        g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc,
+                    mask=tm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        for s in tl.static_range(1, K):
+            src = t - s
+            before = tm & (src < p)
+            xv = tl.load(x_ptr + b * sxb + src[:, None] * sxl + c[None, :] * sxc,
+                         mask=(before & (src >= 0))[:, None] & cm[None, :], other=0.0)
+            sv = tl.load(st_ptr + b * ssb + c[None, :] * ssc + (K - 1 + src)[:, None] * ssk,
+                         mask=(before & (src < 0))[:, None] & cm[None, :], other=0.0)
+            took = tl.where((src >= 0)[:, None], xv.to(tl.float32), sv.to(xv.dtype).to(tl.float32))
+            read = tl.zeros((BT, BC), dtype=tl.float32)
+            if HAS_TAIL:
+                j = K - 1 - s + i                              # the tail input, < K-1 before p
+                tv = tl.load(tail_ptr + c[None, :] * (K - 1) + j[:, None],
+                             mask=before[:, None] & cm[None, :], other=0.0)
+                read = tv.to(xv.dtype).to(tl.float32)
+                w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+                gw = tl.where(before[:, None], g * w[None, :], 0.0)
+                for jj in tl.static_range(K - 1):
+                    sj = tl.sum(tl.where((j == jj)[:, None], gw, 0.0), axis=0)
+                    dtail += tl.where(col[None, :] == jj, sj[:, None], 0.0)
+            delta = tl.sum(tl.where(before[:, None], g * (read - took), 0.0), axis=0)
+            dw += tl.where(kcol[None, :] == K - 1 - s, delta[:, None], 0.0)
+        return dw, dtail
+
+    @triton.jit
+    def _conv_bwd_fix_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, dw_ptr,
+                             dtail_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc,
+                             sdb, sdl, sdc, K: tl.constexpr, HAS_TAIL: tl.constexpr,
+                             BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr,
+                             KW: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+        """Over the plain backward, lane program_id(0): `_fix_bwd_at` at each of its segment
+        starts; the weight and tail gradients' changes summed into the lane's slot of dw (B, C, K)
+        and dtail (B, C, K-1) (zeros for a lane without a start)."""
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = c < C
+        dw = tl.zeros((BC, KW), dtype=tl.float32)
+        dtail = tl.zeros((BC, KP), dtype=tl.float32)
+        for j in range(NB):
+            lo = j * BS
+            p = _next_start(seg_ptr, b, lo, -1, L, BS)
+            while p < L:
+                a, d = _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
+                                   sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b,
+                                   p, c, cm, K, HAS_TAIL, BT, BC, KP, KW)
+                dw += a
+                dtail += d
+                p = _next_start(seg_ptr, b, lo, p, L, BS)
+        slot = b.to(tl.int64) * C + c
+        kcol = tl.arange(0, KW)
+        tl.store(dw_ptr + slot[:, None] * K + kcol[None, :], dw,
+                 mask=cm[:, None] & (kcol < K)[None, :])
+        if HAS_TAIL:
+            col = tl.arange(0, KP)
+            tl.store(dtail_ptr + slot[:, None] * (K - 1) + col[None, :], dtail,
+                     mask=cm[:, None] & (col < K - 1)[None, :])
+
 # (tokens, channels, warps) per program on the GPU, forward and backward. With segments the chunk
 # takes two launches: the kernel without segments over every tile (exactly the unpacked path's
 # kernel), then one over the same tiles that recomputes, over the first one's output, only the few
@@ -413,6 +565,29 @@ def _launches(backward: bool, has_seg: bool) -> list[tuple[bool, int, int, int, 
     return launches
 
 
+# How a chunk with segments is computed over the plain launch (the kernel without segments over
+# every tile): "tiles", a second launch recomputes the tiles that hold a boundary; "starts", a
+# program a lane finds the lane's starts in its segment ids and mends only what a start changes
+# (the K-1 outputs after it, the K-1 inputs' gradients before it, the weight and tail gradients
+# through those outputs). Session 29 measured the mending with the starts in a list instead (made
+# on the device, a program a start): a faster op (H100, the recipe's chunk, a boundary every ~1,000
+# tokens: forward 73 -> 64 us, backward 180 -> 150; every ~150: 92 -> 66, 272 -> 179), but the
+# packed training step with it, the list made in the graph for every layer, no faster (49.44
+# against 49.15 ms, one A/B). The lane programs need no list; they are not yet timed on a GPU, so
+# "tiles" stays the default.
+SEGMENT_FORM = "tiles"
+# (channels, warps) a program of the "starts" kernels; the lane's segment ids are read BS at a time
+FIX = (128, 4)
+
+
+def _fix_blocks(L: int) -> tuple[int, int, int]:
+    """(channels, warps, BS) of the "starts" kernels: small under the interpreter. A lane's
+    segment ids are read in NB = cdiv(L, BS) blocks (a constant of the kernel)."""
+    if _INTERPRET:
+        return 16, 1, 16
+    return FIX + (min(triton.next_power_of_2(L), 1024),)
+
+
 def _channels_last(conv_state: Tensor) -> Tensor:
     """The carried inputs (B, C, K-1) as (B, K-1, C), contiguous: the kernels read them like the
     chunk's inputs, a row of channels at a time (a tiny copy; read in place, strided along the
@@ -430,13 +605,15 @@ def _args(x, seg, since, tail):
 
 
 def _conv_fwd(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
-              since: Tensor | None, tail: Tensor | None, act: Tensor | None) -> Tensor:
+              since: Tensor | None, tail: Tensor | None, act: Tensor | None,
+              mend: bool = False) -> Tensor:
     B, L, C = x.shape
     K = weight.shape[-1]
     out = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
     st = _channels_last(conv_state)
-    for segments, BL, sub, BC, warps in _launches(False, has_seg):
+    fix = has_seg and mend
+    for segments, BL, sub, BC, warps in _launches(False, has_seg and not fix):
         grid = (B, triton.cdiv(L, BL), triton.cdiv(C, BC))
         torch.library.wrap_triton(_conv_fwd_kernel)[grid](
             x, st, weight, bias, seg_, since_, tail_, out, out if act is None else act, L, C,
@@ -444,40 +621,53 @@ def _conv_fwd(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: 
             out.stride(0), out.stride(1), out.stride(2),
             K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC, SUB=sub,
             ACT=act is not None, num_warps=warps)
+    if fix:
+        BC, warps, BS = _fix_blocks(L)
+        torch.library.wrap_triton(_conv_fwd_fix_kernel)[(B, triton.cdiv(C, BC))](
+            x, st, weight, bias, seg_, since_, tail_, out, out if act is None else act,
+            L, C, x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), K=K, HAS_TAIL=has_tail,
+            BT=triton.next_power_of_2(K - 1), BC=BC, BS=BS, NB=triton.cdiv(L, BS),
+            ACT=act is not None, num_warps=warps)
     return out
 
 
 @torch.library.triton_op("elephant::depthwise_conv", mutates_args=())
 def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
-             since: Tensor | None, tail: Tensor | None) -> Tensor:
-    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, None)
+             since: Tensor | None, tail: Tensor | None, mend: bool = False) -> Tensor:
+    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, None, mend)
 
 
 @torch.library.triton_op("elephant::depthwise_conv_silu", mutates_args=())
 def _conv_silu_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
-                  since: Tensor | None, tail: Tensor | None) -> tuple[Tensor, Tensor]:
+                  since: Tensor | None, tail: Tensor | None, mend: bool = False
+                  ) -> tuple[Tensor, Tensor]:
     """(out, SiLU(out)) from one pass: the Mamba block's activation written beside the conv's
     output instead of read back from it by a kernel of its own."""
     act = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, act), act
+    return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, act, mend), act
 
 
 @torch.library.triton_op("elephant::depthwise_conv_backward", mutates_args=())
 def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: Tensor | None,
-                 since: Tensor | None, tail: Tensor | None
+                 since: Tensor | None, tail: Tensor | None, mend: bool = False
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, L, C = x.shape
     K = weight.shape[-1]
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
-    launches = _launches(True, has_seg)
+    fix = has_seg and mend
+    launches = _launches(True, has_seg and not fix)
     BL = launches[0][1]   # the tiles: one slot of partial sums each
     NL = triton.cdiv(L, BL)
     P = B * NL
     dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
     dw = torch.empty(P, C, K, device=x.device, dtype=torch.float32)
     db = torch.empty(P, C, device=x.device, dtype=torch.float32)
-    # only the tiles with a boundary write theirs (a tile without one reads no tail)
-    dtail = torch.zeros(P if has_tail else 1, C, K - 1, device=x.device, dtype=torch.float32)
+    # "tiles": only the tiles with a boundary write theirs (a tile without one reads no tail);
+    # "starts": one slot a lane, each written
+    n_tail = (B if fix else P) if has_tail else 1
+    dtail = (torch.empty if fix and has_tail else torch.zeros)(n_tail, C, K - 1, device=x.device,
+                                                              dtype=torch.float32)
     st = _channels_last(conv_state)
     for segments, _, sub, BC, warps in launches:
         if not segments and K == 4 and BWD_WALK is not None:   # every tile, walked in order
@@ -496,6 +686,16 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
             K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC,
             KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), SUB=sub,
             num_warps=warps)
+    if fix:   # over the plain launch: what each start changes, a program a lane
+        BC, warps, BS = _fix_blocks(L)
+        dw_fix = torch.empty(B, C, K, device=x.device, dtype=torch.float32)
+        torch.library.wrap_triton(_conv_bwd_fix_kernel)[(B, triton.cdiv(C, BC))](
+            x, st, weight, seg_, tail_, g, dx, dw_fix, dtail, L, C,
+            x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
+            g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+            K=K, HAS_TAIL=has_tail, BT=triton.next_power_of_2(K - 1), BC=BC,
+            KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), BS=BS,
+            NB=triton.cdiv(L, BS), num_warps=warps)
     # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
     # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
     K1 = K - 1
@@ -509,23 +709,27 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
             t = i - K1 + s
             if t < gh.shape[1]:
                 dstate[:, :, i] += gh[:, t] * w[:, K - 1 - s]
-    return dx, dstate, dw.sum(0), db.sum(0), dtail.sum(0)
+    dw = dw.sum(0)
+    if fix:
+        dw = dw + dw_fix.sum(0)
+    return dx, dstate, dw, db.sum(0), dtail.sum(0)
 
 
 def _conv_setup(ctx, inputs, output, keep_out: bool = False):
-    x, conv_state, weight, bias, seg, since, tail = inputs
+    x, conv_state, weight, bias, seg, since, tail, mend = inputs
     out = (output[0],) if keep_out else ()   # the SiLU form's derivative reads the conv's output
     ctx.save_for_backward(x, conv_state, weight, seg, since, tail, *out)
+    ctx.mend = mend
     ctx.dtypes = (conv_state.dtype, weight.dtype, bias.dtype,
                   None if tail is None else tail.dtype)
 
 
 def _conv_grad(ctx, g):
     x, conv_state, weight, seg, since, tail = ctx.saved_tensors[:6]
-    dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail)
+    dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail, ctx.mend)
     st, wt, bt, tt = ctx.dtypes
     return (dx, dstate.to(st), dw.view(weight.shape).to(wt), db.to(bt), None, None,
-            None if tail is None else dtail.to(tt))
+            None if tail is None else dtail.to(tt), None)
 
 
 torch.library.register_autograd("elephant::depthwise_conv", _conv_grad, setup_context=_conv_setup)
@@ -557,23 +761,28 @@ torch.library.register_autograd("elephant::depthwise_conv_silu", _conv_silu_grad
 
 def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
                    seg: Tensor | None = None, tail: Tensor | None = None,
-                   silu: bool = False) -> tuple[Tensor, Tensor]:
+                   silu: bool = False, form: str | None = None) -> tuple[Tensor, Tensor]:
     """The conv's output (B, L, C) in x's dtype and the state after the chunk (B, C, K-1) in
     conv_state's dtype (see the module docstring). `silu`: the output's SiLU instead, computed by
-    the same kernel (F.silu of the output; its backward through the conv's saved output)."""
+    the same kernel (F.silu of the output; its backward through the conv's saved output).
+    `form`: how segments are computed, "tiles" or "starts" (default SEGMENT_FORM)."""
     if not supported(x):
         raise RuntimeError(f"depthwise_conv needs Triton and a CUDA tensor (or TRITON_INTERPRET=1) "
                            f"of float32/bfloat16/float16, got {x.device} {x.dtype}")
     if not weight.is_contiguous():
         raise ValueError("depthwise_conv: weight must be contiguous (C, 1, K)")
+    form = form or SEGMENT_FORM
+    if form not in ("tiles", "starts"):
+        raise ValueError(f"depthwise_conv: form must be 'tiles' or 'starts', got {form!r}")
     tail = None if tail is None else tail.contiguous()
     since = None
     if seg is not None:
         seg = seg.to(torch.int32).contiguous()
         if tail is not None:
             since = segment_since(seg)
+    mend = seg is not None and form == "starts"
     if silu:
-        out = _conv_silu_op(x, conv_state, weight, bias, seg, since, tail)[1]
+        out = _conv_silu_op(x, conv_state, weight, bias, seg, since, tail, mend)[1]
     else:
-        out = _conv_op(x, conv_state, weight, bias, seg, since, tail)
+        out = _conv_op(x, conv_state, weight, bias, seg, since, tail, mend)
     return out, state_after(x, conv_state, seg, since, tail)
