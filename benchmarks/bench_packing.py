@@ -16,7 +16,9 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               real tok/s: batches from RollingChunkBatcher over a corpus of log-normal document
               lengths (median 600 tokens, sigma 1), unpacked (pack=False, padded rows) against packed
               (pack=True): predicted (unmasked) tokens per second; packing should raise it by the
-              fill gained, less its own overhead.
+              fill gained, less its own overhead. lognormal_packed_conv_starts: the packed path
+              with the Mamba conv's other form with segments (conv_triton.SEGMENT_FORM "starts"),
+              in turns with the others (its own compiled graph).
   breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
               (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
               kernel, alone and with the model's transpose and concatenation / the Triton conv
@@ -29,9 +31,7 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               the initial-memory prefix.
 
     python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown] [--compile model]
-                                       [--rounds 3] [--profile] [--conv-form tiles|starts]
-(--conv-form: the Mamba conv's form with segments, conv_triton.SEGMENT_FORM; run once with each
-for the A/B on one machine)
+                                       [--rounds 3] [--profile]
 writes benchmarks/results/packing_<device>.json after every section.
 """
 import argparse
@@ -87,6 +87,8 @@ SUMMARY = {
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
     "real_tokens_per_s_gain_masked_attention": ("lognormal_packed_masked_attention",
                                                 "lognormal_unpacked", "real_tokens_per_s"),
+    "real_tokens_per_s_gain_conv_starts": ("lognormal_packed_conv_starts", "lognormal_unpacked",
+                                           "real_tokens_per_s"),
 }
 
 
@@ -123,7 +125,21 @@ def batches_from(corpus, B, T, n, pack, device):
 
 def measure(model, batches, device, autocast, warmup: int, host_skip: bool = True,
             prefix: str = "state", graphs: bool = False, count: bool = True,
-            window: bool = False) -> dict:
+            window: bool = False, conv_form: str | None = None) -> dict:
+    """`steps` with the Mamba conv's form with segments set to `conv_form` while they run (None:
+    conv_triton.SEGMENT_FORM as it is; a compiled graph is made again for the other form)."""
+    saved = conv_triton.SEGMENT_FORM
+    conv_triton.SEGMENT_FORM = conv_form or saved
+    try:
+        return steps(model, batches, device, autocast, warmup, host_skip, prefix, graphs, count,
+                     window)
+    finally:
+        conv_triton.SEGMENT_FORM = saved
+
+
+def steps(model, batches, device, autocast, warmup: int, host_skip: bool = True,
+          prefix: str = "state", graphs: bool = False, count: bool = True,
+          window: bool = False) -> dict:
     """Trainer steps of `bptt_chunks` chunks (summed loss, one backward) with carried state;
     median step. host_skip: a chunk without an inner start goes without `starts` (the trainer's
     choice); prefix: where the initial-memory prefix is computed, "state" (the trainer's way: in
@@ -369,12 +385,8 @@ def main() -> None:
     add_inductor_argument(ap, "the model's compile")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
-    ap.add_argument("--conv-form", choices=["tiles", "starts"], default=None,
-                    help="the Mamba conv's form with segments (conv_triton.SEGMENT_FORM; default its own)")
     args = ap.parse_args()
     use_inductor_options(inductor_options(args.inductor, ap.error))
-    if args.conv_form:
-        conv_triton.SEGMENT_FORM = args.conv_form
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     B, T, steps, warmup = (2, 32, 3, 1) if smoke else (32, 512, 15, 4)
@@ -400,7 +412,6 @@ def main() -> None:
                + (f" --paths {args.paths}" if args.paths else "")
                + (f" --pieces {args.pieces}" if args.pieces else "")
                + (" --profile" if args.profile else "")
-               + (f" --conv-form {args.conv_form}" if args.conv_form else "")
                + "".join(f" --inductor {item}" for item in args.inductor),
                "config": cfg.to_dict(), "lanes": B, "chunk_len": T, "compiled": not smoke,
                "conv_segment_form": conv_triton.SEGMENT_FORM,
@@ -436,6 +447,8 @@ def main() -> None:
             "lognormal_packed": (packed, {}),
             # the same without the host's count of inner starts: attention by the explicit mask
             "lognormal_packed_masked_attention": (packed, {"count": False}),
+            # the same with the conv's other form with segments (conv_triton.SEGMENT_FORM)
+            "lognormal_packed_conv_starts": (packed, {"conv_form": "starts"}),
         }
         if args.paths:
             wanted = args.paths.split(",")

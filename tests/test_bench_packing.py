@@ -1,5 +1,6 @@
 """benchmarks/bench_packing.py's timing loop on the CPU at tiny shapes: what it counts (real tokens,
 boundary-path chunks) is what the batches hold, for the padded and the packed paths alike."""
+import pytest
 import torch
 
 from benchmarks import bench_packing
@@ -39,3 +40,25 @@ def test_measure_counts_the_real_tokens_and_boundary_chunks_of_the_timed_steps()
         names = list(model.init_state(B).tensors())
         assert len(bench_packing.CARRY.buffers) == len(names)
     assert fills[True] > 0.95 and fills[False] < fills[True]   # packing fills what padding wastes
+
+
+def test_measure_sets_the_conv_form_for_its_steps_only(monkeypatch):
+    # lognormal_packed_conv_starts: the steps run with conv_triton.SEGMENT_FORM "starts" (read
+    # by the Mamba conv when it is traced), the form before is back afterwards, also on an error
+    from elephant.layers import conv_triton
+    seen = []
+
+    def steps(*args, **kwargs):
+        seen.append(conv_triton.SEGMENT_FORM)
+        if len(seen) == 2:
+            raise RuntimeError("a failing step")
+        return {"times": []}
+    monkeypatch.setattr(bench_packing, "steps", steps)
+    before = conv_triton.SEGMENT_FORM
+    assert bench_packing.measure(None, [], None, None, 0, conv_form="starts") == {"times": []}
+    assert conv_triton.SEGMENT_FORM == before
+    with pytest.raises(RuntimeError, match="a failing step"):
+        bench_packing.measure(None, [], None, None, 0, conv_form="starts")
+    assert conv_triton.SEGMENT_FORM == before and seen == ["starts", "starts"]
+    bench_packing.measure(None, [], None, None, 0)
+    assert seen[-1] == before

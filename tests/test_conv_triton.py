@@ -38,15 +38,17 @@ def case(B, L, C, K, seed, with_seg, with_tail, p=0.15):
     return xin, x, state, w, b, tail, seg
 
 
-@pytest.mark.parametrize("with_seg,with_tail,K", [(False, False, 4), (True, False, 4), (True, True, 4),
-                                                   (True, True, 2), (True, True, 3), (True, True, 6)])
+SEGMENTS = [(False, False, 4), (True, False, 4), (True, True, 4), (True, True, 2), (True, True, 3),
+            (True, True, 6)]
+FORMS = [(False, "tiles"), (True, "tiles"), (True, "starts")]   # the forms differ only with segments
+
+
+@pytest.mark.parametrize("with_seg,with_tail,K,silu,form",
+                         [a + b for a in SEGMENTS for b in FORMS if a[0] or b[1] == "tiles"])
 @pytest.mark.parametrize("L", [37, 2])
-@pytest.mark.parametrize("silu,form", [(False, "tiles"), (True, "tiles"), (True, "starts")])
 def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L, silu, form):
     # silu: the Mamba block's form, the activation written by the same kernel (against F.silu);
     # form: segments by the boundary tiles recomputed, or mended at each start (SEGMENT_FORM)
-    if form == "starts" and not with_seg:
-        pytest.skip("the forms differ only with segments")
     xin, x, state, w, b, tail, seg = case(3, L, 20, K, L, with_seg, with_tail)
     check(xin, x, state, w, b, tail, seg, K, silu, form)
 

@@ -123,8 +123,12 @@ def random_starts(chunks, B, T, mean_len, seed=0):
     return (torch.rand(chunks, B, T, generator=gen) < 1.0 / mean_len).cuda()
 
 
-@pytest.mark.parametrize("n_mem", [0, pytest.param(4, marks=pytest.mark.heavy)])
-def test_packed_fast_model_equals_reference_model(n_mem):
+@pytest.mark.parametrize("n_mem,conv_form", [(0, "tiles"), (0, "starts"),
+                                              pytest.param(4, "tiles", marks=pytest.mark.heavy)])
+def test_packed_fast_model_equals_reference_model(n_mem, conv_form, monkeypatch):
+    # conv_form: the Mamba conv's form with segments (conv_triton.SEGMENT_FORM)
+    from elephant.layers import conv_triton
+    monkeypatch.setattr(conv_triton, "SEGMENT_FORM", conv_form)
     torch.manual_seed(0)
     model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, bptt_chunks=2)).cuda()
     tokens = torch.randint(0, 512, (3, 2, 96), device="cuda")
@@ -172,8 +176,12 @@ def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem):
         assert rel(results[0][1][name], g) < 5e-2, name
 
 
-def test_packed_previous_document_never_leaks_on_cuda():
-    """Fast paths, fp32: changing doc A leaves doc B (starting mid-chunk, running on) bitwise equal."""
+@pytest.mark.parametrize("conv_form", ["tiles", "starts"])
+def test_packed_previous_document_never_leaks_on_cuda(conv_form, monkeypatch):
+    """Fast paths, fp32: changing doc A leaves doc B (starting mid-chunk, running on) bitwise equal,
+    in either form of the Mamba conv with segments."""
+    from elephant.layers import conv_triton
+    monkeypatch.setattr(conv_triton, "SEGMENT_FORM", conv_form)
     torch.manual_seed(0)
     model = ElephantLM(cfg(n_mem=4, kv_window=64)).cuda()
     model.set_fast_paths(True)
