@@ -148,7 +148,16 @@ if HAS_TRITON:
                        BL: tl.constexpr, BC: tl.constexpr, FIRST: tl.constexpr, ACT: tl.constexpr):
         t = lb * BL + tl.arange(0, BL)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
-        tm, cm = t < L, c < C
+        _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                       act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, t, t < L, c,
+                       c < C, K, HAS_SEG, HAS_TAIL, BL, BC, FIRST, ACT)
+
+    @triton.jit
+    def _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                       act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, t, tm, c, cm,
+                       K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                       BL: tl.constexpr, BC: tl.constexpr, FIRST: tl.constexpr, ACT: tl.constexpr):
+        """Outputs t (BL tokens of lane b where tm) of channels c (BC, where cm), stored."""
         sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
         acc = tl.zeros((BL, BC), dtype=tl.float32) + tl.load(bias_ptr + c, mask=cm, other=0.0).to(
             tl.float32)[None, :]
@@ -387,22 +396,9 @@ if HAS_TRITON:
         """Outputs p .. p+K-2 of lane b recomputed in the form with segments."""
         i = tl.arange(0, BT)
         t = p + i
-        tm = (i < K - 1) & (t < L)
-        sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, True, HAS_TAIL)
-        acc = tl.zeros((BT, BC), dtype=tl.float32) + tl.load(bias_ptr + c, mask=cm, other=0.0).to(
-            tl.float32)[None, :]
-        for s in tl.static_range(K):
-            w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
-            v = _tap(x_ptr, st_ptr, tail_ptr, seg_ptr, b, t, c, tm, cm, sg, sn, L, C,
-                     sxb, sxl, sxc, ssb, ssc, ssk, s, K, True, HAS_TAIL, True)
-            acc += w[None, :] * v
-        out = acc.to(out_ptr.dtype.element_ty)
-        off = b * sob + t[:, None] * sol + c[None, :] * soc
-        tl.store(out_ptr + off, out, mask=tm[:, None] & cm[None, :])
-        if ACT:
-            v = out.to(tl.float32)
-            tl.store(act_ptr + off, (v / (1.0 + tl.exp(-v))).to(act_ptr.dtype.element_ty),
-                     mask=tm[:, None] & cm[None, :])
+        _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
+                       act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, t,
+                       (i < K - 1) & (t < L), c, cm, K, True, HAS_TAIL, BT, BC, True, ACT)
 
     @triton.jit
     def _conv_fwd_fix_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
