@@ -11,7 +11,8 @@ columns), width 4, bfloat16; with --segments, a document boundary every ~--every
 segments' tail inputs (the packed path); the sweep is then over the launch of the tiles that hold
 a boundary (sub-tiles of the plain tile: a size that does not divide it is recorded as an error);
 with --starts too, the segments' other form (conv_triton.SEGMENT_FORM "starts": what each start
-changes mended over the plain launch, a program a lane) and the sweep is over the plain launch.
+changes mended over the plain launch, a program a lane), the sweep over the plain launch, and the
+tile form of the same module timed in turns with it ("now_tiles").
 Each configuration is captured as a CUDA graph (eager
 calls are bound by launching the small sums after the kernels) and timed by CUDA events (median of
 --iters replays after --warmup), given as GB/s of the bytes it must move (forward: read x, write
@@ -82,18 +83,18 @@ def main() -> None:
         seg = since = tail = None
     starts = bool(S and args.starts)
 
-    def mend(mod):   # the "starts" form's flag, for a module that has that form
-        return (True,) if starts and hasattr(mod, "SEGMENT_FORM") else ()
+    def mend(mod, on):   # the "starts" form's flag, for a module that has that form
+        return (True,) if on and hasattr(mod, "SEGMENT_FORM") else ()
 
-    def fwd(mod=conv_triton):
+    def fwd(mod=conv_triton, on=starts):
         if not args.silu:
-            return mod._conv_op(x, state, weight, bias, seg, since, tail, *mend(mod))
+            return mod._conv_op(x, state, weight, bias, seg, since, tail, *mend(mod, on))
         if hasattr(mod, "_conv_silu_op"):
-            return mod._conv_silu_op(x, state, weight, bias, seg, since, tail, *mend(mod))[1]
+            return mod._conv_silu_op(x, state, weight, bias, seg, since, tail, *mend(mod, on))[1]
         return torch.nn.functional.silu(mod._conv_op(x, state, weight, bias, seg, since, tail))
 
-    def bwd(mod=conv_triton):
-        return mod._conv_bwd_op(g, x, state, weight, seg, since, tail, *mend(mod))
+    def bwd(mod=conv_triton, on=starts):
+        return mod._conv_bwd_op(g, x, state, weight, seg, since, tail, *mend(mod, on))
 
     def timed(fn):   # as a CUDA graph: eagerly, the small sums' launches are what is timed
         return median_ms(fn, device, args.iters, args.warmup, graph=True)
@@ -137,15 +138,20 @@ def main() -> None:
     finally:
         conv_triton.LAUNCH.update(saved)
         conv_triton.BWD_WALK = saved_walk
-    if args.before:   # both modules at their own launches, in turns
-        mods = {"now": conv_triton, "before": load_before(args.before, "_conv_before")}
-        ab = {name: {"equal_fwd": close(fwd(m), ref_f),
-                     "equal_bwd": all(close(a, r) for a, r in zip(bwd(m), ref_b)),
-                     "fwd_us": [], "bwd_us": []} for name, m in mods.items()}
+    if args.before or starts:   # at their own launches, in turns: this module (with --starts
+        # also its tile form, "now_tiles") and the --before copy (in the form asked, if it has it)
+        mods = {"now": (conv_triton, starts)}
+        if starts:
+            mods["now_tiles"] = (conv_triton, False)
+        if args.before:
+            mods["before"] = (load_before(args.before, "_conv_before"), starts)
+        ab = {name: {"equal_fwd": close(fwd(m, on), ref_f),
+                     "equal_bwd": all(close(a, r) for a, r in zip(bwd(m, on), ref_b)),
+                     "fwd_us": [], "bwd_us": []} for name, (m, on) in mods.items()}
         for _ in range(3):
-            for name, m in mods.items():
-                ab[name]["fwd_us"].append(timed(lambda: fwd(m)) * 1e3)
-                ab[name]["bwd_us"].append(timed(lambda: bwd(m)) * 1e3)
+            for name, (m, on) in mods.items():
+                ab[name]["fwd_us"].append(timed(lambda: fwd(m, on)) * 1e3)
+                ab[name]["bwd_us"].append(timed(lambda: bwd(m, on)) * 1e3)
         meta["before_module"] = {"file": args.before, **ab}
         print("a/b", json.dumps(meta["before_module"]), flush=True)
     out = write(rows, meta, device)

@@ -31,6 +31,8 @@
 #           (with one round and no profile it took about 6 minutes on the H100, compiling included)
 #   packing-verify  the GPU tests of packing and the model, then the packing paths compiled
 #           (PACK_COMPILE="model graphs": also as CUDA graphs)
+#   conv-forms  the Mamba conv's two forms with segments (conv_triton.SEGMENT_FORM "tiles" and
+#           "starts"): the op in turns, the GPU tests of both, the packed step with each in turns
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -227,6 +229,21 @@ for stage in $stages; do
           --rounds 2 --paths fill1_today_path,fill1_boundary_path_forced_no_inner_starts,lognormal_unpacked,lognormal_packed \
           2>&1 | tee "$LOGS/bench_packing_$c.log" | grep -E "^summary|^fill1|^lognormal|Error|skipping" | cut -c1-300
       done ;;
+    conv-forms)
+      # the Mamba conv's two forms with segments (conv_triton.SEGMENT_FORM): the op in turns at a
+      # start every ~1,000 and ~150 tokens, the GPU tests of the conv and the packed model in
+      # both forms, then the packed step in each form in turns with the unpacked one (~6 min)
+      for every in 1000 150; do
+        timeout 90 python benchmarks/bench_conv_launch.py --segments --starts --silu --every $every \
+          --tokens 64 --channels 128 --warps 4 2>&1 | tee "$LOGS/conv_forms_every$every.log" | grep "^a/b" | cut -c1-400
+        cp $RES/conv_launch_segments_silu_*.json "$LOGS/conv_forms_every$every.json" 2>/dev/null
+      done
+      timeout ${TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
+        tests/test_gpu_packing.py tests/test_gpu_model.py -k "conv or packed_fast or leaks" 2>&1 \
+        | tee "$LOGS/conv_forms_tests.log" | tail -4
+      timeout ${PACK_TIMEOUT:-300} python benchmarks/bench_packing.py --only paths --compile window \
+        --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_starts 2>&1 \
+        | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --variants ${LM_VARIANTS:-hybrid,transformer} \

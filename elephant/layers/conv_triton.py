@@ -566,11 +566,11 @@ def _launches(backward: bool, has_seg: bool) -> list[tuple[bool, int, int, int, 
 # program a lane finds the lane's starts in its segment ids and mends only what a start changes
 # (the K-1 outputs after it, the K-1 inputs' gradients before it, the weight and tail gradients
 # through those outputs). Session 29 measured the mending with the starts in a list instead (made
-# on the device, a program a start): a faster op (H100, the recipe's chunk, a boundary every ~1,000
-# tokens: forward 73 -> 64 us, backward 180 -> 150; every ~150: 92 -> 66, 272 -> 179), but the
-# packed training step with it, the list made in the graph for every layer, no faster (49.44
-# against 49.15 ms, one A/B). The lane programs need no list; they are not yet timed on a GPU, so
-# "tiles" stays the default.
+# on the device, a program a start): a faster op (H100, the recipe's chunk, best of three turns; a
+# boundary every ~1,000 tokens: forward 73 -> 64 us, backward 180 -> 150; every ~150: 92 -> 66,
+# 272 -> 179), but the packed training step with it, the list made in the graph for every layer,
+# no faster (49.44 against 49.15 ms, one A/B). The lane programs need no list; they are not yet
+# timed on a GPU, so "tiles" stays the default (benchmarks/gpu.sh conv-forms times both).
 SEGMENT_FORM = "tiles"
 # (channels, warps) a program of the "starts" kernels; the lane's segment ids are read BS at a time
 FIX = (128, 4)
