@@ -377,7 +377,6 @@ if HAS_TRITON:
                 K, False, False, BL, BC, KP, KW, True)
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
-
     @triton.jit
     def _next_start(seg_ptr, b, lo, last, L, BS: tl.constexpr):
         """The first segment start of lane b after token `last` among tokens lo .. lo+BS-1 (a
@@ -387,18 +386,6 @@ if HAS_TRITON:
         sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
         before = tl.load(seg_ptr + b * L + t - 1, mask=tm & (t > 0), other=0)
         return tl.min(tl.where(tm & (sg != before) & (t > last), t, L))
-
-    @triton.jit
-    def _fix_fwd_at(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr, act_ptr,
-                    L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, p, c, cm,
-                    K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    ACT: tl.constexpr):
-        """Outputs p .. p+K-2 of lane b recomputed in the form with segments."""
-        i = tl.arange(0, BT)
-        t = p + i
-        _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                       act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, t,
-                       (i < K - 1) & (t < L), c, cm, K, True, HAS_TAIL, BT, BC, True, ACT)
 
     @triton.jit
     def _conv_fwd_fix_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
@@ -417,9 +404,11 @@ if HAS_TRITON:
             lo = j * BS
             p = _next_start(seg_ptr, b, lo, -1, L, BS)
             while p < L:
-                _fix_fwd_at(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr, out_ptr,
-                            act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc, b, p, c,
-                            cm, K, HAS_TAIL, BT, BC, ACT)
+                t = p + tl.arange(0, BT)
+                _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
+                               out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
+                               b, t, (t < p + K - 1) & (t < L), c, cm, K, True, HAS_TAIL, BT, BC,
+                               True, ACT)
                 p = _next_start(seg_ptr, b, lo, p, L, BS)
 
     @triton.jit
