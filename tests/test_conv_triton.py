@@ -43,9 +43,22 @@ SEGMENTS = [(False, False, 4), (True, False, 4), (True, True, 4), (True, True, 2
 FORMS = [(False, "tiles"), (True, "tiles"), (True, "starts")]   # the forms differ only with segments
 
 
-@pytest.mark.parametrize("with_seg,with_tail,K,silu,form",
-                         [a + b for a in SEGMENTS for b in FORMS if a[0] or b[1] == "tiles"])
-@pytest.mark.parametrize("L", [37, 2])
+def conv_cases():
+    """Every segment case in every form over 37 tokens; over 2 tokens (fewer than the carried
+    inputs) width 4 in every form and width 6 in the model's. Without the SiLU (an op the model
+    does not call on the GPU) width 4 only."""
+    for L in (37, 2):
+        for seg in SEGMENTS:
+            for silu, form in FORMS:
+                K = seg[2]
+                if form == "starts" and not seg[0]:
+                    continue
+                if (not silu and K != 4) or (L == 2 and K != 4 and (K, form) != (6, "tiles")):
+                    continue
+                yield seg + (L, silu, form)
+
+
+@pytest.mark.parametrize("with_seg,with_tail,K,L,silu,form", list(conv_cases()))
 def test_conv_equals_the_pytorch_forms(with_seg, with_tail, K, L, silu, form):
     # silu: the Mamba block's form, the activation written by the same kernel (against F.silu);
     # form: segments by the boundary tiles recomputed, or mended at each start (SEGMENT_FORM)
