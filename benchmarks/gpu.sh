@@ -232,16 +232,17 @@ for stage in $stages; do
     conv-forms)
       # the Mamba conv's two forms with segments (conv_triton.SEGMENT_FORM): the op in turns at a
       # start every ~1,000 and ~150 tokens, the GPU tests of the conv and the packed model in
-      # both forms, then the packed step in each form in turns with the unpacked one (~6 min)
+      # both forms, then the packed step in each form in turns with the unpacked one (~8 min)
       for every in 1000 150; do
         timeout 90 python benchmarks/bench_conv_launch.py --segments --starts --silu --every $every \
           --tokens 64 --channels 128 --warps 4 2>&1 | tee "$LOGS/conv_forms_every$every.log" | grep "^a/b" | cut -c1-400
         cp $RES/conv_launch_segments_silu_*.json "$LOGS/conv_forms_every$every.json" 2>/dev/null
       done
-      timeout ${TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider --durations=5 \
-        tests/test_gpu_packing.py tests/test_gpu_model.py -k "conv or packed_fast or leaks" 2>&1 \
-        | tee "$LOGS/conv_forms_tests.log" | tail -4
-      timeout ${PACK_TIMEOUT:-300} python benchmarks/bench_packing.py --only paths --compile window \
+      par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$(nproc)} --dist worksteal")
+      TORCHINDUCTOR_COMPILE_THREADS=1 timeout ${TEST_TIMEOUT:-200} python -m pytest -m gpu -q \
+        -p no:cacheprovider --durations=5 $par tests/test_gpu_packing.py tests/test_gpu_model.py \
+        -k "conv or packed_fast or leaks" 2>&1 | tee "$LOGS/conv_forms_tests.log" | tail -4
+      timeout ${PACK_TIMEOUT:-330} python benchmarks/bench_packing.py --only paths --compile window \
         --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_starts 2>&1 \
         | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
     lmstudy)
