@@ -46,9 +46,15 @@ def launchers(step, patterns: dict[str, str]) -> dict[str, list[tuple[int, str, 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         step()
         torch.cuda.synchronize()
-    # each op's kernels are the device events linked to it by correlation id (the innermost op
-    # around the launch: an aten op, a custom op, or a compiled graph's record_function)
-    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and e.kernels]
+    cpu = torch.autograd.DeviceType.CPU
+    return count_launches([e for e in prof.events() if e.device_type == cpu], patterns)
+
+
+def count_launches(ops, patterns: dict[str, str]) -> dict[str, list[tuple[int, str, str]]]:
+    """`launchers`' counting: each op's kernels (`.kernels`, the device events the profiler links
+    to it by correlation id: the innermost op around the launch, an aten op, a custom op or a
+    compiled graph's record_function) matched by name, counted by the op and its project frames,
+    most first."""
     out = {}
     for kind, pattern in patterns.items():
         counts = collections.Counter()

@@ -1,0 +1,26 @@
+"""benchmarks/kernel_launchers.py's counting on the CPU: each kernel counted under the op the
+profiler links it to, by the op's name and the project's frames of its stack (the GPU run
+profiles a real step; this holds the counting it feeds)."""
+from types import SimpleNamespace as NS
+
+from benchmarks.kernel_launchers import PATTERNS, count_launches
+
+
+def op(name, stack, *kernels):
+    return NS(name=name, stack=stack, kernels=[NS(name=k) for k in kernels])
+
+
+def test_kernels_are_counted_by_the_op_that_queued_them():
+    red = "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float, at::native::func_wrapper_t<"
+    stack = ["/repo/elephant/layers/ssd.py(412): _bwd", "/usr/lib/python3/site-packages/torch/x.py(1): y",
+             "/repo/train.py(80): main"]
+    ops = [op("aten::sum", stack, red, "Memset (Device)"),
+           op("aten::copy_", None, "Memcpy DtoD (Device -> Device)"),
+           op("aten::sum", stack, red),
+           op("aten::mm", stack, "nvjet_sm90_tst_256x128")]         # matches no pattern
+    got = count_launches(ops, PATTERNS)
+    where = "/repo/elephant/layers/ssd.py(412): _bwd <- /repo/train.py(80): main"
+    assert got["reduction_f32"] == [(2, "aten::sum", where)]
+    assert got["memset"] == [(1, "aten::sum", where)]
+    assert got["copy"] == [(1, "aten::copy_", "")]
+    assert got["reduction_bf16"] == []
