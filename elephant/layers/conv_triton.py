@@ -378,14 +378,14 @@ if HAS_TRITON:
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
     @triton.jit
-    def _next_start(seg_ptr, b, lo, last, L, BS: tl.constexpr):
-        """The first segment start of lane b after token `last` among tokens lo .. lo+BS-1 (a
-        token whose segment id differs from the one before it, or at 0 from the carried 0), or L."""
-        t = lo + tl.arange(0, BS)
-        tm = t < L
-        sg = tl.load(seg_ptr + b * L + t, mask=tm, other=0)
-        before = tl.load(seg_ptr + b * L + t - 1, mask=tm & (t > 0), other=0)
-        return tl.min(tl.where(tm & (sg != before) & (t > last), t, L))
+    def _starts(seg_ptr, b, tok, L):
+        """Which of lane b's tokens `tok` start a segment: their segment id differs from the
+        token's before (at 0, from the carried document's 0). Read once a block; each start is
+        then the least marked token past the last one (tl.min)."""
+        tm = tok < L
+        sg = tl.load(seg_ptr + b * L + tok, mask=tm, other=0)
+        before = tl.load(seg_ptr + b * L + tok - 1, mask=tm & (tok > 0), other=0)
+        return tm & (sg != before)
 
     @triton.jit
     def _conv_fwd_fix_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
@@ -401,15 +401,16 @@ if HAS_TRITON:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
         for j in range(NB):
-            lo = j * BS
-            p = _next_start(seg_ptr, b, lo, -1, L, BS)
+            tok = j * BS + tl.arange(0, BS)
+            first = _starts(seg_ptr, b, tok, L)
+            p = tl.min(tl.where(first, tok, L))
             while p < L:
                 t = p + tl.arange(0, BT)
                 _conv_fwd_rows(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
                                out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
                                b, t, (t < p + K - 1) & (t < L), c, cm, K, True, HAS_TAIL, BT, BC,
                                True, ACT)
-                p = _next_start(seg_ptr, b, lo, p, L, BS)
+                p = tl.min(tl.where(first & (tok > p), tok, L))
 
     @triton.jit
     def _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
@@ -486,15 +487,16 @@ if HAS_TRITON:
         dw = tl.zeros((BC, KW), dtype=tl.float32)
         dtail = tl.zeros((BC, KP), dtype=tl.float32)
         for j in range(NB):
-            lo = j * BS
-            p = _next_start(seg_ptr, b, lo, -1, L, BS)
+            tok = j * BS + tl.arange(0, BS)
+            first = _starts(seg_ptr, b, tok, L)
+            p = tl.min(tl.where(first, tok, L))
             while p < L:
                 a, d = _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
                                    sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b,
                                    p, c, cm, K, HAS_TAIL, BT, BC, KP, KW)
                 dw += a
                 dtail += d
-                p = _next_start(seg_ptr, b, lo, p, L, BS)
+                p = tl.min(tl.where(first & (tok > p), tok, L))
         slot = b.to(tl.int64) * C + c
         kcol = tl.arange(0, KW)
         tl.store(dw_ptr + slot[:, None] * K + kcol[None, :], dw,
