@@ -91,6 +91,18 @@ out["conv bwd walk"] = written(conv_triton._conv_bwd_walk_kernel,
                                dict(walk, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
                                     dw_ptr=torch.empty(8, C, 4), db_ptr=torch.empty(8, C), NL=3,
                                     sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
+fix = dict(L=L, C=C, K=4, HAS_TAIL=True, BT=4, BC=16, BS=16, NB=3, sxb=1, sxl=1, sxc=1, ssb=1,
+           ssc=1, ssk=1, x_ptr=x, st_ptr=torch.randn(B, 3, C), w_ptr=torch.randn(C, 1, 4),
+           seg_ptr=torch.zeros(B, L, dtype=torch.int32), tail_ptr=torch.randn(C, 3))
+for act in (False, True):
+    out[f"conv fwd fix {act}"] = written(
+        conv_triton._conv_fwd_fix_kernel,
+        dict(fix, bias_ptr=torch.randn(C), since_ptr=torch.zeros(B, L, dtype=torch.int32),
+             out_ptr=torch.empty_like(x), act_ptr=torch.empty_like(x), sob=1, sol=1, soc=1, ACT=act))
+out["conv bwd fix"] = written(conv_triton._conv_bwd_fix_kernel,
+                              dict(fix, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                   dw_ptr=torch.empty(B, C, 4), dtail_ptr=torch.empty(B, C, 3),
+                                   KP=4, KW=4, sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
 z = torch.randn(4, 64).half()
 for fw, gr in ((True, False), (True, True), (False, True)):
     out[f"ce {fw} {gr}"] = written(ce_triton._ce_kernel,
@@ -122,6 +134,13 @@ def test_conv_kernels_write_only_their_outputs(writes, segments):
 
 def test_conv_walk_kernel_writes_only_its_outputs(writes):
     assert writes["conv bwd walk"] == {"dx_ptr", "dw_ptr", "db_ptr"}
+
+
+def test_conv_start_kernels_write_only_their_outputs(writes):
+    # SEGMENT_FORM "starts": the mending over the plain launch's out, act and dx
+    assert writes["conv fwd fix False"] == {"out_ptr"}
+    assert writes["conv fwd fix True"] == {"out_ptr", "act_ptr"}
+    assert writes["conv bwd fix"] == {"dx_ptr", "dw_ptr", "dtail_ptr"}
 
 
 @pytest.mark.parametrize("forward, grad", [(True, False), (True, True), (False, True)])

@@ -378,16 +378,6 @@ if HAS_TRITON:
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
     @triton.jit
-    def _starts(seg_ptr, b, tok, L):
-        """Which of lane b's tokens `tok` start a segment: their segment id differs from the
-        token's before (at 0, from the carried document's 0). Read once a block; each start is
-        then the least marked token past the last one (tl.min)."""
-        tm = tok < L
-        sg = tl.load(seg_ptr + b * L + tok, mask=tm, other=0)
-        before = tl.load(seg_ptr + b * L + tok - 1, mask=tm & (tok > 0), other=0)
-        return tm & (sg != before)
-
-    @triton.jit
     def _conv_fwd_fix_kernel(x_ptr, st_ptr, w_ptr, bias_ptr, seg_ptr, since_ptr, tail_ptr,
                              out_ptr, act_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sob, sol, soc,
                              K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr,
@@ -401,8 +391,14 @@ if HAS_TRITON:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
         for j in range(NB):
+            # the block's starts: a segment id other than the token's before (at 0, the carried
+            # 0), read here, not by a helper: a store address derived from a helper's result is
+            # taken by torch.compile's analysis as a write of every pointer the helper was given
+            # (tests/test_kernel_writes.py); each next start is the least one past the last
             tok = j * BS + tl.arange(0, BS)
-            first = _starts(seg_ptr, b, tok, L)
+            sg = tl.load(seg_ptr + b * L + tok, mask=tok < L, other=0)
+            before = tl.load(seg_ptr + b * L + tok - 1, mask=(tok < L) & (tok > 0), other=0)
+            first = (tok < L) & (sg != before)
             p = tl.min(tl.where(first, tok, L))
             while p < L:
                 t = p + tl.arange(0, BT)
@@ -487,8 +483,11 @@ if HAS_TRITON:
         dw = tl.zeros((BC, KW), dtype=tl.float32)
         dtail = tl.zeros((BC, KP), dtype=tl.float32)
         for j in range(NB):
+            # the block's starts, as in _conv_fwd_fix_kernel
             tok = j * BS + tl.arange(0, BS)
-            first = _starts(seg_ptr, b, tok, L)
+            sg = tl.load(seg_ptr + b * L + tok, mask=tok < L, other=0)
+            before = tl.load(seg_ptr + b * L + tok - 1, mask=(tok < L) & (tok > 0), other=0)
+            first = (tok < L) & (sg != before)
             p = tl.min(tl.where(first, tok, L))
             while p < L:
                 a, d = _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
