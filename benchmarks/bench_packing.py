@@ -16,9 +16,9 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               real tok/s: batches from RollingChunkBatcher over a corpus of log-normal document
               lengths (median 600 tokens, sigma 1), unpacked (pack=False, padded rows) against packed
               (pack=True): predicted (unmasked) tokens per second; packing should raise it by the
-              fill gained, less its own overhead. lognormal_packed_conv_starts: the packed path
-              with the Mamba conv's other form with segments (conv_triton.SEGMENT_FORM "starts"),
-              in turns with the others (its own compiled graph).
+              fill gained, less its own overhead. lognormal_packed_conv_tiles: the packed path
+              with the Mamba conv's other form with segments (conv_triton.SEGMENT_FORM "tiles",
+              the default until session 30), in turns with the others (its own compiled graph).
   breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
               (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
               kernel, alone and with the model's transpose and concatenation / the Triton conv
@@ -87,8 +87,8 @@ SUMMARY = {
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
     "real_tokens_per_s_gain_masked_attention": ("lognormal_packed_masked_attention",
                                                 "lognormal_unpacked", "real_tokens_per_s"),
-    "real_tokens_per_s_gain_conv_starts": ("lognormal_packed_conv_starts", "lognormal_unpacked",
-                                           "real_tokens_per_s"),
+    "real_tokens_per_s_gain_conv_tiles": ("lognormal_packed_conv_tiles", "lognormal_unpacked",
+                                          "real_tokens_per_s"),
 }
 
 
@@ -448,7 +448,7 @@ def main() -> None:
             # the same without the host's count of inner starts: attention by the explicit mask
             "lognormal_packed_masked_attention": (packed, {"count": False}),
             # the same with the conv's other form with segments (conv_triton.SEGMENT_FORM)
-            "lognormal_packed_conv_starts": (packed, {"conv_form": "starts"}),
+            "lognormal_packed_conv_tiles": (packed, {"conv_form": "tiles"}),
         }
         if args.paths:
             wanted = args.paths.split(",")

@@ -243,7 +243,7 @@ for stage in $stages; do
         -p no:cacheprovider --durations=5 $par tests/test_gpu_packing.py tests/test_gpu_model.py \
         -k "conv or packed_fast or leaks" 2>&1 | tee "$LOGS/conv_forms_tests.log" | tail -4
       timeout ${PACK_TIMEOUT:-330} python benchmarks/bench_packing.py --only paths --compile window \
-        --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_starts 2>&1 \
+        --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_tiles 2>&1 \
         | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \

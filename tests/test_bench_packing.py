@@ -43,7 +43,7 @@ def test_measure_counts_the_real_tokens_and_boundary_chunks_of_the_timed_steps()
 
 
 def test_measure_sets_the_conv_form_for_its_steps_only(monkeypatch):
-    # lognormal_packed_conv_starts: the steps run with conv_triton.SEGMENT_FORM "starts" (read
+    # lognormal_packed_conv_tiles: the steps run with the conv_triton.SEGMENT_FORM given (read
     # by the Mamba conv when it is traced), the form before is back afterwards, also on an error
     from elephant.layers import conv_triton
     seen = []
@@ -55,10 +55,11 @@ def test_measure_sets_the_conv_form_for_its_steps_only(monkeypatch):
         return {"times": []}
     monkeypatch.setattr(bench_packing, "steps", steps)
     before = conv_triton.SEGMENT_FORM
-    assert bench_packing.measure(None, [], None, None, 0, conv_form="starts") == {"times": []}
+    other = "tiles" if before == "starts" else "starts"
+    assert bench_packing.measure(None, [], None, None, 0, conv_form=other) == {"times": []}
     assert conv_triton.SEGMENT_FORM == before
     with pytest.raises(RuntimeError, match="a failing step"):
-        bench_packing.measure(None, [], None, None, 0, conv_form="starts")
-    assert conv_triton.SEGMENT_FORM == before and seen == ["starts", "starts"]
+        bench_packing.measure(None, [], None, None, 0, conv_form=other)
+    assert conv_triton.SEGMENT_FORM == before and seen == [other, other]
     bench_packing.measure(None, [], None, None, 0)
     assert seen[-1] == before

@@ -20,8 +20,9 @@ order instead (`_conv_bwd_walk_kernel`, BWD_WALK): each input and gradient read 
 piled up in each thread, no reduction across a program. With segments, the kernel without them
 runs over every tile first, and a second launch recomputes over its output the few tiles that
 hold a boundary (most tiles lie in one document: documents are hundreds of tokens), so that only
-those pay for the segment and tail reads and their registers (see LAUNCH); or, in the other form
-(SEGMENT_FORM "starts"), a program a lane finds its starts and mends only what each one changes.
+those pay for the segment and tail reads and their registers (see LAUNCH, SEGMENT_FORM "tiles");
+or, the default (SEGMENT_FORM "starts"), a program a lane finds its starts in the segment ids and
+mends only what each one changes.
 The state after the chunk is formed by the caller's small tensors (`state_after`). Registered
 with torch.library.triton_op, so that torch.compile launches the kernels from its own code (no
 custom-op host glue) and eager mode calls them directly.
@@ -555,13 +556,13 @@ def _launches(backward: bool, has_seg: bool) -> list[tuple[bool, int, int, int, 
 # every tile): "tiles", a second launch recomputes the tiles that hold a boundary; "starts", a
 # program a lane finds the lane's starts in its segment ids and mends only what a start changes
 # (the K-1 outputs after it, the K-1 inputs' gradients before it, the weight and tail gradients
-# through those outputs). Session 29 measured the mending with the starts in a list instead (made
-# on the device, a program a start): a faster op (H100, the recipe's chunk, best of three turns; a
-# boundary every ~1,000 tokens: forward 73 -> 64 us, backward 180 -> 150; every ~150: 92 -> 66,
-# 272 -> 179), but the packed training step with it, the list made in the graph for every layer,
-# no faster (49.44 against 49.15 ms, one A/B). The lane programs need no list; they are not yet
-# timed on a GPU, so "tiles" stays the default (benchmarks/gpu.sh conv-forms times both).
-SEGMENT_FORM = "tiles"
+# through those outputs). Measured by benchmarks/gpu.sh conv-forms (H100, session 30, the
+# recipe's chunk, three turns): the op, a boundary every ~1,000 tokens, forward 73 -> 67 us and
+# backward 179 -> 154; every ~150, 92 -> 83 and 271 -> 210; the packed training step 49.47 ->
+# 49.14 ms (two rounds each, in turns). (Session 29's form with the starts in a list made on the
+# device, one program a start, was a faster op still but no faster step: the list was made in
+# the graph for every layer.)
+SEGMENT_FORM = "starts"
 # (channels, warps) a program of the "starts" kernels; the lane's segment ids are read BS at a time
 FIX = (128, 4)
 
