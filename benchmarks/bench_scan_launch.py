@@ -16,7 +16,9 @@ of 64, bfloat16; with --segments, a document boundary every ~150 tokens and the 
 state (the packed path's kernels). Each configuration is timed as a CUDA graph (median of --iters
 replays after --warmup; until 2026-11-25 eagerly, which timed the host's launches of the small
 sums too) and its every output checked against those of the launch before this benchmark
-(forward 4 warps, backward 8); `chosen` is the launch ssd_triton takes now.
+(forward 4 warps, backward 8); `chosen` is the launch ssd_triton takes now. `registers`: the
+registers and spills of every chunk-scan kernel compiled (session 30: the backward spilled 88
+registers at 4 warps, and reordered to hold fewer float32 tiles at once, none).
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import (cuda_or_exit, environment, fastest, load_before,  # noqa: E402
-                               median_ms, rel_close, result_path, sweep_parser)
+from benchmarks.common import (compiled_registers, cuda_or_exit, environment,  # noqa: E402
+                               fastest, load_before, median_ms, rel_close, result_path,
+                               sweep_parser)
 from elephant.layers import ssd_triton  # noqa: E402
 
 BEFORE = {"fwd": {"num_warps": 4}, "bwd": {"num_warps": 8}}  # the launch before this benchmark
@@ -143,12 +146,16 @@ def main() -> None:
     out = {**environment(device), "command": cmd, "segments": S,
            "shape": prob.shape,
            "before": {k: {"launch": BEFORE[k], "us": before[k]} for k in before},
-           "best": best, "chosen": chosen, "configs": rows, "before_module": ab}
+           "best": best, "chosen": chosen, "configs": rows, "before_module": ab,
+           # every launch of the chunk-scan kernels compiled above, this module's
+           "registers": {name: compiled_registers(getattr(ssd_triton, name))
+                         for name in ("_chunk_scan_fwd_kernel", "_chunk_scan_bwd_kernel")}}
     path = result_path("scan_launch_segments" if S else "scan_launch", False)
     path.write_text(json.dumps(out, indent=1))
     print("before", json.dumps(out["before"]))
     print("best", json.dumps(best))
     print("chosen", json.dumps(chosen))
+    print("registers", json.dumps(out["registers"]))
     print("wrote", path)
 
 

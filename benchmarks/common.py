@@ -339,3 +339,24 @@ def load_before(path: str, name: str):
     mod.__package__ = "elephant.layers"
     exec(compile(source, path, "exec"), mod.__dict__)
     return mod
+
+
+def compiled_registers(kernel) -> list[dict]:
+    """Registers, spills (registers the compiler moved to local memory: each is a round trip
+    through the cache on every use) and launch of every compiled variant of a Triton kernel
+    (a @triton.jit function) run so far in this process; [] when it has none (never launched,
+    or run by the interpreter)."""
+    out = []
+    for entry in getattr(kernel, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for compiled in (cache.values() if isinstance(cache, dict) else ()):
+            init = getattr(compiled, "_init_handles", None)
+            if init is not None:
+                init()
+            meta = getattr(compiled, "metadata", None)
+            out.append({"registers": getattr(compiled, "n_regs", None),
+                        "spills": getattr(compiled, "n_spills", None),
+                        "warps": getattr(meta, "num_warps", None),
+                        "stages": getattr(meta, "num_stages", None),
+                        "shared_bytes": getattr(meta, "shared", None)})
+    return out

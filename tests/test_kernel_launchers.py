@@ -24,3 +24,23 @@ def test_kernels_are_counted_by_the_op_that_queued_them():
     assert got["memset"] == [(1, "aten::sum", where)]
     assert got["copy"] == [(1, "aten::copy_", "")]
     assert got["reduction_bf16"] == []
+
+
+def test_compiled_registers_reads_every_compiled_variant_and_nothing_else():
+    # benchmarks.common.compiled_registers (bench_scan_launch's `registers`): one row per compiled
+    # variant in a Triton kernel's per-device caches, handles loaded first (where the counts come
+    # from); a kernel never compiled (or an interpreted one) has none
+    from benchmarks.common import compiled_registers
+    loaded = []
+
+    def variant(regs, spills, warps):
+        v = NS(metadata=NS(num_warps=warps, num_stages=3, shared=4096))
+        v._init_handles = lambda: (loaded.append(regs), setattr(v, "n_regs", regs),
+                                   setattr(v, "n_spills", spills))
+        return v
+    kernel = NS(device_caches={0: ({"a": variant(255, 28, 4), "b": variant(128, 0, 8)}, "target")})
+    assert compiled_registers(kernel) == [
+        {"registers": 255, "spills": 28, "warps": 4, "stages": 3, "shared_bytes": 4096},
+        {"registers": 128, "spills": 0, "warps": 8, "stages": 3, "shared_bytes": 4096}]
+    assert loaded == [255, 128]
+    assert compiled_registers(NS()) == [] and compiled_registers(NS(device_caches={})) == []

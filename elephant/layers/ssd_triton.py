@@ -390,10 +390,8 @@ if HAVE_TRITON:
         cs = tl.load(cs_base + i)
         cs_end = tl.load(cs_base + Q - 1)
         pn_off = (((b * NC + c) * H + h) * P + p[:, None]) * N + n[None, :]
-        xdt = x.to(tl.float32) * dt[:, None]
-
-        # the chunk's own state: S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
-        ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                          # (P, N)
+        # xdt as the products take it (cast to DT): a 16-bit tile in registers, not a float32 one
+        xdt = (x.to(tl.float32) * dt[:, None]).to(DT)
         causal = i[:, None] >= i[None, :]
         if HAS_SEG:
             seg, seg_end, seg_prev = _segments(seg_ptr, b, c, NC, Q)
@@ -403,41 +401,50 @@ if HAVE_TRITON:
         else:
             w = tl.exp(cs_end - cs)
             e_cs = tl.exp(cs)
-        BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                              # (Q, P)
-        dB = _dot(xdt, ds, DT, PREC) * w[:, None]                                           # (Q, N)
-        dxdt = BdS * w[:, None]                                                             # (Q, P)
-        dw = tl.sum(xdt * BdS, axis=1) * w
-        dcs = tl.where(i == Q - 1, tl.sum(dw, axis=0), 0.0) - dw
+        # The order below keeps few float32 tiles alive at once (registers are the limit of this
+        # kernel): the Q x Q products first, then each gradient stored as soon as it is whole,
+        # dx's float32 tile last. Session 30, H100, the recipe's shape (bench_scan_launch.py,
+        # `registers`): the earlier order (the state's gradients first, dx's tile alive throughout)
+        # spilled 88 registers at 4 warps and this one none; the scan's backward ran 317 -> 276
+        # us without boundaries and 371 -> 322 with them.
+        # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j);
+        # dM = dy xdt^T, dK = dM * decay (the gradient w.r.t. C B^T), and dM * M = dK * (C B^T)
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
+        dK = _dot(dy, tl.trans(xdt), DT, PREC) * decay                                     # (Q, Q)
+        CB = _dot(Cm, tl.trans(Bm), DT, PREC)                                               # (Q, Q)
+        M = (CB * decay).to(DT)
+        R = dK * CB
+        dcs = tl.sum(R, axis=1) - tl.sum(R, axis=0)
+        dK = dK.to(DT)
 
-        # the incoming state's part: y_i += exp(cs_i) H_c C_i
+        # dB: the chunk's own state S_c = sum_j exp(cs_end - cs_j) xdt_j B_j^T, with dS_c given
+        ds = tl.load(dstates_ptr + pn_off, mask=pn_mask, other=0.0)                          # (P, N)
+        dB = _dot(xdt, ds, DT, PREC) * w[:, None] + _dot(tl.trans(dK), Cm, DT, PREC)      # (Q, N)
+        qn_off = ((b * L + t[:, None]) * H + h) * (2 * N) + n[None, :]
+        tl.store(dbc_ptr + qn_off, dB.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
+
+        # dC: the incoming state's part y_i += exp(cs_i) H_c C_i, and the in-chunk part
         s_in = tl.load(states_ptr + pn_off, mask=pn_mask, other=0.0)                         # (P, N)
-        dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None]                                       # (Q, N)
         dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s_in), DT, PREC), axis=1) * e_cs
+        dC = _dot(dy, s_in, DT, PREC) * e_cs[:, None] + _dot(dK, Bm, DT, PREC)            # (Q, N)
         if HAS_SINIT:
             if seg_end != seg_prev:  # the segments starting in this chunk: y_i += exp(cs_i) S0 C_i
                 s0 = tl.load(sinit_ptr + (h * P + p[:, None]) * N + n[None, :], mask=pn_mask, other=0.0)
                 e_new = tl.exp(tl.where(seg != seg_prev, cs, float("-inf")))
-                dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
                 dcs += tl.sum(dy.to(tl.float32) * _dot(Cm, tl.trans(s0), DT, PREC), axis=1) * e_new
+                dC += _dot(dy, s0, DT, PREC) * e_new[:, None]
+        tl.store(dbc_ptr + qn_off + N, dC.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
         # the state passed on through its decay: the state kernel's parts of dLoss/dcs_end
         blk = tl.arange(0, BBLK)
         end = tl.sum(tl.load(dcs_end_ptr + ((b * H + h) * NC + c) * NBLK + blk, mask=blk < NBLK,
                              other=0.0))
         dcs += tl.where(i == Q - 1, end, 0.0)
 
-        # in-chunk part: y_i += sum_{j <= i} M_ij xdt_j with M_ij = (C_i . B_j) exp(cs_i - cs_j)
-        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))           # (Q, Q)
-        dM = _dot(dy, tl.trans(xdt), DT, PREC)                                              # (Q, Q)
-        dK = dM * decay
-        dC += _dot(dK, Bm, DT, PREC)
-        dB += _dot(tl.trans(dK), Cm, DT, PREC)
-        qn_off = ((b * L + t[:, None]) * H + h) * (2 * N) + n[None, :]
-        tl.store(dbc_ptr + qn_off, dB.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
-        tl.store(dbc_ptr + qn_off + N, dC.to(dbc_ptr.dtype.element_ty), mask=qn_mask)
-        M = _dot(Cm, tl.trans(Bm), DT, PREC) * decay
-        dxdt += _dot(tl.trans(M), dy, DT, PREC)                                             # (Q, P)
-        R = dM * M
-        dcs += tl.sum(R, axis=1) - tl.sum(R, axis=0)
+        # dx: through S_c and through the in-chunk part
+        BdS = _dot(Bm, tl.trans(ds), DT, PREC)                                              # (Q, P)
+        dw = tl.sum(x.to(tl.float32) * BdS, axis=1) * dt * w
+        dcs += tl.where(i == Q - 1, tl.sum(dw, axis=0), 0.0) - dw
+        dxdt = BdS * w[:, None] + _dot(tl.trans(M), dy, DT, PREC)                         # (Q, P)
 
         dx = dxdt * dt[:, None]
         if HAS_D:
