@@ -10,6 +10,11 @@ and one write) and `nll` (evaluation: one read). Each is timed as a CUDA graph (
 after --warmup), given as GB/s of the bytes it must move at least (grad: the logits read once and
 the gradient written; nll: the logits read once), and checked against inductor's results. The
 gradient's second walk over a row is swept both ways (`reversed`: from the row's end).
+`registers`: the registers and spills of each launch compiled.
+
+(Session 30 tried the gradient from one read, a program holding its row whole in registers, at
+8, 16 and 32 warps: 429, 413 and 515 us against the walk's 402, spilling 40, 24 and 36
+registers, one program per SM; dropped, see LOG.md.)
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import (cuda_or_exit, environment, median_ms, rel_close,  # noqa: E402
-                               result_path, sweep_parser)
+from benchmarks.common import (compiled_registers, cuda_or_exit, environment,  # noqa: E402
+                               median_ms, rel_close, result_path, sweep_parser)
 from elephant.layers import ce_triton, head  # noqa: E402
 
 
@@ -80,9 +85,11 @@ def main() -> None:
             for k in ("grad", "nll")}
     base = {k: next(r["us"] for r in rows if r["kind"] == k and r["kernel"] == "inductor")
             for k in ("grad", "nll")}
-    out = {**environment(device), "command": "python benchmarks/bench_ce.py",
+    cmd = " ".join(["python benchmarks/bench_ce.py"] + sys.argv[1:])
+    out = {**environment(device), "command": cmd,
            "shape": {"rows": n, "vocab": V, "dtype": "bfloat16"}, "inductor_us": base,
-           "best": best, "chosen": chosen, "configs": rows}
+           "best": best, "chosen": chosen, "configs": rows,
+           "registers": compiled_registers(ce_triton._ce_kernel)}
     path = result_path("ce", False)
     path.write_text(json.dumps(out, indent=1))
     print("inductor", json.dumps(base))
