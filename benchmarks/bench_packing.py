@@ -31,8 +31,9 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               the initial-memory prefix.
 
     python benchmarks/bench_packing.py [--cpu-smoke] [--only paths|breakdown] [--compile model]
-                                       [--rounds 3] [--profile]
-writes benchmarks/results/packing_<device>.json after every section.
+                                       [--rounds 3] [--profile] [--config configs/fineweb-124m.toml]
+writes benchmarks/results/packing_<device>.json after every section. --config: the paths at a
+recipe's model, lanes and chunk length (the FineWeb recipe's: 12 layers of 768, 64 x 1,024).
 """
 import argparse
 import copy
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_packing import RollingChunkBatcher, TokenizedCorpus  # noqa: E402
-from elephant.config import ModelConfig  # noqa: E402
+from elephant.config import ModelConfig, load_config  # noqa: E402
 from benchmarks.common import (add_inductor_argument, bf16_autocast, environment,  # noqa: E402
                                inductor_options, profile, result_path, timer,
                                use_inductor_options)
@@ -85,6 +86,12 @@ SUMMARY = {
                                           "fill1_packing_with_boundaries_prefix_per_step", "tokens_per_s"),
     "fill_gain": ("lognormal_packed", "lognormal_unpacked", "fill"),
     "real_tokens_per_s_gain": ("lognormal_packed", "lognormal_unpacked", "real_tokens_per_s"),
+    # the same against the unpacked code on the packed batches' tokens (every slot real, no
+    # boundaries): what packing's own work costs, apart from the padding the GPU runs faster on
+    "real_tokens_per_s_gain_over_full_rows": ("lognormal_packed", "fill1_today_path",
+                                              "real_tokens_per_s"),
+    # slots per second of the padded rows over the same code on full rows: the padding's own speed
+    "padded_over_full_rows_tokens_per_s": ("lognormal_unpacked", "fill1_today_path", "tokens_per_s"),
     "real_tokens_per_s_gain_masked_attention": ("lognormal_packed_masked_attention",
                                                 "lognormal_unpacked", "real_tokens_per_s"),
     "real_tokens_per_s_gain_conv_tiles": ("lognormal_packed_conv_tiles", "lognormal_unpacked",
@@ -383,6 +390,11 @@ def main() -> None:
     ap.add_argument("--pieces", default="",
                     help="comma-separated name prefixes: time only these breakdown pieces")
     add_inductor_argument(ap, "the model's compile")
+    ap.add_argument("--config", default=None,
+                    help="a recipe (e.g. configs/fineweb-124m.toml): its model, lanes and chunk_len "
+                         "instead of the wt103-70m shape at 32 x 512 (the result file is named after it)")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="lanes instead of the shape's (e.g. what fits one GPU at a recipe's shape)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="timed rounds, the paths taking turns (each path's steps: all rounds')")
     args = ap.parse_args()
@@ -392,6 +404,11 @@ def main() -> None:
     B, T, steps, warmup = (2, 32, 3, 1) if smoke else (32, 512, 15, 4)
     median = 40 if smoke else MEDIAN  # the smoke run keeps several documents per 32-token chunk
     cfg = make_config(smoke)
+    if args.config and not smoke:   # the recipe's shape
+        recipe = load_config(args.config)
+        cfg, B, T = recipe.model, recipe.train.lanes, recipe.train.chunk_len
+    if args.lanes and not smoke:
+        B = args.lanes
     torch.manual_seed(0)
     model = ElephantLM(cfg).to(device)
     model.set_fast_paths(True)
@@ -402,12 +419,14 @@ def main() -> None:
     autocast = bf16_autocast(device)
     graphs = args.compile in ("graphs", "window") and not smoke
     window = args.compile == "window"
-    out_path = result_path("packing" if args.compile == "blocks" else f"packing_compile_{args.compile}",
-                           smoke)
+    out_path = result_path(("packing" if args.compile == "blocks" else f"packing_compile_{args.compile}")
+                           + (f"_{Path(args.config).stem}" if args.config else ""), smoke)
     results = {**environment(device),
                "command": "python benchmarks/bench_packing.py" + (" --cpu-smoke" if smoke else "")
                + (f" --only {args.only}" if args.only else "")
                + (f" --compile {args.compile}" if args.compile != "blocks" else "")
+               + (f" --config {args.config}" if args.config else "")
+               + (f" --lanes {args.lanes}" if args.lanes else "")
                + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
                + (f" --paths {args.paths}" if args.paths else "")
                + (f" --pieces {args.pieces}" if args.pieces else "")
