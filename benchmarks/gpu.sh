@@ -33,6 +33,10 @@
 #           (PACK_COMPILE="model graphs": also as CUDA graphs)
 #   conv-forms  the Mamba conv's two forms with segments (conv_triton.SEGMENT_FORM "tiles" and
 #           "starts"): the op in turns, the GPU tests of both, the packed step with each in turns
+#   packing-shapes  issue 11's measure at two shapes, the window compiled: the padded and packed
+#           steps beside the unpacked code on the same rows with every slot real (fill1_today_path),
+#           at the wt103-70m shape (32 x 512) and the FineWeb recipe's (fineweb-124m, 32 lanes of
+#           1,024); ~8 min on an H100
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -245,6 +249,12 @@ for stage in $stages; do
       timeout ${PACK_TIMEOUT:-330} python benchmarks/bench_packing.py --only paths --compile window \
         --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_tiles 2>&1 \
         | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
+    packing-shapes)
+      for shape in "" "--config configs/fineweb-124m.toml --lanes 32"; do
+        timeout ${PACK_TIMEOUT:-330} python benchmarks/bench_packing.py --only paths --compile window \
+          --rounds 2 $shape --paths fill1_today_path,lognormal_unpacked,lognormal_packed 2>&1 \
+          | tee -a "$LOGS/packing_shapes.log" | grep -E "^summary|^fill1|^lognormal|Error" | cut -c1-300
+      done ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --variants ${LM_VARIANTS:-hybrid,transformer} \
