@@ -478,14 +478,20 @@ def main() -> None:
         # the paths take turns, round after round (the first round warms each up, and compiles):
         # a drift of the clock or an effect of order then falls on every path alike
         runs = {name: [] for name in variants}
+        # when each path's round ran (Unix seconds): a log of the GPU's clock and power
+        # (gpu.sh packing-shapes samples nvidia-smi) is matched to the paths by them
+        results["spans"] = []
         for r in range(args.rounds):
             for name, (batches, opts) in variants.items():
                 if name in results["paths"]:
                     continue   # failed in an earlier round
                 try:
+                    start = time.time()
                     runs[name].append(measure(model, batches, device, autocast,
                                               warmup if r == 0 else 1, graphs=graphs, window=window,
                                               **opts))
+                    results["spans"].append({"path": name, "round": r, "start": start,
+                                             "end": time.time()})
                 except Exception as e:  # record and go on with the other paths
                     results["paths"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
                                               "trace": traceback.format_exc()[-1500:]}

@@ -36,7 +36,7 @@
 #   packing-shapes  issue 11's measure at two shapes, the window compiled: the padded and packed
 #           steps beside the unpacked code on the same rows with every slot real (fill1_today_path),
 #           at the wt103-70m shape (32 x 512) and the FineWeb recipe's (fineweb-124m, 32 lanes of
-#           1,024); ~8 min on an H100
+#           1,024), with the GPU's clock and power sampled beside them; ~8 min on an H100
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
@@ -250,11 +250,18 @@ for stage in $stages; do
         --rounds 2 --paths lognormal_unpacked,lognormal_packed,lognormal_packed_conv_tiles 2>&1 \
         | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
     packing-shapes)
+      # the GPU's clock and power every 200 ms beside the runs (the results' `spans` say when each
+      # path ran): is the padded step faster because the GPU clocks higher on padding?
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+        --format=csv -lms 200 > "$LOGS/packing_shapes_clocks.csv" 2>&1 &
+      smi=$!
       for shape in "" "--config configs/fineweb-124m.toml --lanes 32"; do
         timeout ${PACK_TIMEOUT:-330} python benchmarks/bench_packing.py --only paths --compile window \
           --rounds 2 $shape --paths fill1_today_path,lognormal_unpacked,lognormal_packed 2>&1 \
           | tee -a "$LOGS/packing_shapes.log" | grep -E "^summary|^fill1|^lognormal|Error" | cut -c1-300
-      done ;;
+        cp $RES/packing_compile_window_$( [ -n "$shape" ] && echo fineweb-124m_)NVIDIA*.json "$LOGS/" 2>/dev/null
+      done
+      kill $smi 2>/dev/null ;;
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
         --variants ${LM_VARIANTS:-hybrid,transformer} \
