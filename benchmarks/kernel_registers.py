@@ -52,9 +52,11 @@ def main() -> None:
     for info in pkgutil.iter_modules(layers.__path__):
         mod = importlib.import_module(f"elephant.layers.{info.name}")
         for name, obj in vars(mod).items():
-            if isinstance(obj, triton.runtime.jit.JITFunction) and compiled_registers(obj):
-                kernels[f"{info.name}.{name}"] = compiled_registers(obj)
-                print(f"{info.name}.{name}", json.dumps(kernels[f"{info.name}.{name}"]), flush=True)
+            rows = (compiled_registers(obj)
+                    if isinstance(obj, triton.runtime.jit.JITFunction) else [])
+            if rows:
+                kernels[f"{info.name}.{name}"] = rows
+                print(f"{info.name}.{name}", json.dumps(rows), flush=True)
     out = {**environment(device), "command": "python benchmarks/kernel_registers.py",
            "spilling": sorted(k for k, rows in kernels.items() if any(r["spills"] for r in rows)),
            "kernels": kernels}

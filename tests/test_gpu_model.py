@@ -124,7 +124,8 @@ def random_starts(chunks, B, T, mean_len, seed=0):
 
 
 @pytest.mark.parametrize("n_mem,conv_form", [(0, "tiles"), (0, "starts"),
-                                              pytest.param(4, "tiles", marks=pytest.mark.heavy)])
+                                              pytest.param(4, "tiles", marks=pytest.mark.heavy),
+                                              pytest.param(4, "starts", marks=pytest.mark.heavy)])
 def test_packed_fast_model_equals_reference_model(n_mem, conv_form, monkeypatch):
     # conv_form: the Mamba conv's form with segments (conv_triton.SEGMENT_FORM)
     from elephant.layers import conv_triton
