@@ -557,7 +557,10 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None, state_launch=None
 
 
 def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=None,
-         state_launch=None):
+         state_launch=None, summed=True):
+    """The scan's gradients (dx, ddt, dcs, dBC, dD, dinit, dsinit). summed=False: dD per lane and
+    chunk (b, chunks, h) and dsinit per lane (b, h, p, n), for the caller to sum (the custom op
+    leaves those sums to its autograd formula, which a compiled graph fuses)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
@@ -596,8 +599,9 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
     dBC = group_sum(dBC.view(b, l, h, 2 * n), g).view(b, l, g, 2, n)
-    dD = dD.sum((0, 1)) if dD is not None else None
-    dsinit = dsinit.sum(0) if dsinit is not None else None
+    if summed:
+        dD = dD.sum((0, 1)) if dD is not None else None
+        dsinit = dsinit.sum(0) if dsinit is not None else None
     return dx, ddt, dcs, dBC, dD, dinit, dsinit
 
 
@@ -697,10 +701,13 @@ def _ssd_bwd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Option
                                                        torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor]:
     """The gradients (dx, ddt, dcs, dBC, dD, dinit, dsinit), dBC (b, l, g, 2, n) holding dB at
-    [..., 0, :] and dC at [..., 1, :]; the last three are empty when D, init or sinit is None."""
+    [..., 0, :] and dC at [..., 1, :]; dD per lane and chunk (b, chunks, h) and dsinit per lane
+    (b, h, p, n), summed by the autograd formula (traced, so a compiled graph fuses the sums
+    instead of launching them from inside this op); the last three are empty when D, init or
+    sinit is None."""
     with _on_device(x):
         grads = _bwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
-                     _contiguous(sinit), states.contiguous(), dy, dfinal, Q)
+                     _contiguous(sinit), states.contiguous(), dy, dfinal, Q, summed=False)
     return tuple(g if g is not None else x.new_empty(0, dtype=torch.float32) for g in grads)
 
 
@@ -712,8 +719,9 @@ def _(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
     def f32(*shape):
         return x.new_empty(*shape, dtype=torch.float32)
     return (x.new_empty(b, l, h, p), f32(b, l, h), f32(b, h, nc, Q), f32(b, l, g, 2, n),
-            f32(h) if D is not None else f32(0), f32(b, h, p, n) if init is not None else f32(0),
-            f32(h, p, n) if sinit is not None else f32(0))
+            f32(b, nc, h) if D is not None else f32(0),
+            f32(b, h, p, n) if init is not None else f32(0),
+            f32(b, h, p, n) if sinit is not None else f32(0))
 
 
 def _ssd_setup(ctx, inputs, output):
@@ -732,6 +740,8 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
     dx, ddt, dcs, dBC, dD, dinit, dsinit = _ssd_bwd_op(
         x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q)
     dD, dinit, dsinit = (_none_if_empty(t) for t in (dD, dinit, dsinit))
+    dD = dD.sum((0, 1)) if dD is not None else None
+    dsinit = dsinit.sum(0) if dsinit is not None else None
     return (dx, ddt.to(dt.dtype), dcs, None, dBC[..., 0, :].to(B.dtype), dBC[..., 1, :].to(C.dtype),
             dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
 
