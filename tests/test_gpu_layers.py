@@ -298,3 +298,29 @@ def test_qkv_kernel_equals_the_plain_project_on_cuda(dtype, compiled):
     assert got_g.keys() == want_g.keys() and "q_norm.weight" in got_g
     for name, g in want_g.items():
         assert rel_err(got_g[name], g) < tol, name
+
+
+# ------------------------------------------------------------------------------- gated norm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gated_norm_kernel_equals_reference_on_cuda(dtype, compiled):
+    # the Mamba block's gated RMSNorm with the Triton backward against autograd of the same ops
+    # in float64, at the recipe's row width, z a strided slice of a wider projection output
+    from elephant.layers import norm_triton
+    B, L, D = 4, 264, 1024
+    wide = randn(B, L, 2 * D + 80, dtype=dtype, seed=1)
+    z = wide[..., :D].detach().requires_grad_()
+    y = randn(B, L, D, dtype=dtype, seed=2).requires_grad_()
+    w = (randn(D, seed=3) * 0.2 + 1).requires_grad_()
+    dout = randn(B, L, D, dtype=dtype, seed=4)
+    fn = (torch.compile(norm_triton.gated_rmsnorm, dynamic=False) if compiled
+          else norm_triton.gated_rmsnorm)
+    out = fn(y, z, w, 1e-5)
+    out.backward(dout)
+    refs = [t.detach().double().requires_grad_() for t in (y, z, w)]
+    want = norm_triton.reference(*refs, 1e-5)
+    want.backward(dout.double())
+    assert out.dtype == dtype and y.grad.dtype == dtype and z.grad.dtype == dtype
+    tol = REL_TOL[dtype] / 2
+    for got, ref in zip((out, y.grad, z.grad, w.grad), (want, *(t.grad for t in refs))):
+        assert rel_err(got, ref) < tol

@@ -506,6 +506,27 @@ if HAS_TRITON:
             tl.store(dtail_ptr + slot[:, None] * (K - 1) + col[None, :], dtail,
                      mask=cm[:, None] & (col < K - 1)[None, :])
 
+    @triton.jit
+    def _conv_dstate_kernel(g_ptr, w_ptr, seg_ptr, ds_ptr, L, C, sgb, sgl, sgc,
+                            K: tl.constexpr, HAS_SEG: tl.constexpr, BC: tl.constexpr):
+        """The carried inputs' gradient, lane program_id(0), BC channels: input i of the state
+        (position i - (K-1)) is read by outputs t = i - (K-1) + s < L through tap s, where t is
+        in the carried document (segment 0). ds (B, C, K-1) float32; g read in its dtype, as the
+        conv's backward reads it (so a compiled graph need not keep a float32 copy of g)."""
+        b = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = c < C
+        for i in tl.static_range(K - 1):
+            acc = tl.zeros([BC], dtype=tl.float32)
+            for s in tl.static_range(K - 1 - i, K):
+                t = i - (K - 1) + s
+                m = cm & (t < L)
+                if HAS_SEG:
+                    m = m & (tl.load(seg_ptr + b * L + t, mask=t < L, other=1) == 0)
+                gv = tl.load(g_ptr + b * sgb + t * sgl + c * sgc, mask=m, other=0.0).to(tl.float32)
+                acc += gv * tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
+            tl.store(ds_ptr + (b.to(tl.int64) * C + c) * (K - 1) + i, acc, mask=cm)
+
 # (tokens, channels, warps) per program on the GPU, forward and backward. With segments the chunk
 # takes two launches: the kernel without segments over every tile (exactly the unpacked path's
 # kernel), then one over the same tiles that recomputes, over the first one's output, only the few
@@ -683,19 +704,12 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
             K=K, HAS_TAIL=has_tail, BT=triton.next_power_of_2(K - 1), BC=BC,
             KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), BS=BS,
             NB=triton.cdiv(L, BS), num_warps=warps)
-    # the carried inputs' gradient: input i of the state (position i - (K-1)) is read by outputs
-    # t = i - (K-1) + s < L through tap s, if they are in the carried document (segment 0)
-    K1 = K - 1
-    gh = g[:, :K1].float()                                                  # (B, <=K-1, C)
-    if seg is not None:
-        gh = torch.where((seg[:, :gh.shape[1]] == 0)[:, :, None], gh, 0.0)
-    w = weight.float().view(C, K)
-    dstate = torch.zeros(B, C, K1, device=x.device, dtype=torch.float32)
-    for i in range(K1):
-        for s in range(K1 - i, K):
-            t = i - K1 + s
-            if t < gh.shape[1]:
-                dstate[:, :, i] += gh[:, t] * w[:, K - 1 - s]
+    # the carried inputs' gradient (_conv_dstate_kernel)
+    dstate = torch.empty(B, C, K - 1, device=x.device, dtype=torch.float32)
+    DBC = 32 if _INTERPRET else 128
+    torch.library.wrap_triton(_conv_dstate_kernel)[(B, triton.cdiv(C, DBC))](
+        g, weight, seg_, dstate, L, C, g.stride(0), g.stride(1), g.stride(2), K=K,
+        HAS_SEG=has_seg, BC=DBC, num_warps=1 if _INTERPRET else 4)
     dw = dw.sum(0)
     if fix:
         dw = dw + dw_fix.sum(0)

@@ -34,23 +34,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers import conv_triton
+from elephant.layers import conv_triton, norm_triton
 from elephant.layers.ssd import add_segment_init, ssd_scan
 
 
 class GatedRMSNorm(nn.Module):
-    """rmsnorm(y * silu(z)) * weight, computed in float32 (Mamba-2's norm_before_gate=False)."""
+    """rmsnorm(y * silu(z)) * weight, computed in float32 (Mamba-2's norm_before_gate=False).
+    On CUDA its backward is one Triton kernel (`norm_triton`; `fused = False` keeps autograd's
+    backward of the same ops, the reference)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fused: bool = True):
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(y.dtype, torch.float32)
-        h = y.to(dtype) * F.silu(z.to(dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.to(dtype)).to(y.dtype)
+        if self.fused and y.is_cuda and norm_triton.supported(y, z):
+            return norm_triton.gated_rmsnorm(y, z, self.weight, self.eps)
+        return norm_triton.reference(y, z, self.weight, self.eps)
 
 
 def segment_conv(window: torch.Tensor, seg: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
