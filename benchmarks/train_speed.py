@@ -109,6 +109,29 @@ def compile_failures(name: str, after_warmup: dict, after_timed: dict, compiled:
 
 
 # ------------------------------------------------------------------------------- measuring
+class GCPauses:
+    """The cyclic garbage collector's collections inside a region: count and host pause (ms) by
+    generation (a pause of the host between launches idles the GPU when it runs out of work)."""
+
+    def __enter__(self):
+        self.stats = {g: {"collections": 0, "pause_ms": 0.0, "max_ms": 0.0} for g in range(3)}
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._t0) * 1e3
+        s = self.stats[info["generation"]]
+        s["collections"] += 1
+        s["pause_ms"] += ms
+        s["max_ms"] = max(s["max_ms"], ms)
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+
 class Clock:
     """Wall time of a region: CUDA events on the GPU, perf_counter on the CPU."""
 
@@ -347,7 +370,7 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
     warm = dynamo_counts()
     peak_reset(device)
     real = 0
-    with Clock(device) as clock:
+    with GCPauses() as pauses, Clock(device) as clock:
         for _ in range(args.steps):
             real += trainer.train_step()["tokens"]   # every rank's (the trainer all-reduces it)
     timed = dynamo_counts()
@@ -361,7 +384,7 @@ def run_trainer(args, kind: str, device, workdir: Path) -> tuple[dict, str, obje
            "compiled": compiled, "ms_per_step": clock.seconds / args.steps * 1e3,
            "tokens_per_s": tokens_per_s, "real_tokens_per_s": real / clock.seconds,
            "fill": real / (slots * world * args.steps), "mfu": mfu(flops, tokens_per_s / world, device),
-           "peak_mem_gb": peak_gb(device), "dynamo": timed,
+           "peak_mem_gb": peak_gb(device), "dynamo": timed, "gc": pauses.stats,
            "failures": compile_failures(kind, warm, timed, compiled)}
     if args.phases:
         try:

@@ -1,0 +1,26 @@
+"""benchmarks/clocks_by_span.py: nvidia-smi samples averaged over the spans a benchmark records."""
+import json
+
+from benchmarks import clocks_by_span
+
+
+def test_samples_are_averaged_over_each_span_in_utc(tmp_path, capsys):
+    csv = tmp_path / "clocks.csv"
+    csv.write_text(
+        "timestamp, clocks.current.sm [MHz], clocks.current.memory [MHz], power.draw [W], temperature.gpu\n"
+        "2026/11/26 11:00:00.000, 1000 MHz, 2619 MHz, 100.00 W, 30\n"
+        "2026/11/26 11:00:00.500, 1800 MHz, 2619 MHz, 600.00 W, 50\n"
+        "2026/11/26 11:00:01.000, 1900 MHz, 2619 MHz, 700.00 W, 60\n"
+        "2026/11/26 11:00:02.000, 1500 MHz, 2619 MHz, 300.00 W, 40\n")
+    t0 = 1795690800.0   # 2026-11-26 11:00:00 UTC
+    spans = [{"path": "a", "round": 0, "start": t0 + 0.2, "end": t0 + 1.2},
+             {"path": "b", "round": 0, "start": t0 + 1.5, "end": t0 + 1.9}]
+    rows = clocks_by_span.by_span(clocks_by_span.read_samples(str(csv)), spans)
+    assert rows[0]["samples"] == 2 and rows[0]["sm_mhz"] == 1850 and rows[0]["power_w"] == 650
+    assert (rows[0]["sm_min"], rows[0]["sm_max"], rows[0]["temp_c"]) == (1800, 1900, 55)
+    assert rows[1]["samples"] == 0 and "sm_mhz" not in rows[1]
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"spans": spans}))
+    assert clocks_by_span.main([str(csv), str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "1850 MHz (1800-1900)" in out and "no samples" in out
