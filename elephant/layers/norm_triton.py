@@ -7,7 +7,8 @@ inductor, wrote dLoss/d(y * silu(z)) as a float32 tensor of the whole chunk (the
 reduces the weight's gradient over the rows could not also take the two products after it), then
 read it back twice: once for y's gradient, once for z's, each a kernel of its own. At the wt103-70m
 shape (32 x 528 tokens, 1,024 channels) those three passes took ~200 us a Mamba layer's chunk,
-where the bytes (read dout, y, z; write dy, dz) take ~60. Here one program walks blocks of rows:
+where the bytes (read dout, y, z; write dy, dz) take ~60 (this kernel: ~87, LAUNCH). Here one
+program walks blocks of rows:
 it recomputes y * silu(z) and its RMS from y and z, writes dy and dz in their dtypes, and piles the
 weight's gradient up in registers (one float32 row of partial sums a program, summed by torch).
 
@@ -59,11 +60,12 @@ def reference(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 if HAS_TRITON:
     @triton.jit
-    def _gated_norm_bwd_kernel(dout_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, N, D, s_do, s_y, s_z,
-                    eps, ITERS: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
-        """Row blocks pid, pid + P, ... (ITERS of them, a constant of the kernel; the last ones past N masked) of (N, D)
-        (rows at strides s_*, unit stride over D; dy and dz contiguous); this program's partial
-        sums of the weight's gradient to dw_ptr[pid]."""
+    def _gated_norm_bwd_kernel(dout_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, N, D, s_do,
+                               s_y, s_z, eps, ITERS: tl.constexpr, ROWS: tl.constexpr,
+                               BD: tl.constexpr):
+        """Row blocks pid, pid + P, ... of (N, D) (ITERS of them, a constant of the kernel; those
+        past N masked), rows at strides s_*, unit stride over D; dy and dz contiguous. This
+        program's partial sums of the weight's gradient to dw_ptr[pid]."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BD)[None, :]
