@@ -12,7 +12,7 @@ from benchmarks.common import saved_bytes
 from elephant.config import ModelConfig
 from elephant.layers import elephant as E
 from elephant.layers.elephant import (ElephantMLP, elephant, elephant_glu, elephant_glu_ref,
-                                      elephant_ref, glu_down)
+                                      elephant_ref, glu_down, glu_down_cat)
 
 SPECIAL = [0.0, -0.0, 1e-30, -1e-30, 1e-4, -0.3, 0.999, 1.0, -1.0, 1.001, 2.0, -7.5, 60.0, 7e4,
            -1e6, 3e38]
@@ -107,6 +107,24 @@ def test_gradcheck_fp64(a, d):
     assert torch.autograd.gradcheck(lambda x: elephant(x, a, d), (g,))
     assert torch.autograd.gradcheck(lambda u, g: elephant_glu(u, g, a, d), (u, g))
     assert torch.autograd.gradcheck(lambda u, g, w: glu_down(u, g, w, a, d), (u, g, w))
+    ug = torch.cat([u, g], -1).detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda ug, w: glu_down_cat(ug, w, a, d), (ug, w))
+
+
+def test_glu_down_cat_equals_glu_down_on_the_halves():
+    # [u | g] in one tensor (the MLP's one product) against u and g apart: values and gradients
+    gen = torch.Generator().manual_seed(6)
+    ug = (torch.randn(2, 7, 2 * 12, dtype=torch.float64, generator=gen) * 2).requires_grad_()
+    w = torch.randn(5, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    u, g = (t.detach().clone().requires_grad_() for t in ug.split(12, -1))
+    w2 = w.detach().clone().requires_grad_()
+    dy = torch.randn(2, 7, 5, dtype=torch.float64, generator=gen)
+    y, y_ref = glu_down_cat(ug, w, 0.7, 3.0), glu_down(u, g, w2, 0.7, 3.0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-14)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(ug.grad, torch.cat([u.grad, g.grad], -1), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_non_contiguous_inputs():
@@ -136,6 +154,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(E._act_op, (g.requires_grad_(), 1.0, 8.0))
     torch.library.opcheck(E._glu_op, (u.requires_grad_(), g, 1.0, 8.0))
     torch.library.opcheck(E._glu_bwd_op, (dy, u.detach(), g.detach(), 1.0, 8.0))
+    ug = torch.cat([u, g], -1).detach()   # the op has no autograd formula of its own (_GLUDownCat)
+    torch.library.opcheck(E._glu_cat_op, (ug, 1.0, 8.0))
+    torch.library.opcheck(E._glu_cat_bwd_op, (dy, ug, 1.0, 8.0))
 
 
 def test_mlp_traces_in_one_graph():
@@ -181,6 +202,27 @@ def test_triton_kernels_take_non_contiguous_inputs():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@needs_interpreter
+@quiet_numpy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_cat_kernels_match_eager(dtype):
+    # [u | g] rows read in place from a slice of a wider tensor (row stride 2F + 6), F = 37 (not
+    # a power of two), a last block cut short; [du | dg] written whole
+    F2 = 37
+    wide = torch.randn(3, 29, 2 * F2 + 6) * 3
+    ug = wide.to(dtype)[..., 3:3 + 2 * F2]
+    assert ug.stride(-2) == 2 * F2 + 6
+    dy = torch.randn(3, 29, F2).to(dtype)
+    u, g = ug[..., :F2], ug[..., F2:]
+    y = E.forward_cat_triton(ug, 0.8, 8.0)
+    dug = E.backward_cat_triton(dy, ug, 0.8, 8.0)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    assert y.shape == (3, 29, F2) and dug.shape == ug.shape and dug.is_contiguous()
+    torch.testing.assert_close(y, E._forward(u, g, 0.8, 8.0), **tol)
+    du, dg = E._backward(dy, u, g, 0.8, 8.0)
+    torch.testing.assert_close(dug, torch.cat([du, dg], -1), **tol)
+
+
 # ------------------------------------------------------------------------------- memory
 def test_fused_glu_keeps_only_u_and_g():
     u = torch.randn(64, 96, requires_grad=True)
@@ -191,7 +233,7 @@ def test_fused_glu_keeps_only_u_and_g():
     assert saved_bytes(elephant_glu_ref, u, g) >= 4 * nbytes   # |g|, |g|^d, f, u (and more)
 
 
-def test_fused_mlp_keeps_input_u_and_g():
+def test_fused_mlp_keeps_input_and_u_g():
     cfg = ModelConfig(d_model=32, d_mlp=96)
     mlp = ElephantMLP(cfg)
     h = torch.randn(4, 16, 32, requires_grad=True)
@@ -199,7 +241,8 @@ def test_fused_mlp_keeps_input_u_and_g():
     fused = saved_bytes(mlp, h, exclude=mlp.parameters())
     mlp.fused = False
     reference = saved_bytes(mlp, h, exclude=mlp.parameters())
-    assert fused == 4 * tokens * (32 + 2 * 96)               # h, u, g
+    # h and [u | g] per token, and the stacked up/gate weight the one product reads (per layer)
+    assert fused == 4 * tokens * (32 + 2 * 96) + 4 * (2 * 96) * 32
     assert reference >= 4 * tokens * (32 + 6 * 96)            # h, u, g, |g|, |g|^d, f, product
 
 

@@ -104,6 +104,8 @@ def test_kernel_kinds():
         "_state_pass_bwd_kernel": "ssd scan",   # (the kernel before 2026-11-25, in older profiles)
         "_conv_fwd_kernel": "conv",
         "_bwd_kernel": "elephant activation",
+        "_glu_cat_bwd_kernel": "elephant activation",   # its "cat_" is not a copy
+        "_gated_norm_bwd_kernel": "norm",
         "triton_red_fused__to_copy_arange_eq_exp_gather_logsumexp_mul": "loss",
         "_ce_kernel": "loss",
         "triton_per_fused__fused_rms_norm_backward__to_copy_add_view_16": "norm",

@@ -115,6 +115,35 @@ if HAS_TRITON:
             dy = dy * u
         tl.store(dg_ptr + offs, (dy * df).to(dg_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _glu_cat_fwd_kernel(ug_ptr, y_ptr, n, s_ug, inv_a, d, F: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """y = u * f(g) for rows [u | g] of ug (row stride s_ug, F columns each half); y (n / F,
+        F) contiguous."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        src = ug_ptr + (offs // F) * s_ug + offs % F
+        u = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(src + F, mask=m, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, (u * _f_tl(g, inv_a, d)).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _glu_cat_bwd_kernel(dy_ptr, ug_ptr, dug_ptr, n, s_ug, inv_a, d, F: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """[du | dg] rows of dug (contiguous, 2F columns) from dy (n / F, F) contiguous and the
+        rows [u | g] of ug (row stride s_ug)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        row, col = offs // F, offs % F
+        src = ug_ptr + row * s_ug + col
+        u = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(src + F, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        f, df = _f_df_tl(g, inv_a, d)
+        dst = dug_ptr + row * (2 * F) + col
+        tl.store(dst, (dy * f).to(dug_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + F, (dy * u * df).to(dug_ptr.dtype.element_ty), mask=m)
+
 _BLOCK = 1024
 
 
@@ -152,6 +181,37 @@ def backward_triton(dy: Tensor, u: Tensor | None, g: Tensor, a: float, d: float
 
 def _use_triton(t: Tensor) -> bool:
     return HAS_TRITON and t.is_cuda and t.dtype in _TRITON_DTYPES
+
+
+def _cat_rows(ug: Tensor) -> Tensor:
+    """ug (..., 2F) as (N, 2F) rows with unit stride over the columns (a view where it can be)."""
+    r = ug.reshape(-1, ug.shape[-1])
+    return r if r.stride(1) == 1 else r.contiguous()
+
+
+def forward_cat_triton(ug: Tensor, a: float, d: float) -> Tensor:
+    """u * f(g) for ug = [u | g] along the last dimension, read in place, by the Triton kernel."""
+    rows = _cat_rows(ug)
+    F2 = ug.shape[-1] // 2
+    y = torch.empty(*ug.shape[:-1], F2, dtype=ug.dtype, device=ug.device)
+    n = y.numel()
+    if n:
+        _glu_cat_fwd_kernel[_grid(n)](rows, y, n, rows.stride(0), 1.0 / a, float(d), F=F2,
+                                  BLOCK=_BLOCK, num_warps=4)
+    return y
+
+
+def backward_cat_triton(dy: Tensor, ug: Tensor, a: float, d: float) -> Tensor:
+    """The gradient [du | dg] (ug's shape, contiguous) of forward_cat_triton."""
+    rows = _cat_rows(ug)
+    F2 = ug.shape[-1] // 2
+    dy = dy.contiguous()
+    dug = torch.empty(ug.shape, dtype=ug.dtype, device=ug.device)
+    n = dy.numel()
+    if n:
+        _glu_cat_bwd_kernel[_grid(n)](dy, rows, dug, n, rows.stride(0), 1.0 / a, float(d), F=F2,
+                                  BLOCK=_BLOCK, num_warps=4)
+    return dug
 
 
 # ------------------------------------------------------------------------------- the ops
@@ -255,6 +315,42 @@ def _glu_grad(ctx, dy):
 torch.library.register_autograd("elephant::glu", _glu_grad, setup_context=_glu_setup)
 
 
+def _split(ug: Tensor) -> tuple[Tensor, Tensor]:
+    F2 = ug.shape[-1] // 2
+    return ug[..., :F2], ug[..., F2:]
+
+
+def _check_cat(ug: Tensor) -> None:
+    torch._check(ug.shape[-1] % 2 == 0,
+                 lambda: f"elephant_glu_cat: the last dimension {ug.shape[-1]} must be even")
+
+
+@torch.library.custom_op("elephant::glu_cat", mutates_args=())
+def _glu_cat_op(ug: Tensor, a: float, d: float) -> Tensor:
+    _check_cat(ug)
+    if _use_triton(ug):
+        return forward_cat_triton(ug, a, d)
+    return _forward(*_split(ug), a, d)
+
+
+@_glu_cat_op.register_fake
+def _(ug, a, d):
+    _check_cat(ug)
+    return ug.new_empty(*ug.shape[:-1], ug.shape[-1] // 2)
+
+
+@torch.library.custom_op("elephant::glu_cat_backward", mutates_args=())
+def _glu_cat_bwd_op(dy: Tensor, ug: Tensor, a: float, d: float) -> Tensor:
+    if _use_triton(ug):
+        return backward_cat_triton(dy, ug, a, d)
+    return torch.cat(_backward(dy, *_split(ug), a, d), dim=-1)
+
+
+@_glu_cat_bwd_op.register_fake
+def _(dy, ug, a, d):
+    return ug.new_empty(ug.shape)
+
+
 def elephant(x: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
     """f(x), fused: keeps only x for backward and recomputes f there."""
     return _act_op(x, float(a), float(d))
@@ -291,12 +387,40 @@ def glu_down(u: Tensor, g: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.
     return _GLUDown.apply(u, g, weight, float(a), float(d))
 
 
+class _GLUDownCat(torch.autograd.Function):
+    """`_GLUDown` for ug = [u | g] in one tensor (one product made both): keeps ug (and W); its
+    gradient is one [du | dg] tensor, which the product's backward takes whole."""
+
+    @staticmethod
+    def forward(ctx, ug: Tensor, weight: Tensor, a: float, d: float) -> Tensor:
+        h = _glu_cat_op(ug, a, d)
+        ctx.save_for_backward(ug, weight)
+        ctx.a, ctx.d = a, d
+        return F.linear(h, weight.to(h.dtype))
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        ug, weight = ctx.saved_tensors
+        h = _glu_cat_op(ug, ctx.a, ctx.d)                             # (..., d_mlp) recomputed
+        dy = dy.to(h.dtype)
+        dh = dy @ weight.to(h.dtype)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+        return _glu_cat_bwd_op(dh, ug, ctx.a, ctx.d), dw.to(weight.dtype), None, None
+
+
+def glu_down_cat(ug: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
+    """down(u * f(g)) for ug = [u | g] along the last dimension (F.linear(., weight) as down),
+    keeping only ug for backward."""
+    return _GLUDownCat.apply(ug, weight, float(a), float(d))
+
+
 # ------------------------------------------------------------------------------- the MLP
 class ElephantMLP(nn.Module):
     """down(up(h) * f(gate(h))), no biases.
 
-    `fused=True` (default) uses `glu_down` (keeps h, u, g per layer), except for a few tokens inside
-    a compiled graph (`inline_in_graph`); `fused=False` is the plain autograd reference.
+    `fused=True` (default) makes u and g by one product and uses `glu_down_cat` (keeps h and
+    [u | g] per layer), except for a few tokens inside a compiled graph (`inline_in_graph`);
+    `fused=False` is the plain autograd reference.
     Initialization: normal(cfg.init_std) for every weight here; the model's own `reset_parameters`
     rescales `down` (a residual output) by name. `reset_parameters(std, out_std)` does both
     explicitly.
@@ -318,7 +442,10 @@ class ElephantMLP(nn.Module):
         nn.init.normal_(self.down.weight, std=std if out_std is None else out_std)
 
     def forward(self, h: Tensor) -> Tensor:
-        u, g = self.up(h), self.gate(h)                                # (B, T, d_mlp) each
         if self.fused and not inline_in_graph(h, h.numel() // h.shape[-1]):
-            return glu_down(u, g, self.down.weight, self.a, self.d)
+            # up and gate as one product (their weights stacked: one pass over h, and in the
+            # backward one product for h's gradient over [du | dg], which the kernel writes whole)
+            ug = F.linear(h, torch.cat([self.up.weight, self.gate.weight]))   # (B, T, 2 d_mlp)
+            return glu_down_cat(ug, self.down.weight, self.a, self.d)
+        u, g = self.up(h), self.gate(h)                                # (B, T, d_mlp) each
         return self.down(elephant_glu_ref(u, g, self.a, self.d))
