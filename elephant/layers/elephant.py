@@ -9,7 +9,10 @@ Why a fused op: autograd through the plain expression keeps five tensors of the 
 per layer (|g/a|, its power, f, u and the product), and its pow backward turns inf * 0 into NaN
 once |g/a|^d overflows. `elephant_glu(u, g)` is one op that keeps only u and g and recomputes f in
 backward; `glu_down(u, g, W)` goes one step further and also recomputes the product that the down
-projection would otherwise keep, so the whole MLP keeps its input, u and g.
+projection would otherwise keep, so the whole MLP keeps its input, u and g. The MLP makes u and g
+by one product (its up and gate weights stacked) and calls `glu_down_cat([u | g], W)`, whose
+kernels read the halves in place and write the gradient [du | dg] whole, so that the product's
+backward is one matrix product for its input's gradient, not two and an addition.
 
 Derivative, written so that it is finite everywhere (z = |x| / a, f = f(x)):
     f'(x) = -sign(x) * d / a * w,   w = z^(d-1) f^2
