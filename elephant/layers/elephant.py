@@ -200,7 +200,7 @@ def forward_cat_triton(ug: Tensor, a: float, d: float) -> Tensor:
     n = y.numel()
     if n:
         _glu_cat_fwd_kernel[_grid(n)](rows, y, n, rows.stride(0), 1.0 / a, float(d), F=F2,
-                                  BLOCK=_BLOCK, num_warps=4)
+                                      BLOCK=_BLOCK, num_warps=4)
     return y
 
 
@@ -212,8 +212,8 @@ def backward_cat_triton(dy: Tensor, ug: Tensor, a: float, d: float) -> Tensor:
     dug = torch.empty(ug.shape, dtype=ug.dtype, device=ug.device)
     n = dy.numel()
     if n:
-        _glu_cat_bwd_kernel[_grid(n)](dy, rows, dug, n, rows.stride(0), 1.0 / a, float(d), F=F2,
-                                  BLOCK=_BLOCK, num_warps=4)
+        _glu_cat_bwd_kernel[_grid(n)](dy, rows, dug, n, rows.stride(0), 1.0 / a, float(d),
+                                      F=F2, BLOCK=_BLOCK, num_warps=4)
     return dug
 
 
@@ -325,7 +325,7 @@ def _split(ug: Tensor) -> tuple[Tensor, Tensor]:
 
 def _check_cat(ug: Tensor) -> None:
     torch._check(ug.shape[-1] % 2 == 0,
-                 lambda: f"elephant_glu_cat: the last dimension {ug.shape[-1]} must be even")
+                 lambda: f"glu_down_cat: [u | g]'s last dimension {ug.shape[-1]} must be even")
 
 
 @torch.library.custom_op("elephant::glu_cat", mutates_args=())
