@@ -233,23 +233,27 @@ def test_fused_glu_keeps_only_u_and_g():
     assert saved_bytes(elephant_glu_ref, u, g) >= 4 * nbytes   # |g|, |g|^d, f, u (and more)
 
 
-def test_fused_mlp_keeps_input_and_u_g():
+@pytest.mark.parametrize("one_product", [False, True])
+def test_fused_mlp_keeps_input_and_u_g(one_product):
     cfg = ModelConfig(d_model=32, d_mlp=96)
     mlp = ElephantMLP(cfg)
+    mlp.one_product = one_product
     h = torch.randn(4, 16, 32, requires_grad=True)
     tokens = 4 * 16
     fused = saved_bytes(mlp, h, exclude=mlp.parameters())
     mlp.fused = False
     reference = saved_bytes(mlp, h, exclude=mlp.parameters())
-    # h and [u | g] per token, and the stacked up/gate weight the one product reads (per layer)
-    assert fused == 4 * tokens * (32 + 2 * 96) + 4 * (2 * 96) * 32
+    # h and u, g ([u | g]) per token; one product also keeps the stacked up/gate weight it read
+    assert fused == 4 * tokens * (32 + 2 * 96) + (4 * (2 * 96) * 32 if one_product else 0)
     assert reference >= 4 * tokens * (32 + 6 * 96)            # h, u, g, |g|, |g|^d, f, product
 
 
-def test_fused_mlp_equals_reference_mlp():
+@pytest.mark.parametrize("one_product", [False, True])
+def test_fused_mlp_equals_reference_mlp(one_product):
     torch.manual_seed(5)
     cfg = ModelConfig(d_model=24, d_mlp=40, elephant_a=0.5, elephant_d=4.0)
     mlp = ElephantMLP(cfg).double()
+    mlp.one_product = one_product
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.3)
     h = torch.randn(3, 7, 24, dtype=torch.float64, requires_grad=True)
