@@ -37,7 +37,7 @@ from elephant.layers import inline_in_graph
 
 # Triton is optional: the eager path needs nothing
 from elephant.layers.triton_env import FLOAT_DTYPES as _TRITON_DTYPES
-from elephant.layers.triton_env import HAS_TRITON, tl, triton
+from elephant.layers.triton_env import HAS_TRITON, tl, triton, unit_stride_rows
 
 
 # ------------------------------------------------------------------------------- reference
@@ -186,15 +186,9 @@ def _use_triton(t: Tensor) -> bool:
     return HAS_TRITON and t.is_cuda and t.dtype in _TRITON_DTYPES
 
 
-def _cat_rows(ug: Tensor) -> Tensor:
-    """ug (..., 2F) as (N, 2F) rows with unit stride over the columns (a view where it can be)."""
-    r = ug.reshape(-1, ug.shape[-1])
-    return r if r.stride(1) == 1 else r.contiguous()
-
-
 def forward_cat_triton(ug: Tensor, a: float, d: float) -> Tensor:
     """u * f(g) for ug = [u | g] along the last dimension, read in place, by the Triton kernel."""
-    rows = _cat_rows(ug)
+    rows = unit_stride_rows(ug)
     F2 = ug.shape[-1] // 2
     y = torch.empty(*ug.shape[:-1], F2, dtype=ug.dtype, device=ug.device)
     n = y.numel()
@@ -206,7 +200,7 @@ def forward_cat_triton(ug: Tensor, a: float, d: float) -> Tensor:
 
 def backward_cat_triton(dy: Tensor, ug: Tensor, a: float, d: float) -> Tensor:
     """The gradient [du | dg] (ug's shape, contiguous) of forward_cat_triton."""
-    rows = _cat_rows(ug)
+    rows = unit_stride_rows(ug)
     F2 = ug.shape[-1] // 2
     dy = dy.contiguous()
     dug = torch.empty(ug.shape, dtype=ug.dtype, device=ug.device)
@@ -364,6 +358,15 @@ def elephant_glu(u: Tensor, g: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor
     return _glu_op(u, g, float(a), float(d))
 
 
+def _down_grads(dy: Tensor, h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward of y = F.linear(h, weight) in h's dtype: (dh (..., d_mlp), dweight in
+    weight's dtype)."""
+    dy = dy.to(h.dtype)
+    dh = dy @ weight.to(h.dtype)
+    dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (d_model, d_mlp)
+    return dh, dw.to(weight.dtype)
+
+
 class _GLUDown(torch.autograd.Function):
     """y = (u * f(g)) @ W^T keeping u, g (and W); the product is recomputed in backward."""
 
@@ -378,11 +381,9 @@ class _GLUDown(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         u, g, weight = ctx.saved_tensors
         h = _glu_op(u, g, ctx.a, ctx.d)                               # (..., d_mlp) recomputed
-        dy = dy.to(h.dtype)
-        dh = dy @ weight.to(h.dtype)                                   # (..., d_mlp)
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])  # (d_model, d_mlp)
+        dh, dw = _down_grads(dy, h, weight)
         du, dg = _glu_bwd_op(dh, u, g, ctx.a, ctx.d)
-        return du, dg, dw.to(weight.dtype), None, None
+        return du, dg, dw, None, None
 
 
 def glu_down(u: Tensor, g: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:
@@ -405,10 +406,8 @@ class _GLUDownCat(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         ug, weight = ctx.saved_tensors
         h = _glu_cat_op(ug, ctx.a, ctx.d)                             # (..., d_mlp) recomputed
-        dy = dy.to(h.dtype)
-        dh = dy @ weight.to(h.dtype)
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
-        return _glu_cat_bwd_op(dh, ug, ctx.a, ctx.d), dw.to(weight.dtype), None, None
+        dh, dw = _down_grads(dy, h, weight)
+        return _glu_cat_bwd_op(dh, ug, ctx.a, ctx.d), dw, None, None
 
 
 def glu_down_cat(ug: Tensor, weight: Tensor, a: float = 1.0, d: float = 8.0) -> Tensor:

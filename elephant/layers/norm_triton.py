@@ -32,6 +32,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import unit_stride_rows
 
 # (rows a program takes at once, warps, programs per SM) of the backward on the GPU: a (ROWS, D)
 # tile of each tensor at a time, the programs walking the row blocks in turn. Set from
@@ -101,17 +102,11 @@ def _programs(x: Tensor, blocks: int, per_sm: int) -> int:
     return max(1, min(blocks, 4))   # the interpreter: a few programs, each walking several blocks
 
 
-def _rows(t: Tensor, D: int) -> Tensor:
-    """(N, D) rows of t without a copy where its strides allow it (unit stride over D)."""
-    r = t.reshape(-1, D)
-    return r if r.stride(1) == 1 else r.contiguous()
-
-
 @torch.library.triton_op("elephant::gated_rmsnorm_backward", mutates_args=())
 def _bwd_op(dout: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor]:
     D = y.shape[-1]
-    do, yr, zr = _rows(dout, D), _rows(y, D), _rows(z, D)
+    do, yr, zr = unit_stride_rows(dout), unit_stride_rows(y), unit_stride_rows(z)
     N = yr.shape[0]
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
     dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)

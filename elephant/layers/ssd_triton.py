@@ -600,9 +600,15 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
     dBC = group_sum(dBC.view(b, l, h, 2 * n), g).view(b, l, g, 2, n)
     if summed:
-        dD = dD.sum((0, 1)) if dD is not None else None
-        dsinit = dsinit.sum(0) if dsinit is not None else None
+        dD, dsinit = _sum_parts(dD, dsinit)
     return dx, ddt, dcs, dBC, dD, dinit, dsinit
+
+
+def _sum_parts(dD, dsinit):
+    """dD per lane and chunk (b, chunks, h) -> (h,); dsinit per lane (b, h, p, n) -> (h, p, n)
+    (None stays None)."""
+    return (dD.sum((0, 1)) if dD is not None else None,
+            dsinit.sum(0) if dsinit is not None else None)
 
 
 # ------------------------------------------------------------------------------- custom ops
@@ -740,8 +746,7 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
     dx, ddt, dcs, dBC, dD, dinit, dsinit = _ssd_bwd_op(
         x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q)
     dD, dinit, dsinit = (_none_if_empty(t) for t in (dD, dinit, dsinit))
-    dD = dD.sum((0, 1)) if dD is not None else None
-    dsinit = dsinit.sum(0) if dsinit is not None else None
+    dD, dsinit = _sum_parts(dD, dsinit)
     return (dx, ddt.to(dt.dtype), dcs, None, dBC[..., 0, :].to(B.dtype), dBC[..., 1, :].to(C.dtype),
             dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
 

@@ -18,3 +18,11 @@ except ImportError:
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """t (..., D) as (N, D) rows with unit stride over D: a view where t's strides allow it (e.g. a
+    column slice of a wider projection output), else a contiguous copy. Row kernels read it at
+    its row stride."""
+    r = t.reshape(-1, t.shape[-1])
+    return r if r.stride(1) == 1 else r.contiguous()
