@@ -4,6 +4,9 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 TORCH ?= torch==2.13.0
+# test processes (pytest-xdist): each test runs on one thread (tests/conftest.py), so two
+# processes keep both cores of a CI machine busy; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 
 .PHONY: setup test quickstart clean
 
@@ -17,7 +20,7 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 quickstart: setup
 	$(BIN)/python train.py --config configs/default.toml
