@@ -427,8 +427,9 @@ class ElephantLM(nn.Module):
 
         compile_for("window") compiles the chunks' steps (`_window_chunks`) as one graph, so that
         the window's backward is one graph too: each weight's gradient is summed over the
-        chunks inside it, not by an addition of its own after them. The losses (`_output`) run
-        after it, as in `forward`. A state that tracks the memory-only path goes chunk by chunk
+        chunks inside it, not by an addition of its own after them. The losses run after it, as
+        in `forward`: a summed loss as one pass of the head over the chunks stacked as lanes, a
+        mean chunk by chunk. A state that tracks the memory-only path goes chunk by chunk
         through `forward`."""
         if not chunks:
             raise ValueError("forward_window: no chunk given")
@@ -455,29 +456,48 @@ class ElephantLM(nn.Module):
             resets.append(reset)
             starts.append(start)
             rooms.append(room)
-        outs, state = self._window_chunks(tokens, state, resets, starts, rooms)
-        loss = 0.0
-        for (h, gate), chunk in zip(outs, chunks):
-            loss = loss + self._output(h, gate, chunk["targets"], chunk.get("loss_mask"), reduction)
+        (h, gates), state = self._window_chunks(tokens, state, resets, starts, rooms)
+        T = h.shape[1]
+        if reduction == "mean":
+            loss = 0.0
+            for h_c, gate, chunk in zip(h.chunk(len(chunks)), gates, chunks):
+                loss = loss + self._output(h_c, gate, chunk["targets"], chunk.get("loss_mask"),
+                                           reduction)
+            return loss, state
+        # the summed loss as one head pass over the window's chunks stacked as lanes (the sum over
+        # all their tokens is the sum of the chunks' sums): the head's work on its whole (V, D)
+        # weight (the cast to the matmul dtype, the scaling of the float32 gradient, the sum of
+        # the chunks' gradients) is done once a window, not once a chunk
+        masks = [chunk.get("loss_mask") for chunk in chunks]
+        mask = None
+        if any(m is not None for m in masks):
+            mask = torch.cat([torch.ones(chunk["targets"].shape, dtype=torch.bool, device=h.device)
+                              if m is None else m for m, chunk in zip(masks, chunks)])
+        loss = self.head_loss(h, torch.cat([chunk["targets"] for chunk in chunks]), mask, reduction)
+        for gate in gates:
+            cost = self._write_cost(gate, T, reduction)
+            loss = loss if cost is None else loss + cost
         return loss, state
 
     def _window_chunks(self, tokens: list, state: RecurrentState, resets: list, starts: list,
-                       rooms: list) -> tuple[list, RecurrentState]:
+                       rooms: list) -> tuple[tuple, RecurrentState]:
         """forward_window's chunks after its checks: for each, forward's detach and `_chunk`
         (the class's own, never a compiled one), the initial memory's prefix computed by the
-        first chunk that needs it and handed to the later ones. Returns [(the final normalized
-        hidden states, the memory gates or None)] a chunk, and the state after the last. What
-        compile_for("window") compiles."""
-        outs = []
+        first chunk that needs it and handed to the later ones. Returns ((the chunks' final
+        normalized hidden states stacked as lanes (k B, T, D), [the memory gates or None a chunk]),
+        the state after the last). What compile_for("window") compiles (inside its graph the
+        stacking is where the final norm writes)."""
+        hs, gates = [], []
         for tok, reset, start, room in zip(tokens, resets, starts, rooms):
             state, core = self._carried(state)
             h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start,
                                                          state.prefix, False, room)
             new.links = state.links
             new.prefix = used if used is not None else state.prefix
-            outs.append((h, gate))
+            hs.append(h)
+            gates.append(gate)
             state = new
-        return outs, state
+        return (hs[0] if len(hs) == 1 else torch.cat(hs), gates), state
 
     def _output(self, h: Tensor, gate: Tensor | None, targets: Tensor | None,
                 loss_mask: Tensor | None, reduction: str) -> Tensor:
@@ -487,14 +507,18 @@ class ElephantLM(nn.Module):
         if targets is None:
             return self.lm_head(h)
         loss = self.head_loss(h, targets, loss_mask, reduction)
-        if gate is not None and self.cfg.mem_write_cost and self.training and reduction != "none":
-            # the price of writing: mean gate per lane, charged for each of the chunk's tokens
-            # (training only: evaluation reports the cross-entropy alone)
-            per_lane = gate.mean(-1)                                      # (B,)
-            T = h.shape[1]
-            loss = loss + self.cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
-                                                     else per_lane.mean())
-        return loss
+        cost = self._write_cost(gate, h.shape[1], reduction)
+        return loss if cost is None else loss + cost
+
+    def _write_cost(self, gate: Tensor | None, T: int, reduction: str) -> Tensor | None:
+        """The price of writing memory (mem_write_cost, training only: evaluation reports the
+        cross-entropy alone): the mean gate per lane, charged for each of the chunk's T tokens;
+        None without it."""
+        if gate is None or not self.cfg.mem_write_cost or not self.training or reduction == "none":
+            return None
+        per_lane = gate.mean(-1)                                          # (B,)
+        return self.cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
+                                          else per_lane.mean())
 
     def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
                starts: Tensor | None, prefix: list[tuple] | None, want_written: bool,

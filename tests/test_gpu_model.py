@@ -354,3 +354,26 @@ def test_weight_gradient_accumulates_inside_the_matmul_on_cuda():
     for a, b in pairs:
         old = head._acc(old, a @ b, torch.float32)
     assert rel(total, want) <= rel(old, want) and rel(total, want) < 1e-5
+
+
+def test_input_gradient_is_written_by_the_matmul_in_float32_on_cuda():
+    """head._mm_into: a bf16 product written as the matmul's float32 accumulator into a slice of a
+    larger buffer (the summed loss's input gradient, block by block): only that slice changes, and
+    it is at least as close to the float64 product as the bf16 product converted; the summed
+    loss's input gradient under bf16 autocast comes back in h's dtype."""
+    from elephant.layers import head
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(300, 700, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(700, 64, device="cuda", generator=gen).bfloat16()
+    out = torch.full((1000, 64), 7.0, device="cuda")
+    head._mm_into(out[200:500], a, b)
+    assert head.ACC_IN_MATMUL
+    assert torch.all(out[:200] == 7) and torch.all(out[500:] == 7)
+    want = a.double() @ b.double()
+    assert rel(out[200:500], want) <= rel((a @ b).float(), want) and rel(out[200:500], want) < 1e-5
+    h = torch.randn(2, 100, 64, device="cuda", generator=gen).requires_grad_()
+    w = torch.randn(1000, 64, device="cuda", generator=gen).requires_grad_()
+    t = torch.randint(0, 1000, (2, 100), device="cuda", generator=gen)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        head.linear_cross_entropy(h, w, t, reduction="sum", block_rows=64).backward()
+    assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()

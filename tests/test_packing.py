@@ -522,3 +522,37 @@ def test_forward_window_refuses_what_forward_would_not_take():
         model.forward_window([chunk], model.init_state(3))
     with pytest.raises(ValueError, match="starts must be"):
         model.forward_window([dict(chunk, starts=torch.zeros(2, 3, dtype=torch.bool))])
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_forward_window_stacked_loss_equals_the_chunks_losses(reduction):
+    # forward_window's summed loss is one head pass over its chunks stacked as lanes; with one
+    # chunk's loss mask missing (every token counts) and another's float weights, the loss and
+    # the gradients are forward's chunk by chunk (fp64), as is the mean, taken chunk by chunk
+    B, T, k = 2, 10, 3
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, V, (k, B, T + 1), generator=gen)
+    masks = [None, torch.rand(B, T, generator=gen, dtype=torch.float64),
+             torch.rand(B, T, generator=gen) < 0.7]
+    results = []
+    for windowed in (False, True):
+        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k, mem_write_cost=0.01,
+                     mem_gate_init=0.0).train()
+        chunks = [dict(tokens=tokens[c, :, :-1], targets=tokens[c, :, 1:], loss_mask=masks[c])
+                  for c in range(k)]
+        state = model.init_state(B)
+        if windowed:
+            loss, state = model.forward_window(chunks, state, reduction=reduction)
+        else:
+            loss = 0.0
+            for chunk in chunks:
+                nll, state = model(state=state, reduction=reduction, **chunk)
+                loss = loss + nll
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()
+                                        if p.grad is not None}))
+    (want, want_g), (got, got_g) = results
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert got_g.keys() == want_g.keys()
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-9, atol=1e-12, msg=name)

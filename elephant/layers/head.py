@@ -21,7 +21,9 @@ Two autograd paths:
 
 Precision follows the reference: the matrix products run in the autocast dtype when autocast is on
 (bf16 on the GPU), else in the inputs' dtype; softmax, log-sum-exp and NLL in float32 at least; the
-weight gradient is summed over blocks in float32. `ignore_index` (-100) targets count zero, as in
+weight gradient is summed over blocks in float32 (and on CUDA in half precision, the summed
+loss's input gradient is kept as the matmul's float32 accumulator, where the reference rounds it
+to half precision before its conversion back). `ignore_index` (-100) targets count zero, as in
 F.cross_entropy. `linear_cross_entropy_reference` is the plain path (the whole logits, then
 ElephantLM.loss) that the tests hold this one equal to.
 """
@@ -185,6 +187,22 @@ def _acc_mm(total: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> T
     return _acc(total, a @ b, dtype)
 
 
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, with out float32 and a, b in half precision on CUDA: the matmul writes its
+    float32 accumulator straight into `out` (a slice of a larger buffer, so the blocks need no
+    concatenation); after a failure (ACC_IN_MATMUL off), the half-precision product copied in."""
+    global ACC_IN_MATMUL
+    if ACC_IN_MATMUL:
+        try:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):
+            ACC_IN_MATMUL = False
+    out.copy_(a @ b)
+
+
 def _fusable(z: Tensor) -> bool:
     return z.is_cuda and z.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
@@ -251,7 +269,13 @@ class _SummedNLL(torch.autograd.Function):
         out_dtype = torch.promote_types(dtype, torch.float32)
         total = grad_w = None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = []
+        # on CUDA in half precision the input's gradient is kept in float32, written block by
+        # block by the matmul into one buffer: no concatenation, and the backward's scaling is
+        # one pass that reads it as it is (a half-precision gradient was concatenated, converted
+        # and scaled in three passes)
+        wide = (need_h and ACC_IN_MATMUL and hc.is_cuda and dtype in (torch.bfloat16, torch.float16)
+                and out_dtype == torch.float32 and not torch.compiler.is_compiling())
+        grad_h = torch.empty(hc.shape, dtype=out_dtype, device=hc.device) if wide else []
         with _no_autocast(h2.device.type):
             for rows in _blocks(hc.shape[0], block_rows):
                 z = hc[rows] @ wc.t()                                    # (n, V)
@@ -263,13 +287,16 @@ class _SummedNLL(torch.autograd.Function):
                     nll, _, softmax, safe, valid = _block_nll(z.to(out_dtype), t[rows])
                     dz = _block_dlogits(softmax, safe, valid, s).to(dtype)
                 total = _acc(total, (nll * s).sum(), out_dtype)
-                if need_h:
+                if wide:
+                    _mm_into(grad_h[rows], dz, wc)                       # (n, D) float32
+                elif need_h:
                     grad_h.append(dz @ wc)                               # (n, D)
                 if need_w:
                     grad_w = _acc_mm(grad_w, dz.t(), hc[rows], out_dtype)  # (V, D)
         if total is None:   # no rows
             total = hc.new_zeros((), dtype=out_dtype)
-        grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
+        if not wide:
+            grad_h = (torch.cat(grad_h) if grad_h else torch.zeros_like(hc)) if need_h else None
         if need_w and grad_w is None:
             grad_w = torch.zeros(weight.shape, dtype=out_dtype, device=weight.device)
         ctx.save_for_backward(grad_h, grad_w)
