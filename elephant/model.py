@@ -488,10 +488,14 @@ class ElephantLM(nn.Module):
         the state after the last). What compile_for("window") compiles (inside its graph the
         stacking is where the final norm writes)."""
         hs, gates = [], []
-        for tok, reset, start, room in zip(tokens, resets, starts, rooms):
+        # the window's tokens embedded by one lookup: its backward is one scatter of every
+        # chunk's gradient into one (V, D) buffer, where a lookup a chunk made a buffer each and
+        # then summed them (passes over the whole embedding's size)
+        embedded = self.embed(torch.cat(tokens)).chunk(len(tokens))
+        for tok, reset, start, room, emb in zip(tokens, resets, starts, rooms, embedded):
             state, core = self._carried(state)
             h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start,
-                                                         state.prefix, False, room)
+                                                         state.prefix, False, room, emb)
             new.links = state.links
             new.prefix = used if used is not None else state.prefix
             hs.append(h)
@@ -522,19 +526,21 @@ class ElephantLM(nn.Module):
 
     def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
                starts: Tensor | None, prefix: list[tuple] | None, want_written: bool,
-               room: int = 0):
+               room: int = 0, embedded: Tensor | None = None):
         """The chunk itself, after `forward`'s checks and detach: the reset, the blocks, the KV
         append and the memory update. Returns (the final normalized hidden states (B, T, D), new
         state without the memory path, the write slots' outputs detached (with `want_written`),
         the lanes whose last document began in this chunk (packed) or None, the memory gates or
-        None, the initial memory's prefix it used or None). `room`: see Block.forward. What
+        None, the initial memory's prefix it used or None). The hidden states are in autocast's
+        dtype when autocast is on (what the head's matmul reads). `room`: see Block.forward.
+        `embedded`: the tokens' embeddings when the caller made them (B, T, D). What
         compile_for("model") compiles."""
         B, T = tokens.shape
         cfg = self.cfg
         if reset is not None:
             state = state.reset(reset, self.mem_init if cfg.n_mem else None)
 
-        x = self.embed(tokens)                                            # (B, T, D)
+        x = self.embed(tokens) if embedded is None else embedded          # (B, T, D)
         idx = torch.arange(T, device=tokens.device)
         tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
         new_pos = state.pos + T
@@ -617,7 +623,13 @@ class ElephantLM(nn.Module):
             x = x[:, M:M + T]
         else:
             gate = None
-        return self.norm_f(x), new, written, started, gate, prefix
+        h = self.norm_f(x)
+        if h.dtype != torch.float64 and torch.is_autocast_enabled(h.device.type):
+            # in the dtype the head's matmul reads it (autocast's): written so by the norm's
+            # kernel, where the head would make a copy of it (and its gradient comes back in it,
+            # as autocast's matmul would give it)
+            h = h.to(torch.get_autocast_dtype(h.device.type))
+        return h, new, written, started, gate, prefix
 
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
         """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
