@@ -443,6 +443,10 @@ class ElephantLM(nn.Module):
             return loss, state
         tokens, resets, starts, rooms = [], [], [], []
         for chunk in chunks:
+            if "tokens" in chunk and chunk["tokens"].shape != chunks[0]["tokens"].shape:
+                raise ValueError(f"forward_window: every chunk of a window has the same (lanes, "
+                                 f"length): {tuple(chunks[0]['tokens'].shape)} then "
+                                 f"{tuple(chunk['tokens'].shape)}")
             extra = set(chunk) - {"tokens", "targets", "reset", "loss_mask", "starts", "inner_starts"}
             missing = {"tokens", "targets"} - set(chunk)
             if extra or missing:

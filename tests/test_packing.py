@@ -522,6 +522,8 @@ def test_forward_window_refuses_what_forward_would_not_take():
         model.forward_window([chunk], model.init_state(3))
     with pytest.raises(ValueError, match="starts must be"):
         model.forward_window([dict(chunk, starts=torch.zeros(2, 3, dtype=torch.bool))])
+    with pytest.raises(ValueError, match=r"same \(lanes, length\): \(2, 8\) then \(2, 5\)"):
+        model.forward_window([chunk, dict(tokens=tokens[:, :5], targets=tokens[:, 1:6])])
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
