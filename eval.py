@@ -137,7 +137,7 @@ def run(args) -> int:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
-                    cuda_graph=args.cuda_graph and device.type == "cuda")
+                    cuda_graph=args.cuda_graph and device.type == "cuda", compact=True)
     ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
                 source=data.source, split=split)
     results = {"elephant": ours}

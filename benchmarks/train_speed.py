@@ -413,19 +413,22 @@ def one_document(corpus, n_tokens: int):
     return TokenizedCorpus.from_documents([tokens])
 
 
-def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False) -> dict:
+def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
+              compact: bool = False) -> dict:
     from elephant.evaluate import evaluate
     peak_reset(device)
     resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
     with Clock(device) as clock:
         result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
-                          autocast=autocast, cuda_graph=cuda_graph)
-    # lane fill: how much of the pass's chunks held tokens (a corpus whose longest document is
-    # a large share of it ends with that document read in one lane while the others idle)
-    fill = result["tokens"] / (result["chunk_steps"] * lanes * chunk_len)
+                          autocast=autocast, cuda_graph=cuda_graph, compact=compact)
+    # lane fill: how much of the rows the pass computed held tokens (a corpus whose longest
+    # document is a large share of it ends with that document read in one lane while the others
+    # idle, unless the batch is compacted)
+    fill = result["tokens"] / (result["lane_chunks"] * chunk_len)
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
-            "chunk_steps": result["chunk_steps"], "lane_fill": fill,
+            "chunk_steps": result["chunk_steps"], "lane_chunks": result["lane_chunks"],
+            "compact": compact, "lane_fill": fill,
             "tokens_per_s_at_full_lanes": result["tokens"] / clock.seconds / fill,
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
 
@@ -459,6 +462,13 @@ def run_eval(args, trainer, device) -> dict:
                    eval_graph_tokens_per_s=many_g["tokens_per_s"],
                    eval_1lane_graph_tokens_per_s=one_g["tokens_per_s"],
                    eval_graph_loss_diff=abs(many_g["loss"] - many["loss"]))
+        if args.eval_compact:   # the same pass, the batch compacted at its end (eval.py's way)
+            docs = leading_documents(corpus, args.eval_tokens)
+            time_eval(model, docs, lanes, T, device, autocast, compact=True, **graph)  # compiles
+            many_c = time_eval(model, docs, lanes, T, device, autocast, compact=True, **graph)
+            out.update(many_docs_graph_compact=many_c,
+                       eval_graph_compact_tokens_per_s=many_c["tokens_per_s"],
+                       eval_graph_compact_loss_diff=abs(many_c["loss"] - many["loss"]))
     return out
 
 
@@ -476,6 +486,9 @@ def parse(argv):
                     help="one-lane evaluation: one document of this many tokens (default 1M; smoke 4K)")
     ap.add_argument("--eval-cuda-graph", action="store_true",
                     help="also time both evaluation passes with the chunk step as a CUDA graph")
+    ap.add_argument("--eval-compact", action="store_true",
+                    help="with --eval-cuda-graph: also the 64-lane pass with its batch compacted at "
+                         "the end (evaluate(compact=True), as eval.py runs it), after an untimed one")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")

@@ -52,6 +52,14 @@ class Batch:
     # on the host, so a consumer can skip the boundary work (starts=None, reset) for chunks without
     # one, and size per-document kernels (ElephantLM.forward's inner_starts)
 
+    def select(self, lanes: list[int]) -> "Batch":
+        """The same chunk for a subset of the lanes, in the order given."""
+        idx = torch.as_tensor(lanes, dtype=torch.long)
+        starts = None if self.starts is None else self.starts[idx]
+        return Batch(self.tokens[idx], self.reset[idx], self.loss_mask[idx], self.doc_ids[idx],
+                     starts, None if self.token_doc_ids is None else self.token_doc_ids[idx],
+                     inner_starts=0 if starts is None else int(starts[:, 1:].sum()))
+
 
 class RollingChunkBatcher:
     """Iterate to get `Batch`es; see the module docstring for the contract."""
@@ -165,6 +173,15 @@ class RollingChunkBatcher:
         return Batch(torch.from_numpy(tokens), starts_t[:, 0].clone(), torch.from_numpy(loss_mask),
                      torch.from_numpy(doc_ids), starts_t, torch.from_numpy(token_doc[:, :T].copy()),
                      inner_starts=int(starts[:, 1:].sum()))
+
+    def drained(self) -> bool:
+        """No document is left to start: loop=False and this rank's order is spent (the lanes
+        reading one go on to its end; the others stay padding)."""
+        return not self.loop and self.next_pos >= self.epoch_order(self.epoch).size
+
+    def reading_lanes(self) -> list[int]:
+        """The lanes whose document goes on into the next batch."""
+        return [b for b, d in enumerate(self._lane_doc) if d >= 0]
 
     def _draw(self) -> int:
         """The next document of this rank's stream, moving to the next epoch when `loop`; -1 at the end."""

@@ -18,9 +18,15 @@ train_speed_compile_model_*.json): one lane over a 1M-token document 391k tokens
 eager, the same loss to 4e-6; eval.py turns it on for GPUs (`--no-cuda-graph` turns it off).
 
 Speed: documents take the lanes longest first (dealt round-robin over ranks), so the longest ones
-start at once and the pass does not end with one lane still reading a long document alone; the
-per-document and per-position sums stay on the device until the end, and the batches are copied
-with non-blocking copies from pinned memory, so a chunk costs no host synchronization.
+start at once; the per-document and per-position sums stay on the device until the end, and the
+batches are copied with non-blocking copies from pinned memory, so a chunk costs no host
+synchronization. A corpus whose longest document outlasts the others together still ends with
+that document read in one lane while the rest of the batch is padding: with `compact=True`
+(unpacked evaluation; eval.py's default) the batch shrinks once no document is left to start and
+at most an eighth of its lanes still read one, to those lanes (rounded up to a power of two, so
+a pass makes few new shapes): their state is carried over and the chunk step (and its CUDA graph)
+is made again for the new lane count, so the long tail runs at the speed of a few lanes, not of
+a full batch of padding. The sums are the same.
 """
 from __future__ import annotations
 
@@ -144,12 +150,26 @@ class StaticChunkStep:
         return self._step()
 
 
+def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
+    """The lanes a batch of `lanes_now` shrinks to once no document is left to start, given the
+    lanes `live` still reading one (indices into the current batch): None while more than an
+    eighth of the batch is live, else the live lanes padded with idle ones to a power of two."""
+    if not live or len(live) * 8 > lanes_now:
+        return None
+    n = 1 << (len(live) - 1).bit_length()
+    if n >= lanes_now:
+        return None
+    taken = set(live)
+    idle = [b for b in range(lanes_now) if b not in taken]
+    return sorted(live + idle[:n - len(live)])
+
+
 @in_eval_mode
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False,
-             long_docs: int = BUCKET_EDGES[-1]) -> dict:
+             long_docs: int = BUCKET_EDGES[-1], compact: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
     `chunk_steps`: the chunks of `lanes` rows this rank ran (a pass's lane fill is the tokens
     over chunk_steps x lanes x chunk_len), and `position_buckets_long`: the loss by position over
@@ -160,7 +180,9 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     `order`: "longest" (longest documents first, the default) or "corpus" (the corpus's order).
     With several ranks, each streams a disjoint share and the per-document sums are all-reduced.
     `cuda_graph`: the unpacked chunk step replayed as a CUDA graph after the first chunk (see the
-    module doc; on the CPU the same static-buffer step, without capture).
+    module doc; on the CPU the same static-buffer step, without capture). `compact`: the batch
+    shrinks to the lanes still reading a document at the pass's end (unpacked; see the module
+    doc); `lane_chunks` counts the rows the pass ran (chunk_steps x lanes without it).
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
@@ -191,9 +213,13 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         with autocast() if autocast else nullcontext():
             prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
     static = None
-    chunk_steps = 0
+    chunk_steps = lane_chunks = 0
+    rows = None   # the batcher's lanes this batch computes (compacted), None: all of them
     for batch in batcher:
         chunk_steps += 1
+        if rows is not None:
+            batch = batch.select(rows)
+        lane_chunks += batch.tokens.shape[0]
         tokens = to_device(batch.tokens, device)
         mask = to_device(batch.loss_mask, device)
         starts = to_device(batch.starts, device)
@@ -224,6 +250,18 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         long_nll.index_add_(0, bucket, nll.flatten() * long)
         long_tok.index_add_(0, bucket, weight.flatten() * long)
         lane_pos = torch.where(last[:, -1] >= 0, chunk_len - last[:, -1], lane_pos + chunk_len)
+        if compact and not pack:
+            # once no document is left to start: the lanes still reading one
+            current = list(range(lanes)) if rows is None else rows
+            reading = set(batcher.reading_lanes())
+            live = [i for i, b in enumerate(current) if b in reading]
+            keep = compacted_lanes(live, len(current)) if batcher.drained() else None
+            if keep is not None:
+                index = torch.tensor(keep, device=device)
+                state = (static.state if static is not None else state).select(index)
+                lane_pos = lane_pos[index]
+                rows = [current[i] for i in keep]
+                static = None   # made again, for the new lane count, after its first chunk
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -237,5 +275,6 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
     long_buckets = PositionBuckets()
     long_buckets.add_sums(long_nll.tolist(), [round(n) for n in long_tok.tolist()])
-    return meter.result() | {"chunk_steps": chunk_steps, "position_buckets_long": long_buckets.to_dict(),
+    return meter.result() | {"chunk_steps": chunk_steps, "lane_chunks": lane_chunks,
+                             "position_buckets_long": long_buckets.to_dict(),
                              "long_documents": int(is_long.sum())}

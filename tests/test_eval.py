@@ -359,3 +359,37 @@ def test_evaluation_counts_its_chunk_steps_longest_document_first():
     for lengths, steps, tokens in (([5, 17, 9, 5], 4, 32), ([5, 33, 9, 5], 8, 48)):
         got = evaluate(model, corpus_of(lengths), lanes=2, chunk_len=4, device="cpu")
         assert (got["chunk_steps"], got["tokens"]) == (steps, tokens)
+
+
+@pytest.mark.parametrize("cuda_graph, order", [(False, "corpus"), (True, "corpus"), (True, "longest")])
+def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, order):
+    # compact=True (eval.py's way): once no document is left to start and at most an eighth of
+    # the batch still reads one, the batch shrinks to those lanes (a power of two), the state
+    # carried over (memory and window on; with cuda_graph the static step made again for the new
+    # lane count): every document's and position bucket's sum is the full batch's (float64), in
+    # fewer rows. 16 lanes; the two longest documents outlast the rest: once only they are read,
+    # on 2 lanes (one of two left is not an eighth of them: no third shape).
+    from elephant.evaluate import compacted_lanes
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double()
+    corpus = corpus_of([20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11])
+    # in the corpus's order the long documents take lanes 5 (at once) and 3 (a chunk later, when
+    # its 5 tokens are done): their positions cross the first bucket's edge (512) a chunk apart
+    full = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
+                    order=order)
+    small = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
+                     order=order, compact=True)
+    assert small["documents"] == full["documents"] and small["tokens"] == full["tokens"]
+    assert small["chunk_steps"] == full["chunk_steps"] == 88             # the 700 tokens, 8 a chunk
+    assert full["lane_chunks"] == 16 * 88 and small["lane_chunks"] == 16 * 8 + 2 * 80
+    for key in ("nll_sum", "per_doc_mean_loss"):
+        assert math.isclose(small[key], full[key], rel_tol=1e-12), key
+    for label, bucket in full["position_buckets"].items():
+        assert math.isclose(small["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12, abs_tol=1e-12)
+    assert compacted_lanes([3, 9], 16) == [3, 9]                           # two live: two lanes
+    assert compacted_lanes([5, 6, 7], 16) is None                          # more than an eighth
+    assert compacted_lanes([4], 8) == [4] and compacted_lanes([2], 4) is None
+    assert compacted_lanes([1, 5, 6], 32) == [0, 1, 5, 6]                  # padded to a power of 2

@@ -377,3 +377,27 @@ def test_input_gradient_is_written_by_the_matmul_in_float32_on_cuda():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         head.linear_cross_entropy(h, w, t, reduction="sum", block_rows=64).backward()
     assert h.grad.dtype == torch.float32 and torch.isfinite(h.grad).all()
+
+
+def test_compacted_cuda_graph_evaluation_equals_the_full_batch():
+    """evaluate(compact=True, cuda_graph=True), eval.py's way on a GPU: the batch shrinks to the
+    lanes still reading once no document is left to start, the CUDA graph captured again for the
+    new lane count; bf16 autocast, memory and window on: the same documents and tokens, the
+    summed loss within bf16's reach of the full batch's, in fewer rows."""
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    from elephant.evaluate import evaluate
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
+    model.set_fast_paths(True)
+    rng = np.random.default_rng(1)
+    lengths = [3000, 40, 333, 64, 200, 7, 90, 150, 120, 500, 80, 60]    # one outlasts the rest
+    corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in lengths])
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    full = evaluate(model, corpus, lanes=8, chunk_len=64, device="cuda", autocast=autocast,
+                    cuda_graph=True)
+    small = evaluate(model, corpus, lanes=8, chunk_len=64, device="cuda", autocast=autocast,
+                     cuda_graph=True, compact=True)
+    assert small["tokens"] == full["tokens"] and small["documents"] == full["documents"]
+    assert small["lane_chunks"] < full["lane_chunks"] // 2
+    assert abs(small["nll_sum"] - full["nll_sum"]) <= 1e-4 * abs(full["nll_sum"])
