@@ -27,8 +27,8 @@ at most an eighth of its lanes still read one, to those lanes (rounded up to a p
 a pass makes few new shapes): their state is carried over and the chunk step (and its CUDA graph)
 is made again for the new lane count, so the long tail runs at the speed of a few lanes, not of
 a full batch of padding. The sums are the same but for the rounding of kernels whose order of
-summation depends on the batch size (float64 on the CPU: to 1e-12; bf16 on an H100: the summed
-loss to 2e-6 relative on the benchmark's 16M tokens).
+summation depends on the batch size (float64 on the CPU: to 1e-12; bf16 on an H100, the
+benchmark's 16M tokens: a mean loss of 1.9940903 against 1.9940905 for the full batch).
 """
 from __future__ import annotations
 
