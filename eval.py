@@ -34,6 +34,11 @@ def parse(argv):
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="run every chunk eagerly (by default on a GPU, each chunk after the first "
                         "is one CUDA graph replay: 11x faster for one lane, the same loss)")
+    p.add_argument("--no-compact", dest="compact", action="store_false",
+                   help="keep every lane to the end of the pass (by default, once no document is "
+                        "left to start and at most an eighth of the lanes still read one, the "
+                        "batch shrinks to them: a long last document is read at the speed of one "
+                        "lane, not of a batch of padding; the same sums)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -137,7 +142,7 @@ def run(args) -> int:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
-                    cuda_graph=args.cuda_graph and device.type == "cuda", compact=True)
+                    cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact)
     ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
                 source=data.source, split=split)
     results = {"elephant": ours}

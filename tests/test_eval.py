@@ -278,6 +278,21 @@ def test_eval_cli_reports_whole_documents_and_writes_json(trained_run, tmp_path,
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_eval_cli_compacts_its_lanes_unless_told_not_to(trained_run, tmp_path):
+    # 8 lanes over the 4 test documents: once only the longest is left, the batch shrinks to its
+    # lane (fewer rows); --no-compact keeps all 8 to the end; the same sums either way
+    results = []
+    for extra in ([], ["--no-compact"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--lanes", "8",
+                              "--json", str(out), "--no-progress"] + extra) == 0
+        results.append(json.loads(out.read_text())["elephant"])
+    small, full = results
+    assert full["lane_chunks"] == 8 * full["chunk_steps"] and small["lane_chunks"] < full["lane_chunks"]
+    assert small["tokens"] == full["tokens"]
+    assert math.isclose(small["nll_sum"], full["nll_sum"], rel_tol=1e-6)
+
+
 def test_eval_cli_errors_are_one_line(trained_run, tmp_path, capsys):
     cases = [
         (["--checkpoint", str(tmp_path / "missing")], "missing"),
