@@ -442,8 +442,9 @@ def run_eval(args, trainer, device) -> dict:
     autocast = bf16_autocast(device)
     lanes = 4 if args.cpu_smoke else 64
     warm_docs = leading_documents(corpus, 2 * lanes * T)
+    docs = leading_documents(corpus, args.eval_tokens)                       # the 64-lane passes'
     time_eval(model, warm_docs, lanes, T, device, autocast)                  # compile, not timed
-    many = time_eval(model, leading_documents(corpus, args.eval_tokens), lanes, T, device, autocast)
+    many = time_eval(model, docs, lanes, T, device, autocast)
     time_eval(model, one_document(corpus, 2 * T), 1, T, device, autocast)    # compile, not timed
     short = time_eval(model, one_document(corpus, 16 * T), 1, T, device, autocast)
     one = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast)
@@ -454,8 +455,7 @@ def run_eval(args, trainer, device) -> dict:
         graph = dict(cuda_graph=True)
         time_eval(model, warm_docs, lanes, T, device, autocast, **graph)        # compile, not timed
         time_eval(model, one_document(corpus, 2 * T), 1, T, device, autocast, **graph)
-        many_g = time_eval(model, leading_documents(corpus, args.eval_tokens), lanes, T, device,
-                           autocast, **graph)
+        many_g = time_eval(model, docs, lanes, T, device, autocast, **graph)
         one_g = time_eval(model, one_document(corpus, args.eval_doc_tokens), 1, T, device, autocast,
                           **graph)
         out.update(many_docs_graph=many_g, one_doc_graph=one_g,
@@ -463,7 +463,6 @@ def run_eval(args, trainer, device) -> dict:
                    eval_1lane_graph_tokens_per_s=one_g["tokens_per_s"],
                    eval_graph_loss_diff=abs(many_g["loss"] - many["loss"]))
         if args.eval_compact:   # the same pass, the batch compacted at its end (eval.py's way)
-            docs = leading_documents(corpus, args.eval_tokens)
             time_eval(model, docs, lanes, T, device, autocast, compact=True, **graph)  # compiles
             many_c = time_eval(model, docs, lanes, T, device, autocast, compact=True, **graph)
             out.update(many_docs_graph_compact=many_c,

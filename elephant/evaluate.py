@@ -252,12 +252,11 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         long_nll.index_add_(0, bucket, nll.flatten() * long)
         long_tok.index_add_(0, bucket, weight.flatten() * long)
         lane_pos = torch.where(last[:, -1] >= 0, chunk_len - last[:, -1], lane_pos + chunk_len)
-        if compact and not pack:
-            # once no document is left to start: the lanes still reading one
+        if compact and not pack and batcher.drained():
+            # no document left to start: the lanes still reading one
             current = list(range(lanes)) if rows is None else rows
             reading = set(batcher.reading_lanes())
-            live = [i for i, b in enumerate(current) if b in reading]
-            keep = compacted_lanes(live, len(current)) if batcher.drained() else None
+            keep = compacted_lanes([i for i, b in enumerate(current) if b in reading], len(current))
             if keep is not None:
                 index = torch.tensor(keep, device=device)
                 state = (static.state if static is not None else state).select(index)

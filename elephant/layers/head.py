@@ -169,21 +169,32 @@ def _acc(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
 ACC_IN_MATMUL = True
 
 
+def _in_matmul(call) -> Tensor | None:
+    """call(), a matmul that writes float32 from half-precision factors (out_dtype), while
+    ACC_IN_MATMUL holds; None once it failed (a torch without it: the flag turns off and the
+    caller takes its half-precision product)."""
+    global ACC_IN_MATMUL
+    if not ACC_IN_MATMUL:
+        return None
+    try:
+        return call()
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError, NotImplementedError):
+        ACC_IN_MATMUL = False
+        return None
+
+
 def _acc_mm(total: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """total + a @ b accumulated in `dtype` (see _acc). On CUDA with bfloat16/float16 factors and a
     float32 sum, eager: the product goes straight into the float32 sum inside the matmul (its
     float32 accumulator is not rounded to half precision first)."""
-    global ACC_IN_MATMUL
-    if (ACC_IN_MATMUL and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
-            and dtype == torch.float32 and not torch.compiler.is_compiling()):
-        try:
-            if total is None:
-                return torch.mm(a, b, out_dtype=dtype)
-            return torch.addmm(total, a, b, out_dtype=dtype, out=total)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError, NotImplementedError):   # a torch without it: the add pass
-            ACC_IN_MATMUL = False
+    if (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
+            and not torch.compiler.is_compiling()):
+        out = _in_matmul(lambda: torch.mm(a, b, out_dtype=dtype) if total is None
+                         else torch.addmm(total, a, b, out_dtype=dtype, out=total))
+        if out is not None:
+            return out
     return _acc(total, a @ b, dtype)
 
 
@@ -191,16 +202,8 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, with out float32 and a, b in half precision on CUDA: the matmul writes its
     float32 accumulator straight into `out` (a slice of a larger buffer, so the blocks need no
     concatenation); after a failure (ACC_IN_MATMUL off), the half-precision product copied in."""
-    global ACC_IN_MATMUL
-    if ACC_IN_MATMUL:
-        try:
-            torch.mm(a, b, out_dtype=out.dtype, out=out)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError, NotImplementedError):
-            ACC_IN_MATMUL = False
-    out.copy_(a @ b)
+    if _in_matmul(lambda: torch.mm(a, b, out_dtype=out.dtype, out=out)) is None:
+        out.copy_(a @ b)
 
 
 def _fusable(z: Tensor) -> bool:
