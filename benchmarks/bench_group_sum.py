@@ -45,8 +45,8 @@ def main() -> None:
         for warps in (2, 4, 8):
             def fn():
                 T._group_sum_kernel[(triton.cdiv(args.tokens, bt), 1)](
-                    src, out, args.tokens, args.heads, args.width, args.heads, BT=bt, BW=BW,
-                    num_warps=warps)
+                    src, out, args.tokens, args.heads, args.width, 0, args.heads, BT=bt, BW=BW,
+                    JOINT=False, num_warps=warps)
             us = timed(fn)
             assert torch.allclose(out, want, rtol=1e-4, atol=1e-3)
             res["launches"].append({"tokens": bt, "warps": warps, "us": us,

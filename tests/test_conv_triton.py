@@ -143,3 +143,37 @@ def test_silu_op_passes_opcheck(with_seg, mend):
         since = conv_triton.segment_since(seg)
     torch.library.opcheck(conv_triton._conv_silu_op, (x, state, w, b, seg, since, tail, mend),
                           test_utils=("test_schema", "test_autograd_registration"))
+
+
+
+@pytest.mark.parametrize("with_seg,form", [(False, "tiles"), (True, "starts")])
+def test_silu_backward_in_the_kernels_equals_the_pytorch_pass(with_seg, form):
+    # the SiLU form's backward with SiLU' taken by the kernels as they read the gradient (the
+    # default) == SiLU' as a PyTorch pass first (SILU_IN_KERNELS False); and with both outputs
+    # given a gradient (the output's own and the activation's, the PyTorch pass), the sum of the two
+    xin, x, state, w, b, tail, seg = case(2, 37, 20, 4, 13, with_seg, with_seg)
+    inputs = [xin, state, w, b] + ([tail] if with_seg else [])
+    gen = torch.Generator().manual_seed(8)
+    go, ga = torch.randn(2, 37, 20, generator=gen), torch.randn(2, 37, 20, generator=gen)
+    seg32, since, tail_ = (None, None, None) if seg is None else (
+        seg.to(torch.int32).contiguous(), conv_triton.segment_since(seg.to(torch.int32)), tail)
+    mend = with_seg and form == "starts"
+    got = {}
+    before = conv_triton.SILU_IN_KERNELS
+    try:
+        for flag in (True, False):
+            conv_triton.SILU_IN_KERNELS = flag
+            out, act = conv_triton._conv_silu_op(x, state, w, b, seg32, since, tail_, mend)
+            got[flag] = torch.autograd.grad((act * ga).sum(), inputs)
+            out, act = conv_triton._conv_silu_op(x, state, w, b, seg32, since, tail_, mend)
+            got[flag, "both"] = torch.autograd.grad((act * ga).sum() + (out * go).sum(), inputs)
+    finally:
+        conv_triton.SILU_IN_KERNELS = before
+    out, act = conv_triton._conv_silu_op(x, state, w, b, seg32, since, tail_, mend)
+    want = torch.autograd.grad((F.silu(out) * ga).sum(), inputs)  # out's own backward: the plain op
+    for a, r in zip(got[True], got[False]):
+        assert rel(a, r) < 1e-5
+    for a, r in zip(got[True], want):
+        assert rel(a, r) < 1e-5
+    for a, r in zip(got[True, "both"], got[False, "both"]):
+        assert torch.equal(a, r)

@@ -82,6 +82,7 @@ for seg in (False, True):
                  act_ptr=torch.empty_like(x), sob=1, sol=1, soc=1, ACT=act))
     out[f"conv bwd {seg}"] = written(conv_triton._conv_bwd_kernel,
                                      dict(common, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                          a_ptr=torch.randn_like(x), SILU=True,
                                           dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
                                           dtail_ptr=torch.zeros(8, C, K - 1), NL=3, sgb=1, sgl=1,
                                           sgc=1, sdb=1, sdl=1, sdc=1, KP=4, KW=4))
@@ -89,6 +90,7 @@ walk = dict(L=L, C=C, BL=16, BC=16, sxb=1, sxl=1, sxc=1, ssb=1, ssc=1, ssk=1, x_
             st_ptr=torch.randn(B, 3, C), w_ptr=torch.randn(C, 1, 4))
 out["conv bwd walk"] = written(conv_triton._conv_bwd_walk_kernel,
                                dict(walk, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                    a_ptr=torch.randn_like(x), SILU=True,
                                     dw_ptr=torch.empty(8, C, 4), db_ptr=torch.empty(8, C), NL=3,
                                     sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
 fix = dict(L=L, C=C, K=4, HAS_TAIL=True, BT=4, BC=16, BS=16, NB=3, sxb=1, sxl=1, sxc=1, ssb=1,
@@ -101,6 +103,7 @@ for act in (False, True):
              out_ptr=torch.empty_like(x), act_ptr=torch.empty_like(x), sob=1, sol=1, soc=1, ACT=act))
 out["conv bwd fix"] = written(conv_triton._conv_bwd_fix_kernel,
                               dict(fix, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
+                                   a_ptr=torch.randn_like(x), SILU=True,
                                    dw_ptr=torch.empty(B, C, 4), dtail_ptr=torch.empty(B, C, 3),
                                    KP=4, KW=4, sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
 z = torch.randn(4, 64).half()
@@ -114,6 +117,7 @@ for fw, gr in ((True, False), (True, True), (False, True)):
 for seg in (False, True):
     out[f"conv dstate {seg}"] = written(conv_triton._conv_dstate_kernel,
                                         dict(g_ptr=torch.randn_like(x), w_ptr=torch.randn(C, 1, 4),
+                                             a_ptr=torch.randn_like(x), SILU=True,
                                              seg_ptr=torch.zeros(B, L, dtype=torch.int32),
                                              ds_ptr=torch.empty(B, C, 3), L=L, C=C, sgb=1, sgl=1,
                                              sgc=1, K=4, HAS_SEG=seg, BC=16))

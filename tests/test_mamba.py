@@ -188,3 +188,53 @@ def test_triton_path_equals_reference_in_mixer():
     assert (s_t - s_r).abs().max() / scale(s_r) < 1e-5
     for a, b in zip(g_t, g_r):
         assert (a - b).abs().max() / scale(b) < 1e-4
+
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_joint_gradient_and_silu_in_the_conv_kernels_equal_the_pytorch_mixer(packed, backend):
+    # the Triton conv and scan as the GPU runs them (the scan's one joint gradient, SiLU' taken by
+    # the conv's kernels as they read it), the older Triton form (three gradients, SiLU' in
+    # PyTorch), on either scan path, == the mixer in PyTorch forms (fast_conv False): output,
+    # states and every gradient, with packed documents and the initial memory's state too
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not set")
+    from elephant.layers import conv_triton
+    m = make_mixer(dtype=torch.float32)
+    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(2))
+    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
+    seg = init = None
+    leaves = [conv0, ssm0]
+    if packed:
+        starts = torch.zeros(2, 40, dtype=torch.long)
+        starts[0, [5, 17, 18]] = 1
+        starts[1, [0, 33]] = 1
+        seg = starts.cumsum(1)
+        gen = torch.Generator().manual_seed(3)
+        init = (torch.randn(m.conv_dim, 3, generator=gen).requires_grad_(),
+                torch.randn(m.heads, m.head_dim, m.d_state, generator=gen).requires_grad_())
+        leaves += list(init)
+    before, in_kernels = ssd.get_backend(), conv_triton.SILU_IN_KERNELS
+    out = {}
+    try:
+        for name, fast, new in (("pytorch", False, False), ("older", True, False), ("new", True, True)):
+            m.fast_conv, m.joint_grad, conv_triton.SILU_IN_KERNELS = fast, new, new
+            ssd.set_backend("ref" if name == "pytorch" else backend)
+            y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=init)
+            loss = (y ** 2).sum() + ssm.sum() + (conv * torch.linspace(-1, 1, 3)).sum()
+            out[name] = (y, conv, ssm, torch.autograd.grad(loss, list(m.parameters()) + leaves))
+    finally:
+        ssd.set_backend(before)
+        conv_triton.SILU_IN_KERNELS = in_kernels
+        del m.fast_conv, m.joint_grad
+    scale = lambda t: t.abs().max().clamp(min=1e-12)
+    names = [n for n, _ in m.named_parameters()] + ["conv0", "ssm0", "tail", "ssm_init"]
+    want = out["pytorch"]
+    for name in ("older", "new"):
+        got = out[name]
+        for a, r in zip(got[:3], want[:3]):
+            assert (a - r).abs().max() / scale(r) < 1e-5, name
+        for n, a, r in zip(names, got[3], want[3]):
+            assert (a - r).abs().max() / scale(r) < 1e-4, (name, n)

@@ -522,3 +522,94 @@ def test_group_sum_is_the_sum_over_each_groups_heads(groups, dtype):
     want = src.float().view(3, 37, groups, 8 // groups, 24).sum(3)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert rel_err(got, want) < 1e-6
+
+
+# --- x, B and C as blocks of one tensor (joint) -------------------------------------------------
+
+def _joint_case(b, l, h, g, p, n, seed=0):
+    """xbc (b, l, h p + 2 g n) = [x | B | C], with dt, A, D, initial_state (float32, with grad)."""
+    _, dt, A, _, _, D, init = (t.detach().float() for t in make_inputs(b, l, h, g, p, n, seed=seed))
+    xbc = torch.randn(b, l, h * p + 2 * g * n, generator=torch.Generator().manual_seed(seed + 5))
+    return xbc.requires_grad_(), *(t.requires_grad_() for t in (dt, A, D, init))
+
+
+def _scan_of_blocks(scan, xbc, dt, A, D, init, h, g, p, n, seg=None, sinit=None, joint=False):
+    """scan over x, B, C, the column blocks of xbc (views), given it as `joint` or not."""
+    b, l, _ = xbc.shape
+    xs, Bs, Cs = xbc.split([h * p, g * n, g * n], dim=-1)
+    kw = dict(chunk_size=16, seg=seg, segment_init=sinit)
+    if joint:
+        kw["joint"] = xbc
+    return scan(xs.view(b, l, h, p), dt, A, Bs.view(b, l, g, n), Cs.view(b, l, g, n), D, init, **kw)
+
+
+@pytest.mark.parametrize("b,l,h,g,p,n,boundaries", [
+    (2, 40, 2, 1, 16, 16, False),
+    (2, 37, 4, 2, 16, 32, True),     # two groups: B's and C's columns interleave by group
+    (1, 70, 2, 1, 20, 16, True),     # head_dim not a power of 2; several chunks
+])
+def test_triton_joint_gradient_is_the_three_gradients_side_by_side(b, l, h, g, p, n, boundaries):
+    # the kernels writing dx, dB and dC into one tensor's columns == autograd gathering the three
+    # gradients of the views into it: bit for bit in float32 (the same sums, the same roundings),
+    # and every other gradient unchanged
+    _needs_triton()
+    from elephant.layers.ssd_triton import ssd_triton
+    xbc, dt, A, D, init = _joint_case(b, l, h, g, p, n)
+    seg = sinit = None
+    if boundaries:
+        seg = make_seg(b, l, n_starts=3, first=True)
+        sinit = (torch.randn(h, p, n, generator=torch.Generator().manual_seed(9)) * 0.5).requires_grad_()
+    inputs = [xbc, dt, A, D, init] + ([sinit] if sinit is not None else [])
+    got = grads(lambda *a: _scan_of_blocks(ssd_triton, *a[:5], h, g, p, n, seg, sinit, joint=True),
+                inputs)
+    want = grads(lambda *a: _scan_of_blocks(ssd_triton, *a[:5], h, g, p, n, seg, sinit), inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, a, r in zip(["xbc", "dt", "A", "D", "init", "sinit"], got[2], want[2]):
+        assert a.shape == r.shape and a.dtype == r.dtype, name
+        assert torch.equal(a, r), name
+
+
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_ssd_scan_joint_on_either_path(backend):
+    # ssd_scan with joint: the PyTorch path takes x, B, C as given (autograd reaches xbc through
+    # the views); both give xbc the gradient of the plain chunked scan (float64 on "ref")
+    if backend == "triton":
+        _needs_triton()
+    b, l, h, g, p, n = 2, 37, 2, 1, 16, 16
+    inputs = list(_joint_case(b, l, h, g, p, n, seed=3))
+    if backend == "ref":
+        inputs = [t.detach().double().requires_grad_() for t in inputs]
+    before = ssd.get_backend()
+    ssd.set_backend(backend)
+    try:
+        got = grads(lambda *a: _scan_of_blocks(ssd_scan, *a, h, g, p, n, joint=True), inputs)
+    finally:
+        ssd.set_backend(before)
+    want = grads(lambda *a: _scan_of_blocks(ssd_chunked, *a, h, g, p, n), inputs)
+    tol = 1e-12 if backend == "ref" else 1e-5
+    assert rel_err(got[0], want[0]) < tol
+    for a, r in zip(got[2], want[2]):
+        assert rel_err(a, r) < tol
+
+
+def test_joint_of_the_wrong_shape_is_named():
+    b, l, h, g, p, n = 1, 8, 2, 1, 4, 4
+    x, dt, A, B, C, D, init = make_inputs(b, l, h, g, p, n, dtype=torch.float32)
+    with pytest.raises(ValueError, match="joint must be"):
+        ssd_scan(x, dt, A, B, C, D, init, joint=torch.zeros(b, l, h * p + g * n))
+
+
+def test_triton_backward_op_with_joint_fake_matches_its_outputs():
+    # joint: the backward op's first output is [dx | dB | dC] (b, l, h p + 2 g n) and dBC is empty;
+    # the fake implementation plans exactly that
+    _needs_triton()
+    from elephant.layers import ssd_triton as T
+    b, l, h, g, p, n, Q = 2, 21, 4, 2, 16, 16, 16
+    x, dt, A, B, C, D, init = (t.detach().float() for t in make_inputs(b, l, h, g, p, n))
+    cs = F.pad(dt * A, (0, 0, 0, 32 - l)).view(b, 2, Q, h).cumsum(2).permute(0, 3, 1, 2).contiguous()
+    _, _, states = T._ssd_op(x, dt, cs, None, B, C, D, init, None, Q)
+    args = (x, dt, cs, None, B, C, D, init, None, states, torch.randn_like(x), torch.randn(b, h, p, n),
+            Q, True)
+    torch.library.opcheck(T._ssd_bwd_op, args, test_utils=("test_schema", "test_faketensor"))
+    out = T._ssd_bwd_op(*args)
+    assert out[0].shape == (b, l, h * p + 2 * g * n) and out[3].numel() == 0

@@ -202,11 +202,11 @@ if HAS_TRITON:
                            lb, K, False, False, BL, BC, True, ACT)
 
     @triton.jit
-    def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+    def _conv_bwd_tile(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                        L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, t0,
                        K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
                        BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
-                       FIRST: tl.constexpr):
+                       FIRST: tl.constexpr, SILU: tl.constexpr):
         """dx (B, L, C) of the chunk's inputs t0 .. t0 + BL - 1 (stored), and this tile's sums of
         the bias, weight and tail gradients: db (BC,), dw (BC, KW) by weight index, dtail (BC, KP)
         (zeros without a tail)."""
@@ -215,8 +215,7 @@ if HAS_TRITON:
         tm, cm = t < L, c < C
         m2 = tm[:, None] & cm[None, :]
         sg, sn = _segments(seg_ptr, since_ptr, b, t, tm, L, HAS_SEG, HAS_TAIL)
-        g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc, mask=m2, other=0.0).to(
-            tl.float32)
+        g = _grad(g_ptr, a_ptr, b * sgb + t[:, None] * sgl + c[None, :] * sgc, m2, SILU)
         db = tl.sum(g, axis=0)
         kcol = tl.arange(0, KW)
         dw = tl.zeros((BC, KW), dtype=tl.float32)
@@ -230,8 +229,8 @@ if HAS_TRITON:
             # the input at t: read by output t + s through tap s, if in the same segment
             ts = t + s
             tsm = ts < L
-            gs = tl.load(g_ptr + b * sgb + ts[:, None] * sgl + c[None, :] * sgc,
-                         mask=(tm & tsm)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            gs = _grad(g_ptr, a_ptr, b * sgb + ts[:, None] * sgl + c[None, :] * sgc,
+                       (tm & tsm)[:, None] & cm[None, :], SILU)
             if HAS_SEG:
                 same = tl.load(seg_ptr + b * L + ts, mask=tm & tsm, other=-1) == sg
                 gs = tl.where(same[:, None], gs, 0.0)
@@ -267,9 +266,21 @@ if HAS_TRITON:
         return v
 
     @triton.jit
-    def _conv_bwd_walk_kernel(x_ptr, st_ptr, w_ptr, g_ptr, dx_ptr, dw_ptr, db_ptr,
+    def _grad(g_ptr, a_ptr, off, mask, SILU: tl.constexpr):
+        """The output's gradient at `off` in float32 (zero where masked). SILU: g_ptr holds the
+        gradient w.r.t. SiLU(out) and a_ptr the output out (at the same offsets): times SiLU'(out)
+        = s (1 + out (1 - s)), s = sigmoid(out), as it is read."""
+        g = tl.load(g_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            v = tl.load(a_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            sg = tl.sigmoid(v)
+            g = g * sg * (1.0 + v * (1.0 - sg))
+        return g
+
+    @triton.jit
+    def _conv_bwd_walk_kernel(x_ptr, st_ptr, w_ptr, g_ptr, a_ptr, dx_ptr, dw_ptr, db_ptr,
                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                              BL: tl.constexpr, BC: tl.constexpr):
+                              BL: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
         """The backward of width 4 without segments, a tile of BL tokens by walking them in
         order: each program's threads own its BC channels and keep the last three inputs and the
         next three output gradients in registers, so that x and g are read once (no tap re-reads
@@ -289,9 +300,12 @@ if HAS_TRITON:
         xa = _row(x_ptr, b, t0 - 3, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
         xb = _row(x_ptr, b, t0 - 2, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
         xc = _row(x_ptr, b, t0 - 1, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, True)
-        ga = _row(g_ptr, b, t0, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
-        gb = _row(g_ptr, b, t0 + 1, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
-        gc = _row(g_ptr, b, t0 + 2, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+        gm = cm & (t0 < L)
+        ga = _grad(g_ptr, a_ptr, b * sgb + t0 * sgl + c * sgc, gm, SILU)
+        gm = cm & (t0 + 1 < L)
+        gb = _grad(g_ptr, a_ptr, b * sgb + (t0 + 1) * sgl + c * sgc, gm, SILU)
+        gm = cm & (t0 + 2 < L)
+        gc = _grad(g_ptr, a_ptr, b * sgb + (t0 + 2) * sgl + c * sgc, gm, SILU)
         d0 = tl.zeros((BC,), dtype=tl.float32)
         d1 = tl.zeros((BC,), dtype=tl.float32)
         d2 = tl.zeros((BC,), dtype=tl.float32)
@@ -300,7 +314,7 @@ if HAS_TRITON:
         for i in range(BL):
             t = t0 + i
             xt = _row(x_ptr, b, t, c, cm, L, sxb, sxl, sxc, st_ptr, ssb, ssc, ssk, K, False)
-            gd = _row(g_ptr, b, t + 3, c, cm, L, sgb, sgl, sgc, st_ptr, ssb, ssc, ssk, K, False)
+            gd = _grad(g_ptr, a_ptr, b * sgb + (t + 3) * sgl + c * sgc, cm & (t + 3 < L), SILU)
             # output t = sum_s w[3-s] x[t-s]: its gradient ga goes to w[3-s] times x[t-s]
             d3 += ga * xt
             d2 += ga * xc
@@ -337,12 +351,12 @@ if HAS_TRITON:
                      mask=cm[:, None] & (col < K - 1)[None, :])
 
     @triton.jit
-    def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+    def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                          dw_ptr, db_ptr, dtail_ptr,
                          L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
                          K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
                          BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
-                         SUB: tl.constexpr):
+                         SUB: tl.constexpr, SILU: tl.constexpr):
         """dx, and one slot of partial sums per tile of BL tokens: dw (B * NL, C, K), db (B * NL,
         C), dtail (B * NL, C, K-1). Which tiles as in `_conv_fwd_kernel` (with HAS_SEG, the sums of
         a tile's SUB-token sub-tiles added up). Deterministic: no atomics, the caller sums the
@@ -357,9 +371,9 @@ if HAS_TRITON:
                 dtail = tl.zeros((BC, KP), dtype=tl.float32)
                 for h in tl.static_range(BL // SUB):
                     a, w, d = _conv_bwd_tile(
-                        x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                        x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                         L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b,
-                        lb * BL + h * SUB, K, HAS_SEG, HAS_TAIL, SUB, BC, KP, KW, True)
+                        lb * BL + h * SUB, K, HAS_SEG, HAS_TAIL, SUB, BC, KP, KW, True, SILU)
                     db += a
                     dw += w
                     dtail += d
@@ -367,15 +381,15 @@ if HAS_TRITON:
                             HAS_TAIL)
         elif lb * BL >= K - 1:   # reads nothing carried
             db, dw, dtail = _conv_bwd_tile(
-                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                 L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb * BL,
-                K, False, False, BL, BC, KP, KW, False)
+                K, False, False, BL, BC, KP, KW, False, SILU)
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
         else:
             db, dw, dtail = _conv_bwd_tile(
-                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, dx_ptr,
+                x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                 L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, lb * BL,
-                K, False, False, BL, BC, KP, KW, True)
+                K, False, False, BL, BC, KP, KW, True, SILU)
             _store_sums(dw_ptr, db_ptr, dtail_ptr, part, C, db, dw, dtail, K, BC, KP, KW, False)
 
     @triton.jit
@@ -410,10 +424,10 @@ if HAS_TRITON:
                 p = tl.min(tl.where(first & (tok > p), tok, L))
 
     @triton.jit
-    def _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
+    def _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr, L,
                     sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b, p, c, cm,
                     K: tl.constexpr, HAS_TAIL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                    KP: tl.constexpr, KW: tl.constexpr):
+                    KP: tl.constexpr, KW: tl.constexpr, SILU: tl.constexpr):
         """For the start p of lane b: dx of the K-1 inputs before p recomputed in the form with
         segments (only they are read by outputs across the start), and what the start changes in
         the weight and tail gradients through the outputs p .. p+K-2 of its segment: each tap
@@ -433,8 +447,8 @@ if HAS_TRITON:
             us = u + s
             ok = um & (us < L)
             same = tl.load(seg_ptr + b * L + us, mask=ok, other=-1) == su
-            gs = tl.load(g_ptr + b * sgb + us[:, None] * sgl + c[None, :] * sgc,
-                         mask=(ok & same)[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            gs = _grad(g_ptr, a_ptr, b * sgb + us[:, None] * sgl + c[None, :] * sgc,
+                       (ok & same)[:, None] & cm[None, :], SILU)
             w = tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
             dx += w[None, :] * gs
         tl.store(dx_ptr + b * sdb + u[:, None] * sdl + c[None, :] * sdc,
@@ -444,8 +458,8 @@ if HAS_TRITON:
         t = p + i
         tm = (i < K - 1) & (t < L)
         tm = tm & (tl.load(seg_ptr + b * L + t, mask=tm, other=-1) == tl.load(seg_ptr + b * L + p))
-        g = tl.load(g_ptr + b * sgb + t[:, None] * sgl + c[None, :] * sgc,
-                    mask=tm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        g = _grad(g_ptr, a_ptr, b * sgb + t[:, None] * sgl + c[None, :] * sgc,
+                  tm[:, None] & cm[None, :], SILU)
         for s in tl.static_range(1, K):
             src = t - s
             before = tm & (src < p)
@@ -470,11 +484,12 @@ if HAS_TRITON:
         return dw, dtail
 
     @triton.jit
-    def _conv_bwd_fix_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, dw_ptr,
+    def _conv_bwd_fix_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr, dw_ptr,
                              dtail_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc,
                              sdb, sdl, sdc, K: tl.constexpr, HAS_TAIL: tl.constexpr,
                              BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr,
-                             KW: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+                             KW: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+                             SILU: tl.constexpr):
         """Over the plain backward, lane program_id(0): `_fix_bwd_at` at each of its segment
         starts; the weight and tail gradients' changes summed into the lane's slot of dw (B, C, K)
         and dtail (B, C, K-1) (zeros for a lane without a start)."""
@@ -491,9 +506,9 @@ if HAS_TRITON:
             first = (tok < L) & (sg != before)
             p = tl.min(tl.where(first, tok, L))
             while p < L:
-                a, d = _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, dx_ptr, L,
-                                   sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc, b,
-                                   p, c, cm, K, HAS_TAIL, BT, BC, KP, KW)
+                a, d = _fix_bwd_at(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
+                                   L, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
+                                   b, p, c, cm, K, HAS_TAIL, BT, BC, KP, KW, SILU)
                 dw += a
                 dtail += d
                 p = tl.min(tl.where(first & (tok > p), tok, L))
@@ -507,8 +522,9 @@ if HAS_TRITON:
                      mask=cm[:, None] & (col < K - 1)[None, :])
 
     @triton.jit
-    def _conv_dstate_kernel(g_ptr, w_ptr, seg_ptr, ds_ptr, L, C, sgb, sgl, sgc,
-                            K: tl.constexpr, HAS_SEG: tl.constexpr, BC: tl.constexpr):
+    def _conv_dstate_kernel(g_ptr, a_ptr, w_ptr, seg_ptr, ds_ptr, L, C, sgb, sgl, sgc,
+                            K: tl.constexpr, HAS_SEG: tl.constexpr, BC: tl.constexpr,
+                            SILU: tl.constexpr):
         """The carried inputs' gradient, lane program_id(0), BC channels: input i of the state
         (position i - (K-1)) is read by outputs t = i - (K-1) + s < L through tap s, where t is
         in the carried document (segment 0). ds (B, C, K-1) float32; g read in its dtype, as the
@@ -523,7 +539,7 @@ if HAS_TRITON:
                 m = cm & (t < L)
                 if HAS_SEG:
                     m = m & (tl.load(seg_ptr + b * L + t, mask=t < L, other=1) == 0)
-                gv = tl.load(g_ptr + b * sgb + t * sgl + c * sgc, mask=m, other=0.0).to(tl.float32)
+                gv = _grad(g_ptr, a_ptr, b * sgb + t * sgl + c * sgc, m, SILU)
                 acc += gv * tl.load(w_ptr + c * K + (K - 1 - s), mask=cm, other=0.0).to(tl.float32)
             tl.store(ds_ptr + (b.to(tl.int64) * C + c) * (K - 1) + i, acc, mask=cm)
 
@@ -549,6 +565,12 @@ LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bw
 # another order). The forward walked the same way was slower than its tile kernel (74.6 against
 # 61.4 us with the SiLU), so it stays tiled.
 BWD_WALK = (128, 2)
+
+# The SiLU form's backward: the kernels multiply the activation's gradient by SiLU'(out) as they
+# read it (`_grad`), where it was a pass of its own (fused by a compiled graph with whatever
+# formed the gradient: in the Mamba block, the concatenation of the scan's dx, dB and dC, which
+# the scan now writes as one tensor). False: that pass in PyTorch ops.
+SILU_IN_KERNELS = True
 
 
 def _blocks(backward: bool, boundary: bool) -> tuple[int, int, int]:
@@ -658,9 +680,16 @@ def _conv_silu_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, s
 
 @torch.library.triton_op("elephant::depthwise_conv_backward", mutates_args=())
 def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: Tensor | None,
-                 since: Tensor | None, tail: Tensor | None, mend: bool = False
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 since: Tensor | None, tail: Tensor | None, mend: bool = False,
+                 out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dstate, dw, db, dtail) from g, the gradient of the conv's output, or with `out` (the
+    conv's output) of SiLU(out): every kernel then takes g times SiLU'(out) as it reads g (no pass
+    of its own for it; g and out read at the same offsets, both contiguous)."""
     B, L, C = x.shape
+    silu = out is not None
+    if silu:
+        g, out = g.contiguous(), out.contiguous()
+    act = out if silu else g
     K = weight.shape[-1]
     seg_, since_, tail_, has_seg, has_tail = _args(x, seg, since, tail)
     fix = has_seg and mend
@@ -681,35 +710,35 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
         if not segments and K == 4 and BWD_WALK is not None:   # every tile, walked in order
             wbc, wwarps = (16, 1) if _INTERPRET else BWD_WALK
             torch.library.wrap_triton(_conv_bwd_walk_kernel)[(B, NL, triton.cdiv(C, wbc))](
-                x, st, weight, g, dx, dw, db, L, C, NL,
+                x, st, weight, g, act, dx, dw, db, L, C, NL,
                 x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
                 g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-                BL=BL, BC=wbc, num_warps=wwarps)
+                BL=BL, BC=wbc, SILU=silu, num_warps=wwarps)
             continue
         grid = (B, NL, triton.cdiv(C, BC))
         torch.library.wrap_triton(_conv_bwd_kernel)[grid](
-            x, st, weight, seg_, since_, tail_, g, dx, dw, db, dtail, L, C, NL,
+            x, st, weight, seg_, since_, tail_, g, act, dx, dw, db, dtail, L, C, NL,
             x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
             g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
             K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC,
-            KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), SUB=sub,
+            KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), SUB=sub, SILU=silu,
             num_warps=warps)
     if fix:   # over the plain launch: what each start changes, a program a lane
         BC, warps, BS = _fix_blocks(L)
         dw_fix = torch.empty(B, C, K, device=x.device, dtype=torch.float32)
         torch.library.wrap_triton(_conv_bwd_fix_kernel)[(B, triton.cdiv(C, BC))](
-            x, st, weight, seg_, tail_, g, dx, dw_fix, dtail, L, C,
+            x, st, weight, seg_, tail_, g, act, dx, dw_fix, dtail, L, C,
             x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
             g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
             K=K, HAS_TAIL=has_tail, BT=triton.next_power_of_2(K - 1), BC=BC,
             KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), BS=BS,
-            NB=triton.cdiv(L, BS), num_warps=warps)
+            NB=triton.cdiv(L, BS), SILU=silu, num_warps=warps)
     # the carried inputs' gradient (_conv_dstate_kernel)
     dstate = torch.empty(B, C, K - 1, device=x.device, dtype=torch.float32)
     DBC = 32 if _INTERPRET else 128
     torch.library.wrap_triton(_conv_dstate_kernel)[(B, triton.cdiv(C, DBC))](
-        g, weight, seg_, dstate, L, C, g.stride(0), g.stride(1), g.stride(2), K=K,
-        HAS_SEG=has_seg, BC=DBC, num_warps=1 if _INTERPRET else 4)
+        g, act, weight, seg_, dstate, L, C, g.stride(0), g.stride(1), g.stride(2), K=K,
+        HAS_SEG=has_seg, BC=DBC, SILU=silu, num_warps=1 if _INTERPRET else 4)
     dw = dw.sum(0)
     if fix:
         dw = dw + dw_fix.sum(0)
@@ -725,9 +754,10 @@ def _conv_setup(ctx, inputs, output, keep_out: bool = False):
                   None if tail is None else tail.dtype)
 
 
-def _conv_grad(ctx, g):
+def _conv_grad(ctx, g, out=None):
     x, conv_state, weight, seg, since, tail = ctx.saved_tensors[:6]
-    dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail, ctx.mend)
+    dx, dstate, dw, db, dtail = _conv_bwd_op(g, x, conv_state, weight, seg, since, tail, ctx.mend,
+                                             out)
     st, wt, bt, tt = ctx.dtypes
     return (dx, dstate.to(st), dw.view(weight.shape).to(wt), db.to(bt), None, None,
             None if tail is None else dtail.to(tt), None)
@@ -738,13 +768,18 @@ torch.library.register_autograd("elephant::depthwise_conv", _conv_grad, setup_co
 
 def _conv_silu_setup(ctx, inputs, output):
     _conv_setup(ctx, inputs, output, keep_out=True)
+    ctx.silu_in_kernels = SILU_IN_KERNELS
+    ctx.set_materialize_grads(False)   # an output without a gradient comes as None, not zeros
 
 
 def _conv_silu_grad(ctx, g_out, g_act):
-    """The gradient reaching the conv's output: g_out, plus g_act through SiLU'(v) = s (1 + v (1 -
-    s)), s = sigmoid(v), in float32 (PyTorch ops, which a compiled graph fuses with the kernel
-    that produces g_act)."""
+    """The gradient reaching the conv's output: g_act through SiLU'(v) = s (1 + v (1 - s)),
+    s = sigmoid(v), in float32, taken by the backward's kernels as they read g_act when only the
+    activation has a gradient (the Mamba block); else g_out plus that, formed in PyTorch ops
+    first."""
     out = ctx.saved_tensors[6]
+    if g_out is None and g_act is not None and ctx.silu_in_kernels:
+        return _conv_grad(ctx, g_act, out)
     v = out.float()
     g = None if g_out is None else g_out.float()
     if g_act is not None:

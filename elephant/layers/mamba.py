@@ -23,7 +23,10 @@ benchmark's breakdown).
 
 On CUDA the conv is the Triton kernel of `conv_triton` (channels last, reading the carried inputs in
 place, segments and `tail` included; `fast_conv = False` takes the PyTorch forms above, which stay
-the reference).
+the reference). The Triton scan takes the activated conv output whole (ssd_scan's `joint`) and
+writes the gradients of its x, B and C blocks into one tensor, which the conv's backward kernels
+read, times SiLU', as it is: no concatenation of the three and no SiLU-backward pass between them
+(`joint_grad = False`: three gradients, concatenated by autograd).
 """
 from __future__ import annotations
 
@@ -132,6 +135,7 @@ def segment_conv_reference(window: torch.Tensor, seg: torch.Tensor, weight: torc
 class Mamba2(nn.Module):
     fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
     fast_conv = True           # on CUDA, the Triton conv (conv_triton); False: conv1d / segment_conv
+    joint_grad = True          # the Triton scan returns x's, B's and C's gradients as one tensor
 
     def __init__(self, cfg: ModelConfig, dt_min: float = 1e-3, dt_max: float = 1e-1,
                  dt_floor: float = 1e-4, A_range: tuple[float, float] = (1.0, 16.0)):
@@ -218,7 +222,8 @@ class Mamba2(nn.Module):
             xs.reshape(b, l, self.heads, self.head_dim), dt, A,
             Bm.reshape(b, l, 1, self.d_state), Cm.reshape(b, l, 1, self.d_state),
             self.D, ssm_state, chunk_size=self.chunk_size, seg=seg,
-            segment_init=ssm_init if fused else None)                              # y (B, L, H, P)
+            segment_init=ssm_init if fused else None,
+            joint=xBC if self.joint_grad else None)                                # y (B, L, H, P)
         if ssm_init is not None and not fused:
             y, new_ssm_state = add_segment_init(y, new_ssm_state, dt, A, Cm.reshape(b, l, 1, self.d_state),
                                                 seg, ssm_init, self.chunk_size)

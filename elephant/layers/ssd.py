@@ -63,19 +63,37 @@ def _check_backend(name: str) -> str:
 
 
 def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
-             segment_init=None):
+             segment_init=None, joint=None):
     """The SSD scan through the path chosen by the backend switch (see module docstring); "auto"
-    also takes the PyTorch path for a few tokens inside a compiled graph (`inline_in_graph`)."""
+    also takes the PyTorch path for a few tokens inside a compiled graph (`inline_in_graph`).
+
+    joint: None, or the tensor (b, l, h p + 2 g n) whose column blocks [x | B | C] x, B and C are
+    (views of it: the Mamba block's activated conv output, split). The Triton path reads them from
+    it and returns their gradients as its one gradient (`ssd_triton`); the PyTorch path takes x, B
+    and C as given, and autograd reaches joint through the views."""
+    check_joint(joint, x, B)
     backend = get_backend()
     args = (x, dt, A, B, C, D, initial_state, chunk_size, seg, segment_init)
     if backend == "ref":
         return ssd_chunked(*args)
     if backend == "triton":
-        return ssd_triton.ssd_triton(*args)
+        return ssd_triton.ssd_triton(*args, joint=joint)
     if (x.is_cuda and ssd_triton.supports(x, B, chunk_size)
             and not inline_in_graph(x, x.shape[0] * x.shape[1])):
-        return ssd_triton.ssd_triton(*args)
+        return ssd_triton.ssd_triton(*args, joint=joint)
     return ssd_chunked(*args)
+
+
+def check_joint(joint, x, B) -> None:
+    """joint (see ssd_scan) must be (b, l, h p + 2 g n) in x's dtype."""
+    if joint is None:
+        return
+    b, l, h, p = x.shape
+    shape = (b, l, h * p + 2 * B.shape[2] * B.shape[3])
+    if tuple(joint.shape) != shape or joint.dtype != x.dtype:
+        raise ValueError(f"ssd: joint must be {shape} in x's dtype {x.dtype} (the tensor whose "
+                         f"column blocks [x | B | C] are x, B and C), got {tuple(joint.shape)} "
+                         f"{joint.dtype}")
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -60,7 +60,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from elephant.layers.ssd import check_shapes
+from elephant.layers.ssd import check_joint, check_shapes
 
 # the reference path runs everywhere; this one needs Triton
 from elephant.layers.triton_env import FLOAT_DTYPES
@@ -355,6 +355,7 @@ if HAVE_TRITON:
         s_bb, s_bl, s_bg, s_bn,
         s_cb, s_cl, s_cg, s_cn,
         s_yb, s_yl, s_yh, s_yp,
+        s_gb, s_gl, s_gh, s_gp,
         Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BBLK: tl.constexpr,
         HAS_D: tl.constexpr, PREC: tl.constexpr, HAS_SEG: tl.constexpr, HAS_SINIT: tl.constexpr,
     ):
@@ -362,7 +363,8 @@ if HAVE_TRITON:
         (dS0 is formed by the backward state kernel; here S0's term adds to dC and dcs, and the
         state kernel's parts of dcs_end, NBLK of them, to dcs.)
         dB and dC are written per head into one tensor (b, l, h, 2, n) in x's dtype (dB at [..., 0, :],
-        dC at [..., 1, :]); dcs per (b, h, c, Q); dD per (b, c, h)."""
+        dC at [..., 1, :]); dcs per (b, h, c, Q); dD per (b, c, h); dx at its strides (s_g*: the
+        x columns of the joint gradient, or a tensor of its own)."""
         c = tl.program_id(0)
         b = tl.program_id(1)
         h = tl.program_id(2)
@@ -452,15 +454,18 @@ if HAVE_TRITON:
             xf = x.to(tl.float32)
             dx += tl.load(d_ptr + h).to(tl.float32) * dyf
             tl.store(dd_ptr + (b * NC + c) * H + h, tl.sum(tl.sum(dyf * xf, axis=1), axis=0))
-        tl.store(dx_ptr + ((b * L + t[:, None]) * H + h) * P + p[None, :], dx, mask=qp_mask)
+        tl.store(dx_ptr + b * s_gb + t[:, None] * s_gl + h * s_gh + p[None, :] * s_gp,
+                 dx.to(dx_ptr.dtype.element_ty), mask=qp_mask)
         tl.store(ddt_ptr + (b * L + t) * H + h, tl.sum(dxdt * x.to(tl.float32), axis=1), mask=tmask)
         tl.store(dcs_ptr + ((b * H + h) * NC + c) * Q + i, dcs)
 
     @triton.jit
-    def _group_sum_kernel(src_ptr, out_ptr, T, H, W, HEADS_PER_GROUP: tl.constexpr,
-                          BT: tl.constexpr, BW: tl.constexpr):
+    def _group_sum_kernel(src_ptr, out_ptr, T, H, W, s_ot, HEADS_PER_GROUP: tl.constexpr,
+                          BT: tl.constexpr, BW: tl.constexpr, JOINT: tl.constexpr):
         """out (T, G, W) float32 = the sum of src (T, H, W) over each group's heads
-        (h // HEADS_PER_GROUP = g), accumulated in float32 in head order."""
+        (h // HEADS_PER_GROUP = g), accumulated in float32 in head order. JOINT: W = 2 n holds
+        [dB | dC], and the sums go to the rows (stride s_ot) of the [B (G, n) | C (G, n)] columns
+        that out_ptr starts at, in out's dtype."""
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         g = tl.program_id(1)
         w = tl.arange(0, BW)
@@ -471,21 +476,37 @@ if HAVE_TRITON:
             acc += tl.load(src_ptr + (row + g * HEADS_PER_GROUP + j) * W + w[None, :], mask=m,
                            other=0.0).to(tl.float32)
         G = H // HEADS_PER_GROUP
-        tl.store(out_ptr + (t[:, None].to(tl.int64) * G + g) * W + w[None, :], acc, mask=m)
+        if JOINT:
+            n = W // 2
+            col = (w // n) * (G * n) + g * n + w % n                 # B's group g, then C's
+            tl.store(out_ptr + t[:, None].to(tl.int64) * s_ot + col[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(out_ptr + (t[:, None].to(tl.int64) * G + g) * W + w[None, :], acc, mask=m)
 
 
-def group_sum(src: torch.Tensor, groups: int) -> torch.Tensor:
+def group_sum(src: torch.Tensor, groups: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """src (..., H, W) contiguous -> (..., groups, W) float32: the sum over each group's H / groups
-    heads (the scan backward's dB and dC per head, one launch for both)."""
+    heads (the scan backward's dB and dC per head, one launch for both).
+
+    With `out` (T, 2 groups n), W = 2 n: the sums are written, in out's dtype, into its columns
+    [dB of each group | dC of each group] (the B and C blocks of the scan's joint gradient; rows at
+    any stride, columns contiguous), and out is returned."""
     *lead, H, W = src.shape
     T = src.numel() // (H * W)
-    out = torch.empty(*lead, groups, W, device=src.device, dtype=torch.float32)
+    joint = out is not None
+    if joint and (out.shape != (T, groups * W) or out.stride(1) != 1):
+        raise ValueError(f"group_sum: out must be ({T}, {groups * W}) with contiguous columns, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")
+    if not joint:
+        out = torch.empty(*lead, groups, W, device=src.device, dtype=torch.float32)
     BW = triton.next_power_of_2(W)
     # 8 tokens and 8 warps a program at the recipe's width (2 x 64): on an H100 28.8 us against 32.8
     # for 32 tokens and 4 warps (benchmarks/bench_group_sum.py; ~2.4 TB/s)
     BT = max(1, 1024 // BW)
-    _group_sum_kernel[(triton.cdiv(T, BT), groups)](src, out, T, H, W, H // groups, BT=BT, BW=BW,
-                                                    num_warps=8)
+    _group_sum_kernel[(triton.cdiv(T, BT), groups)](
+        src, out, T, H, W, out.stride(0) if joint else 0, H // groups, BT=BT, BW=BW, JOINT=joint,
+        num_warps=8)
     return out
 
 
@@ -557,10 +578,13 @@ def _fwd(x, dt, cs, seg, B, C, D, init, sinit, Q, launch=None, state_launch=None
 
 
 def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=None,
-         state_launch=None, summed=True):
+         state_launch=None, summed=True, joint=False):
     """The scan's gradients (dx, ddt, dcs, dBC, dD, dinit, dsinit). summed=False: dD per lane and
     chunk (b, chunks, h) and dsinit per lane (b, h, p, n), for the caller to sum (the custom op
-    leaves those sums to its autograd formula, which a compiled graph fuses)."""
+    leaves those sums to its autograd formula, which a compiled graph fuses).
+
+    joint: the gradients of x, B and C as one tensor (b, l, h p + 2 g n) [dx | dB | dC] in x's
+    dtype, written by the kernels at its columns, in dx's place; dBC is then None."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     nc = cs.shape[2]
@@ -583,7 +607,11 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         l, h, p, n, h // g, *dy.stride(), *C.stride(),
         NC=nc, Q=Q, BP=rows, BN=BN, PREC=prec, HAS_INIT=init is not None, HAS_SEG=has_seg,
         HAS_SINIT=has_sinit, STAGES=stages, num_warps=warps)
-    dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
+    if joint:
+        dxbc = torch.empty(b, l, h * p + 2 * g * n, device=x.device, dtype=x.dtype)
+        dx = dxbc[..., :h * p].view(b, l, h, p)
+    else:
+        dx = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     ddt = torch.empty(b, l, h, **f32)
     # dB and dC per head in one tensor, in x's dtype (bf16 in training: half the bytes of the
     # largest outputs), summed over the group's heads in float32 below by one launch for both
@@ -594,11 +622,15 @@ def _bwd(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, launch=Non
         x, dt, B, C, cs, seg, states, sinit if has_sinit else states, D if D is not None else x, dy,
         dstates, dcs_end, dx, ddt, dBC, dcs, dD if dD is not None else ddt,
         l, h, nc, p, n, h // g, nblk,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(),
+        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *dy.stride(), *dx.stride(),
         Q=Q, BP=BP, BN=BN, BBLK=triton.next_power_of_2(nblk), HAS_D=D is not None, PREC=prec,
         HAS_SEG=has_seg, HAS_SINIT=has_sinit,
         **(launch or _scan_launch(True, has_seg, max(Q, BP, BN) > 64)))
-    dBC = group_sum(dBC.view(b, l, h, 2 * n), g).view(b, l, g, 2, n)
+    if joint:
+        group_sum(dBC.view(b, l, h, 2 * n), g, out=dxbc.view(b * l, -1)[:, h * p:])
+        dx, dBC = dxbc, None
+    else:
+        dBC = group_sum(dBC.view(b, l, h, 2 * n), g).view(b, l, g, 2, n)
     if summed:
         dD, dsinit = _sum_parts(dD, dsinit)
     return dx, ddt, dcs, dBC, dD, dinit, dsinit
@@ -682,17 +714,20 @@ def _contiguous(t):
 @torch.library.custom_op("elephant::ssd", mutates_args=())
 def _ssd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
-            sinit: Optional[torch.Tensor], Q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            sinit: Optional[torch.Tensor], Q: int, xbc: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x, dt, cs, seg, B, C, D, init, sinit) -> (y, final state, the states entering each chunk
     (saved for the backward)). seg: None, or the padded segment ids (b, chunks * Q) int32; sinit:
-    None, or the segment initial state (h, p, n) in float32 (needs seg)."""
+    None, or the segment initial state (h, p, n) in float32 (needs seg). xbc: None, or the tensor
+    whose column blocks x, B and C are (see `ssd_triton`'s `joint`): not read here, it is what
+    their gradient goes to."""
     with _on_device(x):
         return _fwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
                     _contiguous(sinit), Q)
 
 
 @_ssd_op.register_fake
-def _(x, dt, cs, seg, B, C, D, init, sinit, Q):
+def _(x, dt, cs, seg, B, C, D, init, sinit, Q, xbc=None):
     b, l, h, p = x.shape
     n, nc = B.shape[3], cs.shape[2]
     return (x.new_empty(b, l, h, p), x.new_empty(b, h, p, n, dtype=torch.float32),
@@ -703,37 +738,41 @@ def _(x, dt, cs, seg, B, C, D, init, sinit, Q):
 def _ssd_bwd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
                 B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
                 sinit: Optional[torch.Tensor], states: torch.Tensor, dy: torch.Tensor,
-                dfinal: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor, torch.Tensor, torch.Tensor,
-                                                       torch.Tensor]:
+                dfinal: torch.Tensor, Q: int, joint: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
     """The gradients (dx, ddt, dcs, dBC, dD, dinit, dsinit), dBC (b, l, g, 2, n) holding dB at
     [..., 0, :] and dC at [..., 1, :]; dD per lane and chunk (b, chunks, h) and dsinit per lane
     (b, h, p, n), summed by the autograd formula (traced, so a compiled graph fuses the sums
     instead of launching them from inside this op); the last three are empty when D, init or
-    sinit is None."""
+    sinit is None. joint: [dx | dB | dC] as one (b, l, h p + 2 g n) tensor in dx's place, and dBC
+    empty."""
     with _on_device(x):
         grads = _bwd(x, dt, cs.contiguous(), _contiguous(seg), B, C, D, _contiguous(init),
-                     _contiguous(sinit), states.contiguous(), dy, dfinal, Q, summed=False)
+                     _contiguous(sinit), states.contiguous(), dy, dfinal, Q, summed=False,
+                     joint=joint)
     return tuple(g if g is not None else x.new_empty(0, dtype=torch.float32) for g in grads)
 
 
 @_ssd_bwd_op.register_fake
-def _(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q):
+def _(x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal, Q, joint=False):
     b, l, h, p = x.shape
     g, n, nc = B.shape[2], B.shape[3], cs.shape[2]
 
     def f32(*shape):
         return x.new_empty(*shape, dtype=torch.float32)
-    return (x.new_empty(b, l, h, p), f32(b, l, h), f32(b, h, nc, Q), f32(b, l, g, 2, n),
+    return (x.new_empty(b, l, h * p + 2 * g * n) if joint else x.new_empty(b, l, h, p),
+            f32(b, l, h), f32(b, h, nc, Q), f32(0) if joint else f32(b, l, g, 2, n),
             f32(b, nc, h) if D is not None else f32(0),
             f32(b, h, p, n) if init is not None else f32(0),
             f32(b, h, p, n) if sinit is not None else f32(0))
 
 
 def _ssd_setup(ctx, inputs, output):
-    x, dt, cs, seg, B, C, D, init, sinit, Q = inputs
+    x, dt, cs, seg, B, C, D, init, sinit, Q, xbc = inputs
     ctx.save_for_backward(x, dt, cs, seg, B, C, D, init, sinit, output[2])
     ctx.Q = Q
+    ctx.joint_dtype = None if xbc is None else xbc.dtype
 
 
 def _ssd_grad(ctx, dy, dfinal, dstates):
@@ -743,24 +782,41 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
         dy = torch.zeros_like(x)
     if dfinal is None:
         dfinal = x.new_zeros(b, h, p, B.shape[3], dtype=torch.float32)
+    joint = ctx.joint_dtype is not None
     dx, ddt, dcs, dBC, dD, dinit, dsinit = _ssd_bwd_op(
-        x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q)
+        x, dt, cs, seg, B, C, D, init, sinit, states, dy, dfinal.float().contiguous(), ctx.Q, joint)
     dD, dinit, dsinit = (_none_if_empty(t) for t in (dD, dinit, dsinit))
     dD, dsinit = _sum_parts(dD, dsinit)
+    dD = dD.to(D.dtype) if dD is not None else None
+    if joint:   # x's, B's and C's gradients as xbc's one (the three views get none)
+        return (None, ddt.to(dt.dtype), dcs, None, None, None, dD, dinit, dsinit, None,
+                dx.to(ctx.joint_dtype))
     return (dx, ddt.to(dt.dtype), dcs, None, dBC[..., 0, :].to(B.dtype), dBC[..., 1, :].to(C.dtype),
-            dD.to(D.dtype) if dD is not None else None, dinit, dsinit, None)
+            dD, dinit, dsinit, None, None)
 
 
 torch.library.register_autograd("elephant::ssd", _ssd_grad, setup_context=_ssd_setup)
 
 
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
-               segment_init=None):
+               segment_init=None, joint=None):
     """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
-    dtype, final state in float32), for float32 / bfloat16 / float16 inputs."""
+    dtype, final state in float32), for float32 / bfloat16 / float16 inputs.
+
+    joint: None, or xbc (b, l, h p + 2 g n) whose column blocks [x | B | C] are x, B and C (the
+    Mamba block's activated conv output, split: see `ssd.ssd_scan`). The scan then reads x, B and
+    C as those blocks of it, and their gradients come back as xbc's one gradient, written by the
+    kernels at its columns, instead of three tensors that autograd would concatenate (a pass over
+    them all)."""
     if not HAVE_TRITON:
         raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
     check_shapes(x, dt, A, B, C, D, initial_state, seg, segment_init)
+    check_joint(joint, x, B)
+    if joint is not None:   # x, B and C as views of it, so that autograd sums their gradients into it
+        b, l, h, p = x.shape
+        g, n = B.shape[2], B.shape[3]
+        xs, Bs, Cs = joint.split([h * p, g * n, g * n], dim=-1)
+        x, B, C = xs.view(b, l, h, p), Bs.view(b, l, g, n), Cs.view(b, l, g, n)
     if not supports(x, B, chunk_size):
         raise ValueError(f"ssd_triton: needs float32/bfloat16/float16 x, chunk_size 16, 32, 64 or 128, "
                          f"head_dim and d_state <= 128, and tensors under 2**31 elements (split the "
@@ -779,5 +835,5 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
         cs = _segment_cumsum_op((dt.float() * A.float()).contiguous(), segp, Q)
     init = initial_state.float().contiguous() if initial_state is not None else None
     sinit = segment_init.float().contiguous() if segment_init is not None else None
-    y, final, _ = _ssd_op(x, dt, cs, segp, B, C, D, init, sinit, Q)
+    y, final, _ = _ssd_op(x, dt, cs, segp, B, C, D, init, sinit, Q, joint)
     return y, final
