@@ -75,6 +75,10 @@ class ModelConfig:
     bptt_chunks: int = 1             # chunks that gradients flow through memory / SSM state
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
+                                     # embeddings' dtype) | autocast (autocast's, bf16: the stream
+                                     # and its gradient at half the bytes, read and written by every
+                                     # norm and residual add; docs/RESULTS.md)
 
     @property
     def d_inner(self) -> int:
@@ -101,6 +105,7 @@ class ModelConfig:
                               "set model.kv_window > 0 as well")
         _choice(self, "mem_update", ("gated", "replace"))
         _choice(self, "mem_rotary", ("none", "chunk", "free"))
+        _choice(self, "residual", ("float32", "autocast"))
         _non_negative(self, "mem_write_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")

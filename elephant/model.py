@@ -545,6 +545,9 @@ class ElephantLM(nn.Module):
             state = state.reset(reset, self.mem_init if cfg.n_mem else None)
 
         x = self.embed(tokens) if embedded is None else embedded          # (B, T, D)
+        if cfg.residual == "autocast" and x.dtype != torch.float64 and \
+                torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))            # the residual stream's dtype
         idx = torch.arange(T, device=tokens.device)
         tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
         new_pos = state.pos + T
@@ -718,8 +721,8 @@ class ElephantLM(nn.Module):
     def _memory_update(self, read: Tensor, written: Tensor) -> tuple[Tensor, Tensor | None]:
         """update_memory, and the gates before the floor (B, n_mem) with their gradient (None
         for `replace`): mem_write_cost charges them."""
-        if self.cfg.mem_update == "replace":
-            return written, None
+        if self.cfg.mem_update == "replace":   # in the carried memory's dtype (residual "autocast")
+            return written.to(read.dtype), None
         dtype = torch.promote_types(read.dtype, torch.float32)
         u = self.mem_norm(written.to(dtype))                               # (B, M, D)
         logit = (u * self.mem_gate.to(dtype)).sum(-1) + self.mem_gate_bias.to(dtype)  # (B, M)

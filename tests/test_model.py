@@ -508,3 +508,41 @@ def test_static_carry_copies_another_view_of_its_own_buffer_safely():
     for k, t in again.tensors().items():
         assert torch.equal(t, want[k]), k
     assert not torch.equal(want[f"kv.{i}.k"], state.kv[i].k)   # the swap changed the values
+
+
+@pytest.mark.parametrize("update", ["gated", "replace"])
+def test_residual_autocast_keeps_the_stream_in_autocasts_dtype(update):
+    # model.residual "autocast": under autocast every block reads and returns the residual stream
+    # in autocast's dtype (bf16 here; "float32": the embeddings' float32), while the carried
+    # memory keeps its float32 from chunk to chunk (a changed state dtype would be a new compile of
+    # a compiled chunk); the two streams give close losses; outside autocast the option changes
+    # nothing, bit for bit
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    seen, losses = {}, {}
+    for residual in ("float32", "autocast"):
+        m = make(dtype=torch.float32, n_mem=2, kv_window=8, mem_update=update, residual=residual)
+        dtypes = []
+        hooks = [b.register_forward_hook(lambda mod, args, out: dtypes.append(out[0].dtype))
+                 for b in m.blocks]
+        state = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for part in tokens.split(12, dim=1):
+                logits, state = m(part, state)
+                assert state.memory.dtype == torch.float32
+        for h in hooks:
+            h.remove()
+        seen[residual] = set(dtypes)
+        losses[residual] = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                             tokens[:, 12:].flatten())
+        with torch.no_grad():
+            plain = m(tokens)[0]
+        losses[residual, "plain"] = plain
+    assert seen == {"float32": {torch.float32}, "autocast": {torch.bfloat16}}
+    assert abs(losses["float32"] - losses["autocast"]) < 0.05
+    assert torch.equal(losses["float32", "plain"], losses["autocast", "plain"])
+
+
+def test_unknown_residual_dtype_is_named():
+    from elephant.config import ConfigError
+    with pytest.raises(ConfigError, match="model.residual: expected one of float32, autocast"):
+        tiny(residual="bf16").validate()
