@@ -812,7 +812,7 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
         raise RuntimeError("ssd_triton: Triton is not installed; use ssd_chunked (ELEPHANT_SSD=ref)")
     check_shapes(x, dt, A, B, C, D, initial_state, seg, segment_init)
     check_joint(joint, x, B)
-    if joint is not None:   # x, B and C as views of it, so that autograd sums their gradients into it
+    if joint is not None:   # x, B and C read as its blocks; the op returns their gradient as its one
         b, l, h, p = x.shape
         g, n = B.shape[2], B.shape[3]
         xs, Bs, Cs = joint.split([h * p, g * n, g * n], dim=-1)
