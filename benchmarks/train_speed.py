@@ -425,11 +425,14 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     # document is a large share of it ends with that document read in one lane while the others
     # idle, unless the batch is compacted)
     fill = result["tokens"] / (result["lane_chunks"] * chunk_len)
+    # every row computed, padding included, a second: the rate at `lanes` lanes only when the
+    # batch kept them all (a compacted pass ends on fewer)
+    rows = result["tokens"] / clock.seconds / fill
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
             "chunk_steps": result["chunk_steps"], "lane_chunks": result["lane_chunks"],
-            "compact": compact, "lane_fill": fill,
-            "tokens_per_s_at_full_lanes": result["tokens"] / clock.seconds / fill,
+            "compact": compact, "lane_fill": fill, "row_tokens_per_s": rows,
+            "tokens_per_s_at_full_lanes": None if compact else rows,
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
 
 

@@ -210,3 +210,25 @@ def test_inductor_options_are_parsed_as_literals_and_reach_the_models_compile(mo
     assert train_speed.parse(["--inductor", "combo_kernels=True"]).inductor_options == {"combo_kernels": True}
     with pytest.raises(SystemExit):
         train_speed.parse(["--inductor", "combo_kernels"])
+
+
+def test_eval_timing_reports_rows_and_the_full_lane_rate_only_when_lanes_are_kept():
+    # a pass over one long document and a few short ones: the rows computed a second (padding
+    # included) are the tokens a second over the lane fill; "at full lanes" only when the batch
+    # kept every lane (the compacted pass ends on one lane, fewer rows for the same tokens)
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    from tiny_lm import tiny_lm
+    gen = np.random.default_rng(0)
+    corpus = TokenizedCorpus.from_documents([gen.integers(0, 97, n) for n in (400, 30, 20, 25, 16)])
+    model = tiny_lm().float()
+    res = {compact: train_speed.time_eval(model, corpus, lanes=8, chunk_len=16, device="cpu",
+                                          autocast=None, compact=compact)
+           for compact in (False, True)}
+    for compact, r in res.items():
+        assert r["tokens"] == 491 - 5 and 0 < r["lane_fill"] < 1     # each document: n - 1 targets
+        assert r["row_tokens_per_s"] == pytest.approx(r["tokens_per_s"] / r["lane_fill"])
+        assert r["row_tokens_per_s"] == pytest.approx(r["lane_chunks"] * 16 / r["seconds"])
+        assert r["tokens_per_s_at_full_lanes"] == (None if compact else r["row_tokens_per_s"])
+    assert res[True]["lane_chunks"] < res[False]["lane_chunks"]
+    assert res[True]["loss"] == pytest.approx(res[False]["loss"], rel=1e-6)
