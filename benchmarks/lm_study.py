@@ -13,6 +13,9 @@ hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the 
              before 16 slots.
 hybrid-recall  hybrid-free with 16 memory slots and kept tokens dropped in training
              (model.kv_keep_drop 0.1): the recall recipe now.
+hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
+             in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md
+             session 33): whether the trade pays at equal time.
 transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lanes x 2 micro-batches
              = the same tokens per step; its MLP is widened until its parameter count matches.
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
@@ -59,6 +62,10 @@ VARIANTS = {
     "hybrid-recall": ["model.layers=MAMMAMMA", "model.n_mem=16", "model.kv_window=512",
                       "model.kv_keep=128", "model.mem_rotary=free", "model.kv_keep_drop=0.1",
                       "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
+    # the hybrid with its residual stream in autocast's dtype (bf16)
+    "hybrid-bf16": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                    "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
+                    "model.residual=autocast"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
