@@ -427,7 +427,7 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     fill = result["tokens"] / (result["lane_chunks"] * chunk_len)
     # every row computed, padding included, a second: the rate at `lanes` lanes only when the
     # batch kept them all (a compacted pass ends on fewer)
-    rows = result["tokens"] / clock.seconds / fill
+    rows = result["lane_chunks"] * chunk_len / clock.seconds
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
             "chunk_steps": result["chunk_steps"], "lane_chunks": result["lane_chunks"],

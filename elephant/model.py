@@ -104,6 +104,14 @@ COMPILE_VARIANTS = 64   # graphs a compiled function may hold (see ElephantLM.co
 INDUCTOR_OPTIONS = {"comprehensive_padding": False}
 
 
+def _in_autocast_dtype(t: Tensor) -> Tensor:
+    """t in autocast's dtype while autocast is on (float64 and tensors outside autocast as they
+    are)."""
+    if t.dtype != torch.float64 and torch.is_autocast_enabled(t.device.type):
+        return t.to(torch.get_autocast_dtype(t.device.type))
+    return t
+
+
 def compile_kwargs(backend: str, graphs: bool = False) -> dict:
     """torch.compile's arguments for the chunk step: static shapes, INDUCTOR_OPTIONS when the
     backend is inductor, and with `graphs` CUDA graphs (the reduce-overhead mode's options)."""
@@ -545,9 +553,8 @@ class ElephantLM(nn.Module):
             state = state.reset(reset, self.mem_init if cfg.n_mem else None)
 
         x = self.embed(tokens) if embedded is None else embedded          # (B, T, D)
-        if cfg.residual == "autocast" and x.dtype != torch.float64 and \
-                torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))            # the residual stream's dtype
+        if cfg.residual == "autocast":
+            x = _in_autocast_dtype(x)                                     # the residual stream's dtype
         idx = torch.arange(T, device=tokens.device)
         tok_pos = state.pos.unsqueeze(1) + idx                           # (B, T)
         new_pos = state.pos + T
@@ -630,12 +637,10 @@ class ElephantLM(nn.Module):
             x = x[:, M:M + T]
         else:
             gate = None
-        h = self.norm_f(x)
-        if h.dtype != torch.float64 and torch.is_autocast_enabled(h.device.type):
-            # in the dtype the head's matmul reads it (autocast's): written so by the norm's
-            # kernel, where the head would make a copy of it (and its gradient comes back in it,
-            # as autocast's matmul would give it)
-            h = h.to(torch.get_autocast_dtype(h.device.type))
+        # in the dtype the head's matmul reads it (autocast's): written so by the norm's kernel,
+        # where the head would make a copy of it (and its gradient comes back in it, as
+        # autocast's matmul would give it)
+        h = _in_autocast_dtype(self.norm_f(x))
         return h, new, written, started, gate, prefix
 
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:

@@ -185,12 +185,19 @@ def _in_matmul(call) -> Tensor | None:
         return None
 
 
+def _float32_matmul(a: Tensor, dtype: torch.dtype) -> bool:
+    """Whether a product of `a` (and a factor of its dtype) can write `dtype` from the matmul's
+    own accumulator: CUDA, bfloat16/float16 factors, a float32 result, eager, while
+    ACC_IN_MATMUL holds."""
+    return (ACC_IN_MATMUL and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+            and dtype == torch.float32 and not torch.compiler.is_compiling())
+
+
 def _acc_mm(total: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """total + a @ b accumulated in `dtype` (see _acc). On CUDA with bfloat16/float16 factors and a
     float32 sum, eager: the product goes straight into the float32 sum inside the matmul (its
     float32 accumulator is not rounded to half precision first)."""
-    if (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32
-            and not torch.compiler.is_compiling()):
+    if _float32_matmul(a, dtype):
         out = _in_matmul(lambda: torch.mm(a, b, out_dtype=dtype) if total is None
                          else torch.addmm(total, a, b, out_dtype=dtype, out=total))
         if out is not None:
@@ -276,8 +283,7 @@ class _SummedNLL(torch.autograd.Function):
         # block by the matmul into one buffer: no concatenation, and the backward's scaling is
         # one pass that reads it as it is (a half-precision gradient was concatenated, converted
         # and scaled in three passes)
-        wide = (need_h and ACC_IN_MATMUL and hc.is_cuda and dtype in (torch.bfloat16, torch.float16)
-                and out_dtype == torch.float32 and not torch.compiler.is_compiling())
+        wide = need_h and _float32_matmul(hc, out_dtype)
         grad_h = torch.empty(hc.shape, dtype=out_dtype, device=hc.device) if wide else []
         with _no_autocast(h2.device.type):
             for rows in _blocks(hc.shape[0], block_rows):
