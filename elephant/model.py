@@ -222,22 +222,22 @@ class ElephantLM(nn.Module):
         """Training FLOPs per chunk token (forward + backward = 3 x forward), for MFU.
 
         Matrix products: 6 per weight; attention scores and values over the average number of
-        keys a query sees; the SSD scan's intra-chunk and state products. Memory slots are
-        counted as overhead on the T real tokens.
+        keys a query sees; the SSD scan's intra-chunk and state products. The blocks run over
+        the memory slots too (S = T + 2 n_mem positions a chunk), counted as overhead on the T
+        real tokens; the output head runs over the T tokens alone, so it counts once a token.
         """
         cfg = self.cfg
         S = T + 2 * cfg.n_mem
-        matmul = sum(p.numel() for n, p in self.named_parameters()
-                     if p.dim() == 2 and not n.startswith("embed") and not n.startswith("mem_"))
-        if cfg.tied_embeddings:
-            matmul += self.embed.weight.numel()
-        per_token = 6 * matmul
+        blocks = sum(p.numel() for n, p in self.named_parameters()
+                     if p.dim() == 2 and n.startswith("blocks."))
+        head = self.lm_head.weight.numel()          # the embedding's, when tied
+        per_position = 6 * blocks
         keys = (S + 1) / 2 + cfg.kv_window
-        per_token += cfg.layers.count("A") * 6 * 2 * cfg.d_model * keys
+        per_position += cfg.layers.count("A") * 6 * 2 * cfg.d_model * keys
         L = min(cfg.ssd_chunk, S)
         H, P, N = cfg.mamba_heads, cfg.mamba_head_dim, cfg.d_state
-        per_token += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
-        return per_token * S / T
+        per_position += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
+        return per_position * S / T + 6 * head
 
     def compile_for(self, how: str, backend: str | None = None) -> None:
         """torch.compile the chunk step in place (parameter names unchanged): "blocks", each block

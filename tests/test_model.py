@@ -188,6 +188,26 @@ def test_size_and_flops_accounting():
     assert 6 * model.num_params(non_embedding=True) < f < 50 * model.num_params()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_flops_count_the_blocks_over_the_memory_slots_and_the_head_once_a_token(tied):
+    # the blocks run over [read memory | T tokens | write slots]; the head only over the T tokens
+    T, M, W = 64, 4, 64
+    model = make(layers="MA", n_mem=M, kv_window=W, tied_embeddings=tied)
+    cfg = model.cfg
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2)
+    S = T + 2 * M
+    attention = 6 * 2 * 32 * ((S + 1) / 2 + W)
+    H, P, N, L = cfg.mamba_heads, cfg.mamba_head_dim, cfg.d_state, cfg.ssd_chunk
+    scan = 6 * H * (L * (N + P) + 3 * P * N)
+    expected = (6 * blocks + attention + scan) * S / T + 6 * 97 * 32
+    assert model.flops_per_token(T) == pytest.approx(expected, rel=1e-12)
+    # without memory slots nothing is overhead
+    plain = make(layers="MA", n_mem=0, kv_window=W, tied_embeddings=tied)
+    attention0 = 6 * 2 * 32 * ((T + 1) / 2 + W)
+    assert plain.flops_per_token(T) == pytest.approx(6 * blocks + attention0 + scan + 6 * 97 * 32,
+                                                     rel=1e-12)
+
+
 def test_bad_inputs_get_clear_errors():
     model = make()
     _, state = model(torch.randint(0, 97, (2, 4)))
