@@ -290,12 +290,15 @@ def test_blocked_head_makes_no_host_sync_on_cuda():
     assert torch.isfinite(loss) and nll.shape == (2, 128) and h.grad is not None
 
 
-def test_blocked_head_peak_memory_is_a_fraction_of_the_logits():
+def test_blocked_head_peak_memory_is_a_fraction_of_the_logits(monkeypatch):
     """At the 70M shape's head (16k tokens, V = 50304), forward + backward of the blocked loss peaks
-    far below the float32 logits of the chunk (3.3 GB) that the reference holds. The blocks are
-    up to 1 GiB of float32 logits (4 x 4,096 rows here; head.BLOCK_BYTES): their bf16 logits and
-    logit gradients peak at 1.41 GB (H100, 2026-11-25), under half the float32 logits."""
+    far below the float32 logits of the chunk (3.3 GB) that the reference holds. With blocks of up
+    to 1 GiB of float32 logits (4 x 4,096 rows here; the default head.BLOCK_BYTES, 4 GiB, makes
+    the chunk one block), their bf16 logits and logit gradients peak at 1.41 GB (H100,
+    2026-11-25), under half the float32 logits: the cap, not the row count, bounds the memory."""
+    from elephant.layers import head
     from elephant.layers.head import linear_cross_entropy, linear_cross_entropy_reference
+    monkeypatch.setattr(head, "BLOCK_BYTES", 1 << 30)
     h = torch.randn(32, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(50304, 512, device="cuda", requires_grad=True)
     t = torch.randint(0, 50304, (32, 512), device="cuda")

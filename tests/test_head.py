@@ -93,18 +93,20 @@ def test_training_path_keeps_no_logits_for_backward():
 
 
 def test_default_block_rows():
-    assert default_block_rows(50304) == 5312          # 1 GiB of float32 logits, 64-row multiple
-    assert default_block_rows(256) == (1 << 30) // 1024
+    cap = (4 << 30) // (4 * 50304) // 64 * 64            # 4 GiB of float32 logits, 64-row multiple
+    assert default_block_rows(50304) == cap == 21312
+    assert default_block_rows(256) == (4 << 30) // 1024
     assert default_block_rows(10**10) == 1
     # given the rows: the fewest blocks, evened out to 64-row multiples
-    assert default_block_rows(50304, 16384) == 4096   # a training chunk: 4 x 4096
-    assert default_block_rows(50304, 5312) == 5312    # one block
+    assert default_block_rows(50304, 32768) == 16384  # a training window of two chunks: 2 x 16384
+    assert default_block_rows(50304, 16384) == 16384  # one chunk: one block
+    assert default_block_rows(50304, cap) == cap      # one block
     assert default_block_rows(50304, 100) == 100
-    assert default_block_rows(50304, 10625) == 3584   # 3 blocks (3 x 3584 >= 10625), not 2 + a tail
-    for n in (1, 63, 5313, 16385, 70001):
+    assert default_block_rows(50304, 2 * cap + 1) == 14272   # 3 blocks (3 x 14272 >= 42625), not 2 + a tail
+    for n in (1, 63, cap + 1, 65537, 280001):
         rows = default_block_rows(50304, n)
         blocks = -(-n // rows)
-        assert rows <= 5312 and blocks == -(-n // 5312), n
+        assert rows <= cap and blocks == -(-n // cap), n
 
 
 def test_bad_arguments_get_clear_errors():

@@ -9,7 +9,7 @@ and the tests hold these to): float32 math on logits in any float dtype, dz in z
 and gradient for an ignored target (-100). A target outside [0, V) reads no logit (the trainer
 refuses a tokenizer whose ids do not fit the vocabulary before any step).
 
-Why: a 16,384-token chunk's loss is 4 blocks of 4,096 x 50,304 bf16 logits (412 MB each). The
+Why: a block of 4,096 x 50,304 bf16 logits is 412 MB (the head's blocks hold up to 21,312 such rows). The
 kernel inductor makes of the plain functions reads each row three times (its maximum, the sum of
 exponentials, then the gradient) and writes the gradient: about 1.65 GB per block. Here one
 program walks one row twice: an online log-sum-exp (the running maximum and the rescaled sum in
