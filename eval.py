@@ -39,6 +39,11 @@ def parse(argv):
                         "left to start and at most an eighth of the lanes still read one, the "
                         "batch shrinks to them: a long last document is read at the speed of one "
                         "lane, not of a batch of padding; the same sums)")
+    p.add_argument("--side", action="store_true",
+                   help="read the documents that would outlast the batch (each more chunks than "
+                        "an even share over the lanes; up to an eighth of the lanes) by a side "
+                        "batch on a stream of its own beside the others (the same sums; its speed "
+                        "on a GPU not yet measured)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -142,7 +147,8 @@ def run(args) -> int:
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
-                    cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact)
+                    cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact,
+                    side=args.side)
     ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
                 source=data.source, split=split)
     results = {"elephant": ours}

@@ -414,13 +414,13 @@ def one_document(corpus, n_tokens: int):
 
 
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
-              compact: bool = False) -> dict:
+              compact: bool = False, side: bool = False) -> dict:
     from elephant.evaluate import evaluate
     peak_reset(device)
     resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
     with Clock(device) as clock:
         result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
-                          autocast=autocast, cuda_graph=cuda_graph, compact=compact)
+                          autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
     # lane fill: how much of the rows the pass computed held tokens (a corpus whose longest
     # document is a large share of it ends with that document read in one lane while the others
     # idle, unless the batch is compacted)
@@ -431,7 +431,8 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
             "chunk_steps": result["chunk_steps"], "lane_chunks": result["lane_chunks"],
-            "compact": compact, "lane_fill": fill, "row_tokens_per_s": rows,
+            "compact": compact, "side": side, "side_documents": result["side_documents"],
+            "lane_fill": fill, "row_tokens_per_s": rows,
             "tokens_per_s_at_full_lanes": None if compact else rows,
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
 
@@ -471,6 +472,13 @@ def run_eval(args, trainer, device) -> dict:
             out.update(many_docs_graph_compact=many_c,
                        eval_graph_compact_tokens_per_s=many_c["tokens_per_s"],
                        eval_graph_compact_loss_diff=abs(many_c["loss"] - many["loss"]))
+        if args.eval_side:   # and the documents that outlast the batch read by a side batch
+            side = dict(compact=True, side=True, **graph)
+            time_eval(model, docs, lanes, T, device, autocast, **side)          # compiles
+            many_s = time_eval(model, docs, lanes, T, device, autocast, **side)
+            out.update(many_docs_graph_side=many_s,
+                       eval_graph_side_tokens_per_s=many_s["tokens_per_s"],
+                       eval_graph_side_loss_diff=abs(many_s["loss"] - many["loss"]))
     return out
 
 
@@ -491,6 +499,10 @@ def parse(argv):
     ap.add_argument("--eval-compact", action="store_true",
                     help="with --eval-cuda-graph: also the 64-lane pass with its batch compacted at "
                          "the end (evaluate(compact=True), as eval.py runs it), after an untimed one")
+    ap.add_argument("--eval-side", action="store_true",
+                    help="with --eval-cuda-graph: also the 64-lane pass compacted, with the "
+                         "documents that outlast the batch read by a side batch on a stream of "
+                         "their own (evaluate(side=True), as eval.py runs it), after an untimed one")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")

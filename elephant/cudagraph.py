@@ -9,24 +9,25 @@ from torch import Tensor
 
 
 def capture(step: Callable[[], object], state: Sequence[Tensor], warmup: int = 3,
-            error_mode: str = "global"):
+            error_mode: str = "global", stream: torch.cuda.Stream | None = None):
     """Capture `step()` (which reads and writes static tensors in place) as a CUDA graph.
 
     It first runs `warmup` times on a side stream (whatever compiles or allocates lazily does it
     there, not in the capture), then once under capture; both change `state`, the tensors the step
     writes in place, so they are put back as they were before. `error_mode`: CUDA's capture mode;
     "thread_local" where other threads go on using CUDA meanwhile (a process group's watchdog
-    polls its collectives' events), as torch.compile's CUDA graphs capture. Returns (graph, what
-    the captured call returned: static outputs that every replay rewrites)."""
+    polls its collectives' events), as torch.compile's CUDA graphs capture. `stream`: the stream
+    to capture on (its priority goes into the graph's kernels; None: a side stream of its own).
+    Returns (graph, what the captured call returned: static outputs that every replay rewrites)."""
     keep = [t.clone() for t in state]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         for _ in range(warmup):
             step()
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=error_mode):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=error_mode):
         out = step()
     for t, old in zip(state, keep):
         t.copy_(old)

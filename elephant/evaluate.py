@@ -29,6 +29,18 @@ is made again for the new lane count, so the long tail runs at the speed of a fe
 a full batch of padding. The sums are the same but for the rounding of kernels whose order of
 summation depends on the batch size (float64 on the CPU: to 1e-12; bf16 on an H100, the
 benchmark's 16M tokens: a mean loss of 1.9940903 against 1.9940905 for the full batch).
+
+A document's chunks run one after another, so a document of more chunks than an even share of
+the whole pass over the lanes outlasts the batch however the lanes are dealt, and its last chunks
+run in a lane of their own at the pace of one lane's step. With `side=True` (unpacked, longest
+first; eval.py --side) such documents (up to an eighth of the lanes) are read by a side batch
+of their own, a lane each, while the other lanes read the rest: the two batches have their own
+state, static step and sums, and the side batch runs on a high-priority CUDA stream (its CUDA
+graph captured there), so that its small kernels run as the main batch's leave room, and the host
+queues its chunks in step with the main batch's (its longest document's chunks over the main
+batch's share). Its document is then read at about a single lane's pace beside the main batch,
+not after it. The sums are the one batch's, but for the same rounding as compaction's. (Its
+speed on a GPU is not measured yet: benchmarks/train_speed.py --eval-side.)
 """
 from __future__ import annotations
 
@@ -111,8 +123,8 @@ class StaticChunkStep:
     chunk run the plain way, so that the buffers have the dtypes the step keeps."""
 
     def __init__(self, model, state, tokens: torch.Tensor, mask: torch.Tensor, autocast=None,
-                 graph: bool = False):
-        self.model, self.autocast = model, autocast
+                 graph: bool = False, stream=None):
+        self.model, self.autocast, self.stream = model, autocast, stream
         self.state = state.clone()                     # the static state: read and written in place
         self.tokens = torch.zeros_like(tokens)
         self.mask = torch.zeros_like(mask)
@@ -139,7 +151,8 @@ class StaticChunkStep:
 
     def _capture(self) -> None:
         from .cudagraph import capture
-        self.graph, self.nll = capture(self._step, list(self.state.tensors().values()))
+        self.graph, self.nll = capture(self._step, list(self.state.tensors().values()),
+                                       stream=self.stream)
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
         """One chunk: host or device batch tensors in, the per-token NLL (B, T) out (with a graph,
@@ -166,15 +179,121 @@ def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
     return sorted(live + idle[:n - len(live)])
 
 
+def side_documents(corpus, docs: np.ndarray, lanes: int, chunk_len: int) -> np.ndarray:
+    """The documents (of `docs`, longest first) that a side batch reads: those whose chunks
+    outnumber an even share of all the documents' chunks over `lanes` lanes (each would outlast
+    the batch, and be read at the end in a lane of its own), at most lanes // 8 of them (and
+    none for fewer than 8 lanes: the batch is the side batch)."""
+    if lanes < 8 or not docs.size:
+        return docs[:0]
+    chunks = -(-(np.diff(np.asarray(corpus.offsets))[docs] - 1) // chunk_len)
+    return docs[:lanes // 8][chunks[:lanes // 8] * lanes > chunks.sum()]
+
+
+class _Pass:
+    """One batch streaming its documents: the batcher, the recurrent state, the static step (CUDA
+    graph) and the device sums (per document and by position). `step()` runs one chunk and says
+    whether there was one."""
+
+    def __init__(self, model, corpus, n_docs, lanes, chunk_len, device, autocast, rank, world,
+                 pack, order, cuda_graph, compact, is_long, prefix, stream=None):
+        self.model, self.device, self.autocast = model, device, autocast
+        self.n_docs, self.chunk_len, self.pack = n_docs, chunk_len, pack
+        self.cuda_graph, self.compact, self.is_long, self.prefix = cuda_graph, compact, is_long, prefix
+        self.stream = stream
+        self.batcher = _batcher(corpus, lanes, chunk_len, rank, world, pack, order)
+        self.lanes = lanes
+        f64 = dict(dtype=torch.float64, device=device)
+        self.doc_nll = torch.zeros(n_docs + 1, **f64)  # last slot: idle lanes
+        self.doc_tok = torch.zeros(n_docs + 1, **f64)
+        self.edges = torch.tensor(BUCKET_EDGES[1:], dtype=torch.long, device=device)
+        self.pos_nll = torch.zeros(len(BUCKET_EDGES), **f64)
+        self.pos_tok = torch.zeros(len(BUCKET_EDGES), **f64)
+        self.long_nll, self.long_tok = torch.zeros_like(self.pos_nll), torch.zeros_like(self.pos_tok)
+        self.state = model.init_state(lanes, device=device)
+        self.lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
+        self.idx = torch.arange(chunk_len, device=device)
+        self.static = None
+        self.rows = None   # the batcher's lanes this batch computes (compacted), None: all of them
+        self.chunk_steps = self.lane_chunks = 0
+        self.done = False
+
+    def step(self) -> bool:
+        if self.done:
+            return False
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            try:
+                batch = next(self.batcher)
+            except StopIteration:
+                self.done = True
+                return False
+            self._chunk(batch)
+        return True
+
+    def _chunk(self, batch) -> None:
+        model, device, autocast, pack = self.model, self.device, self.autocast, self.pack
+        self.chunk_steps += 1
+        if self.rows is not None:
+            batch = batch.select(self.rows)
+        self.lane_chunks += batch.tokens.shape[0]
+        tokens = to_device(batch.tokens, device)
+        mask = to_device(batch.loss_mask, device)
+        starts = to_device(batch.starts, device)
+        ids = to_device(batch.token_doc_ids, device)                   # (B, T) document of each input
+        if self.static is not None:
+            nll = self.static(tokens, mask, starts[:, 0])
+        else:
+            with autocast() if autocast else nullcontext():
+                # the boundary path only for chunks where a document starts inside (a host count)
+                inner = starts if pack and batch.inner_starts else None
+                nll, self.state = model(tokens[:, :-1], self.state, starts[:, 0], targets=tokens[:, 1:],
+                                        loss_mask=mask, reduction="none", starts=inner,
+                                        prefix=self.prefix, inner_starts=batch.inner_starts)
+            if self.cuda_graph and not pack:   # from the next chunk on: the static step
+                self.static = StaticChunkStep(model, self.state, tokens, mask, autocast,
+                                              graph=device.type == "cuda", stream=self.stream)
+        nll = nll.double()                                             # (B, T) zero where masked
+        weight = mask.double()
+        ids = torch.where(ids < 0, self.n_docs, ids).flatten()
+        self.doc_nll.index_add_(0, ids, nll.flatten())
+        self.doc_tok.index_add_(0, ids, weight.flatten())
+        # position of each input within its document (restarting at each start); its target is +1
+        idx = self.idx
+        last = torch.where(starts, idx, -1).cummax(1).values           # (B, T) latest start
+        inputs_pos = torch.where(last >= 0, idx - last, self.lane_pos[:, None] + idx)
+        bucket = torch.bucketize(inputs_pos + 1, self.edges, right=True).flatten()
+        self.pos_nll.index_add_(0, bucket, nll.flatten())
+        self.pos_tok.index_add_(0, bucket, weight.flatten())
+        long = self.is_long[ids]
+        self.long_nll.index_add_(0, bucket, nll.flatten() * long)
+        self.long_tok.index_add_(0, bucket, weight.flatten() * long)
+        self.lane_pos = torch.where(last[:, -1] >= 0, self.chunk_len - last[:, -1],
+                                    self.lane_pos + self.chunk_len)
+        if self.compact and not pack and self.batcher.drained():
+            # no document left to start: the lanes still reading one
+            current = list(range(self.lanes)) if self.rows is None else self.rows
+            reading = set(self.batcher.reading_lanes())
+            keep = compacted_lanes([i for i, b in enumerate(current) if b in reading], len(current))
+            if keep is not None:
+                index = torch.tensor(keep, device=device)
+                self.state = (self.static.state if self.static is not None else self.state).select(index)
+                self.lane_pos = self.lane_pos[index]
+                self.rows = [current[i] for i in keep]
+                self.static = None   # made again, for the new lane count, after its first chunk
+
+    def sums(self) -> list[torch.Tensor]:
+        return [self.doc_nll, self.doc_tok, self.pos_nll, self.pos_tok, self.long_nll, self.long_tok]
+
+
 @in_eval_mode
 @torch.no_grad()
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False,
-             long_docs: int = BUCKET_EDGES[-1], compact: bool = False) -> dict:
+             long_docs: int = BUCKET_EDGES[-1], compact: bool = False, side: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
-    `chunk_steps`: the chunks of `lanes` rows this rank ran (a pass's lane fill is the tokens
-    over chunk_steps x lanes x chunk_len), and `position_buckets_long`: the loss by position over
+    `chunk_steps`: the chunks this rank ran (both batches' with a side batch; a pass's lane fill
+    is the tokens over lane_chunks x chunk_len), and `position_buckets_long`: the loss by position over
     the `long_documents` longer than `long_docs` tokens alone. By default those reach the last
     band, so every band of that curve averages the same documents: a fall with position is then
     what the context gives, not a change in which documents a band holds.
@@ -185,88 +304,76 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     module doc; on the CPU the same static-buffer step, without capture). `compact`: the batch
     shrinks to the lanes still reading a document at the pass's end (unpacked; see the module
     doc); `lane_chunks` counts the rows the pass ran (chunk_steps x lanes without it).
+    `side`: the documents that would outlast the batch (`side_documents`; longest first,
+    unpacked) are read by a side batch of their own, on a high-priority CUDA stream beside the
+    main batch of the other lanes, the two advanced in step (see the module doc);
+    `side_documents` counts them, `side_chunk_steps` the side batch's chunks.
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
     corpus = subset(corpus, max_docs)
     n_docs = len(corpus)
     device = torch.device(device)
-    batcher = _batcher(corpus, lanes, chunk_len, rank, world, pack,
-                       longest_first(corpus, rank, world) if order == "longest" else None)
-    doc_nll = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)  # last slot: idle lanes
-    doc_tok = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)
-    edges = torch.tensor(BUCKET_EDGES[1:], dtype=torch.long, device=device)
-    pos_nll = torch.zeros(len(BUCKET_EDGES), dtype=torch.float64, device=device)
-    pos_tok = torch.zeros(len(BUCKET_EDGES), dtype=torch.float64, device=device)
-    long_nll, long_tok = torch.zeros_like(pos_nll), torch.zeros_like(pos_tok)
     is_long = torch.zeros(n_docs + 1, dtype=torch.float64, device=device)
     is_long[:n_docs] = torch.as_tensor(corpus.doc_lengths > long_docs, dtype=torch.float64)
     meter = NLLMeter()
-    state = model.init_state(lanes, device=device)
-    lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
+    prefix = None
+    if pack and model.cfg.n_mem:   # the weights do not change while evaluating: one prefix for all
+        with autocast() if autocast else nullcontext():
+            prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
+    docs = longest_first(corpus, rank, world) if order == "longest" else None
+    aside = (side_documents(corpus, docs, lanes, chunk_len) if side and docs is not None and not pack
+             else np.zeros(0, dtype=np.int64))
+    common = dict(model=model, corpus=corpus, n_docs=n_docs, chunk_len=chunk_len, device=device,
+                  autocast=autocast, rank=rank, world=world, pack=pack, cuda_graph=cuda_graph,
+                  compact=compact, is_long=is_long, prefix=prefix)
+    if aside.size:
+        stream = None
+        if device.type == "cuda":   # high priority: its short kernels go first as the main batch's end
+            stream = torch.cuda.Stream(device=device, priority=-1)
+            stream.wait_stream(torch.cuda.current_stream(device))   # is_long, prefix
+        main = _Pass(lanes=lanes - aside.size, order=docs[aside.size:], **common)
+        # its tensors made on its stream: their first use waits for their filling there, and the
+        # allocator gives their memory back to that stream alone (the main batch's stream would
+        # take a freed state while the side stream still reads it)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            passes = [main, _Pass(lanes=int(aside.size), order=aside, stream=stream, **common)]
+    else:
+        main = _Pass(lanes=lanes, order=docs, **common)
+        passes = [main]
     steps = math.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=int(steps), desc="evaluating", unit=" chunks", dynamic_ncols=True)
-    idx = torch.arange(chunk_len, device=device)
-    prefix = None
-    if pack and model.cfg.n_mem:   # the weights do not change while evaluating: one prefix for all
-        with autocast() if autocast else nullcontext():
-            prefix = model.init_prefix(model.embed.weight.dtype)   # the dtype forward gives it
-    static = None
-    chunk_steps = lane_chunks = 0
-    rows = None   # the batcher's lanes this batch computes (compacted), None: all of them
-    for batch in batcher:
-        chunk_steps += 1
-        if rows is not None:
-            batch = batch.select(rows)
-        lane_chunks += batch.tokens.shape[0]
-        tokens = to_device(batch.tokens, device)
-        mask = to_device(batch.loss_mask, device)
-        starts = to_device(batch.starts, device)
-        ids = to_device(batch.token_doc_ids, device)                   # (B, T) document of each input
-        if static is not None:
-            nll = static(tokens, mask, starts[:, 0])
-        else:
-            with autocast() if autocast else nullcontext():
-                # the boundary path only for chunks where a document starts inside (a host count)
-                inner = starts if pack and batch.inner_starts else None
-                nll, state = model(tokens[:, :-1], state, starts[:, 0], targets=tokens[:, 1:],
-                                   loss_mask=mask, reduction="none", starts=inner, prefix=prefix,
-                                   inner_starts=batch.inner_starts)
-            if cuda_graph and not pack:   # from the next chunk on: the static step
-                static = StaticChunkStep(model, state, tokens, mask, autocast, graph=device.type == "cuda")
-        nll = nll.double()                                             # (B, T) zero where masked
-        weight = mask.double()
-        ids = torch.where(ids < 0, n_docs, ids).flatten()
-        doc_nll.index_add_(0, ids, nll.flatten())
-        doc_tok.index_add_(0, ids, weight.flatten())
-        # position of each input within its document (restarting at each start); its target is +1
-        last = torch.where(starts, idx, -1).cummax(1).values           # (B, T) latest start
-        inputs_pos = torch.where(last >= 0, idx - last, lane_pos[:, None] + idx)
-        bucket = torch.bucketize(inputs_pos + 1, edges, right=True).flatten()
-        pos_nll.index_add_(0, bucket, nll.flatten())
-        pos_tok.index_add_(0, bucket, weight.flatten())
-        long = is_long[ids]
-        long_nll.index_add_(0, bucket, nll.flatten() * long)
-        long_tok.index_add_(0, bucket, weight.flatten() * long)
-        lane_pos = torch.where(last[:, -1] >= 0, chunk_len - last[:, -1], lane_pos + chunk_len)
-        if compact and not pack and batcher.drained():
-            # no document left to start: the lanes still reading one
-            current = list(range(lanes)) if rows is None else rows
-            reading = set(batcher.reading_lanes())
-            keep = compacted_lanes([i for i, b in enumerate(current) if b in reading], len(current))
-            if keep is not None:
-                index = torch.tensor(keep, device=device)
-                state = (static.state if static is not None else state).select(index)
-                lane_pos = lane_pos[index]
-                rows = [current[i] for i in keep]
-                static = None   # made again, for the new lane count, after its first chunk
+    if len(passes) == 2:
+        # advanced in step: the side batch by its share of chunks for each chunk of the main one
+        # (its longest document's chunks over the main batch's chunks at full lanes), so that
+        # both streams have work queued until the main batch ends
+        chunks = -(-(np.diff(np.asarray(corpus.offsets)) - 1) // chunk_len)   # a document's
+        main_steps = max(1, int(chunks[docs[aside.size:]].sum()) // main.lanes)
+        ratio = int(chunks[aside].max()) / main_steps
+    queued = 0.0
+    while True:
+        ran = main.step()
+        if len(passes) == 2:
+            queued += ratio if ran else float("inf")
+            while queued >= 1 and passes[1].step():
+                queued -= 1
+            if not ran and passes[1].done:
+                break
+        elif not ran:
+            break
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    sums = main.sums()
+    if len(passes) == 2:
+        if passes[1].stream is not None:
+            torch.cuda.current_stream(device).wait_stream(passes[1].stream)
+        sums = [a + b for a, b in zip(sums, passes[1].sums())]
+    doc_nll, doc_tok, pos_nll, pos_tok, long_nll, long_tok = sums
     if world > 1:
         for t in (doc_nll, doc_tok, pos_nll, pos_tok, long_nll, long_tok):
             dist.all_reduce(t)
@@ -276,6 +383,9 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
     long_buckets = PositionBuckets()
     long_buckets.add_sums(long_nll.tolist(), [round(n) for n in long_tok.tolist()])
-    return meter.result() | {"chunk_steps": chunk_steps, "lane_chunks": lane_chunks,
-                             "position_buckets_long": long_buckets.to_dict(),
-                             "long_documents": int(is_long.sum())}
+    return meter.result() | {
+        "chunk_steps": sum(p.chunk_steps for p in passes),
+        "lane_chunks": sum(p.lane_chunks for p in passes),
+        "position_buckets_long": long_buckets.to_dict(), "long_documents": int(is_long.sum()),
+        "side_documents": int(aside.size),
+        "side_chunk_steps": passes[1].chunk_steps if len(passes) == 2 else 0}

@@ -280,17 +280,21 @@ def test_eval_cli_reports_whole_documents_and_writes_json(trained_run, tmp_path,
 
 def test_eval_cli_compacts_its_lanes_unless_told_not_to(trained_run, tmp_path):
     # 8 lanes over the 4 test documents: once only the longest is left, the batch shrinks to its
-    # lane (fewer rows); --no-compact keeps all 8 to the end; the same sums either way
+    # lane (fewer rows); --no-compact keeps all 8 to the end; with --side the longest, more
+    # chunks than an even share of the 8 lanes, is read by a side batch of one lane beside the
+    # other 7; the same sums every way
     results = []
-    for extra in ([], ["--no-compact"]):
-        out = tmp_path / f"r{len(extra)}.json"
+    for extra in ([], ["--no-compact"], ["--side"]):
+        out = tmp_path / f"r{len(results)}.json"
         assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--lanes", "8",
                               "--json", str(out), "--no-progress"] + extra) == 0
         results.append(json.loads(out.read_text())["elephant"])
-    small, full = results
+    small, full, side = results
     assert full["lane_chunks"] == 8 * full["chunk_steps"] and small["lane_chunks"] < full["lane_chunks"]
-    assert small["tokens"] == full["tokens"]
+    assert side["side_documents"] == 1 and small["side_documents"] == 0
+    assert small["tokens"] == full["tokens"] == side["tokens"]
     assert math.isclose(small["nll_sum"], full["nll_sum"], rel_tol=1e-6)
+    assert math.isclose(side["nll_sum"], full["nll_sum"], rel_tol=1e-6)
 
 
 def test_eval_cli_errors_are_one_line(trained_run, tmp_path, capsys):
@@ -408,3 +412,43 @@ def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, orde
     assert compacted_lanes([5, 6, 7], 16) is None                          # more than an eighth
     assert compacted_lanes([4], 8) == [4] and compacted_lanes([2], 4) is None
     assert compacted_lanes([1, 5, 6], 32) == [0, 1, 5, 6]                  # padded to a power of 2
+
+
+@pytest.mark.parametrize("cuda_graph, compact", [(False, False), (True, True)])
+def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda_graph, compact):
+    # side=True: the documents that would outlast the batch (here the 700 and the 600, each more
+    # chunks than an even share of all the chunks over 16 lanes) are read by a side batch of their
+    # own (2 lanes) while 14 lanes read the rest; every document's and position bucket's sum is the
+    # one batch's (float64; on the CPU the two batches take turns on one stream)
+    from elephant.evaluate import longest_first, side_documents
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double()
+    lengths = [20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11]
+    corpus = corpus_of(lengths)
+    one = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
+                   compact=compact)
+    two = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
+                   compact=compact, side=True)
+    assert two["side_documents"] == 2 and two["side_chunk_steps"] == 88   # (700 - 1) / 8, rounded up
+    main_rows, main_steps = two["lane_chunks"] - 2 * 88, two["chunk_steps"] - 88
+    assert main_rows == 14 * main_steps if not compact else main_rows < 14 * main_steps
+    assert main_steps < 88 and two["lane_chunks"] < one["lane_chunks"]
+    assert two["documents"] == one["documents"] and two["tokens"] == one["tokens"]
+    for key in ("nll_sum", "per_doc_mean_loss"):
+        assert math.isclose(two[key], one[key], rel_tol=1e-12), key
+    for label, bucket in one["position_buckets"].items():
+        assert math.isclose(two["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12, abs_tol=1e-12)
+    for label, bucket in one["position_buckets_long"].items():
+        assert math.isclose(two["position_buckets_long"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12, abs_tol=1e-12)
+    # which documents go aside: more chunks than an even share, at most an eighth of the lanes
+    docs = longest_first(corpus)
+    assert sorted(corpus.doc_lengths[side_documents(corpus, docs, 16, 8)]) == [600, 700]
+    assert side_documents(corpus, docs, 8, 8).size == 1                   # an eighth of 8 lanes
+    assert side_documents(corpus, docs, 4, 8).size == 0                   # under 8 lanes: none
+    assert side_documents(corpus, docs, 16, 700).size == 0                # one chunk each
+    even = corpus_of([50] * 40)
+    assert side_documents(even, longest_first(even), 16, 8).size == 0

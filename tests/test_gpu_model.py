@@ -339,6 +339,33 @@ def test_cuda_graph_evaluation_equals_the_plain_path(compiled):
     assert abs(graph["nll_sum"] - plain["nll_sum"]) <= 1e-6 * abs(plain["nll_sum"])
 
 
+def test_side_batch_evaluation_on_its_stream_equals_one_batch():
+    """evaluate(side=True) on CUDA: the two longest documents read by a side batch on a
+    high-priority stream (its CUDA graph captured there) while 14 lanes read the rest, queued in
+    step from one host thread: every document's sum is the one batch's (float32 model; the
+    kernels' batch-size rounding alone), the streams joined before the sums are read."""
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    from elephant.evaluate import evaluate
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
+    model.set_fast_paths(True)
+    rng = np.random.default_rng(0)
+    lengths = [3000, 2500] + [int(n) for n in rng.integers(20, 300, 40)]
+    corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in lengths])
+    one = evaluate(model, corpus, lanes=16, chunk_len=64, device="cuda", cuda_graph=True,
+                   compact=True)
+    two = evaluate(model, corpus, lanes=16, chunk_len=64, device="cuda", cuda_graph=True,
+                   compact=True, side=True)
+    assert two["side_documents"] == 2 and two["side_chunk_steps"] == -(-2999 // 64)
+    assert two["tokens"] == one["tokens"] and two["documents"] == one["documents"]
+    assert abs(two["nll_sum"] - one["nll_sum"]) <= 1e-5 * abs(one["nll_sum"])
+    for label, bucket in one["position_buckets"].items():
+        got = two["position_buckets"][label]
+        assert got["tokens"] == bucket["tokens"]
+        assert abs(got["nll_sum"] - bucket["nll_sum"]) <= 1e-5 * abs(bucket["nll_sum"]) + 1e-6
+
+
 def test_weight_gradient_accumulates_inside_the_matmul_on_cuda():
     """head._acc_mm: bf16 products summed into a float32 total by the matmul itself, in place,
     at least as close to the float64 sum as the product rounded to bf16 and added (the old way)."""

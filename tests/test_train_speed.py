@@ -232,3 +232,9 @@ def test_eval_timing_reports_rows_and_the_full_lane_rate_only_when_lanes_are_kep
         assert r["tokens_per_s_at_full_lanes"] == (None if compact else r["row_tokens_per_s"])
     assert res[True]["lane_chunks"] < res[False]["lane_chunks"]
     assert res[True]["loss"] == pytest.approx(res[False]["loss"], rel=1e-6)
+    # the long document read by a side batch (one lane of the eight) beside the other seven
+    side = train_speed.time_eval(model, corpus, lanes=8, chunk_len=16, device="cpu", autocast=None,
+                                 compact=True, side=True)
+    assert side["side"] and side["side_documents"] == 1 and side["tokens"] == 491 - 5
+    assert side["loss"] == pytest.approx(res[False]["loss"], rel=1e-6)
+    assert res[False]["side_documents"] == 0
