@@ -35,6 +35,19 @@ def mama_model() -> ElephantLM:
     return ElephantLM(cfg).double()
 
 
+def assert_same_sums(got: dict, want: dict, long: bool = False) -> None:
+    """Two evaluations of the same documents: the same documents and tokens, and the same summed
+    NLL overall, per document and by position (float64: to 1e-12), with `long` the long
+    documents' curve too."""
+    assert got["documents"] == want["documents"] and got["tokens"] == want["tokens"]
+    for key in ("nll_sum", "per_doc_mean_loss"):
+        assert math.isclose(got[key], want[key], rel_tol=1e-12), key
+    for curve in ("position_buckets", "position_buckets_long") if long else ("position_buckets",):
+        for label, bucket in want[curve].items():
+            assert math.isclose(got[curve][label]["nll_sum"], bucket["nll_sum"], rel_tol=1e-12,
+                                abs_tol=1e-12), (curve, label)
+
+
 @torch.no_grad()
 def one_pass_nll(model, corpus, i: int) -> float:
     """Document i's summed NLL (nats) in one forward pass: the reference streaming is held to."""
@@ -147,12 +160,7 @@ def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, c
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     plain = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
     static = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", cuda_graph=True)
-    assert static["documents"] == plain["documents"] and static["tokens"] == plain["tokens"]
-    for key in ("nll_sum", "per_doc_mean_loss"):
-        assert math.isclose(static[key], plain[key], rel_tol=1e-12), key
-    for label, bucket in plain["position_buckets"].items():
-        assert math.isclose(static["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
-                            rel_tol=1e-12, abs_tol=1e-12)
+    assert_same_sums(static, plain)
 
 
 def test_static_step_keeps_its_buffers():
@@ -400,14 +408,9 @@ def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, orde
                     order=order)
     small = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
                      order=order, compact=True)
-    assert small["documents"] == full["documents"] and small["tokens"] == full["tokens"]
     assert small["chunk_steps"] == full["chunk_steps"] == 88             # the 700 tokens, 8 a chunk
     assert full["lane_chunks"] == 16 * 88 and small["lane_chunks"] == 16 * 8 + 2 * 80
-    for key in ("nll_sum", "per_doc_mean_loss"):
-        assert math.isclose(small[key], full[key], rel_tol=1e-12), key
-    for label, bucket in full["position_buckets"].items():
-        assert math.isclose(small["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
-                            rel_tol=1e-12, abs_tol=1e-12)
+    assert_same_sums(small, full)
     assert compacted_lanes([3, 9], 16) == [3, 9]                           # two live: two lanes
     assert compacted_lanes([5, 6, 7], 16) is None                          # more than an eighth
     assert compacted_lanes([4], 8) == [4] and compacted_lanes([2], 4) is None
@@ -435,15 +438,7 @@ def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda
     main_rows, main_steps = two["lane_chunks"] - 2 * 88, two["chunk_steps"] - 88
     assert main_rows == 14 * main_steps if not compact else main_rows < 14 * main_steps
     assert main_steps < 88 and two["lane_chunks"] < one["lane_chunks"]
-    assert two["documents"] == one["documents"] and two["tokens"] == one["tokens"]
-    for key in ("nll_sum", "per_doc_mean_loss"):
-        assert math.isclose(two[key], one[key], rel_tol=1e-12), key
-    for label, bucket in one["position_buckets"].items():
-        assert math.isclose(two["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
-                            rel_tol=1e-12, abs_tol=1e-12)
-    for label, bucket in one["position_buckets_long"].items():
-        assert math.isclose(two["position_buckets_long"][label]["nll_sum"], bucket["nll_sum"],
-                            rel_tol=1e-12, abs_tol=1e-12)
+    assert_same_sums(two, one, long=True)
     # which documents go aside: more chunks than an even share, at most an eighth of the lanes
     docs = longest_first(corpus)
     assert sorted(corpus.doc_lengths[side_documents(corpus, docs, 16, 8)]) == [600, 700]
