@@ -502,7 +502,7 @@ def parse(argv):
     ap.add_argument("--eval-side", action="store_true",
                     help="with --eval-cuda-graph: also the 64-lane pass compacted, with the "
                          "documents that outlast the batch read by a side batch on a stream of "
-                         "their own (evaluate(side=True), as eval.py runs it), after an untimed one")
+                         "their own (evaluate(side=True), eval.py --side), after an untimed one")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")
