@@ -179,6 +179,12 @@ def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
     return sorted(live + idle[:n - len(live)])
 
 
+def document_chunks(corpus, chunk_len: int) -> np.ndarray:
+    """The chunks each document of the corpus takes (unpacked): its n - 1 predicted tokens over
+    chunk_len, rounded up."""
+    return -(-(np.diff(np.asarray(corpus.offsets)) - 1) // chunk_len)
+
+
 def side_documents(corpus, docs: np.ndarray, lanes: int, chunk_len: int) -> np.ndarray:
     """The documents (of `docs`, longest first) that a side batch reads: those whose chunks
     outnumber an even share of all the documents' chunks over `lanes` lanes (each would outlast
@@ -186,7 +192,7 @@ def side_documents(corpus, docs: np.ndarray, lanes: int, chunk_len: int) -> np.n
     none for fewer than 8 lanes: the batch is the side batch)."""
     if lanes < 8 or not docs.size:
         return docs[:0]
-    chunks = -(-(np.diff(np.asarray(corpus.offsets))[docs] - 1) // chunk_len)
+    chunks = document_chunks(corpus, chunk_len)[docs]
     return docs[:lanes // 8][chunks[:lanes // 8] * lanes > chunks.sum()]
 
 
@@ -195,17 +201,17 @@ class _Pass:
     graph) and the device sums (per document and by position). `step()` runs one chunk and says
     whether there was one."""
 
-    def __init__(self, model, corpus, n_docs, lanes, chunk_len, device, autocast, rank, world,
-                 pack, order, cuda_graph, compact, is_long, prefix, stream=None):
+    def __init__(self, model, corpus, lanes, chunk_len, device, autocast, rank, world, pack,
+                 order, cuda_graph, compact, is_long, prefix, stream=None):
         self.model, self.device, self.autocast = model, device, autocast
-        self.n_docs, self.chunk_len, self.pack = n_docs, chunk_len, pack
+        self.n_docs, self.chunk_len, self.pack = len(corpus), chunk_len, pack
         self.cuda_graph, self.compact, self.is_long, self.prefix = cuda_graph, compact, is_long, prefix
         self.stream = stream
         self.batcher = _batcher(corpus, lanes, chunk_len, rank, world, pack, order)
         self.lanes = lanes
         f64 = dict(dtype=torch.float64, device=device)
-        self.doc_nll = torch.zeros(n_docs + 1, **f64)  # last slot: idle lanes
-        self.doc_tok = torch.zeros(n_docs + 1, **f64)
+        self.doc_nll = torch.zeros(self.n_docs + 1, **f64)  # last slot: idle lanes
+        self.doc_tok = torch.zeros(self.n_docs + 1, **f64)
         self.edges = torch.tensor(BUCKET_EDGES[1:], dtype=torch.long, device=device)
         self.pos_nll = torch.zeros(len(BUCKET_EDGES), **f64)
         self.pos_tok = torch.zeros(len(BUCKET_EDGES), **f64)
@@ -324,7 +330,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     docs = longest_first(corpus, rank, world) if order == "longest" else None
     aside = (side_documents(corpus, docs, lanes, chunk_len) if side and docs is not None and not pack
              else np.zeros(0, dtype=np.int64))
-    common = dict(model=model, corpus=corpus, n_docs=n_docs, chunk_len=chunk_len, device=device,
+    common = dict(model=model, corpus=corpus, chunk_len=chunk_len, device=device,
                   autocast=autocast, rank=rank, world=world, pack=pack, cuda_graph=cuda_graph,
                   compact=compact, is_long=is_long, prefix=prefix)
     if aside.size:
@@ -350,7 +356,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         # advanced in step: the side batch by its share of chunks for each chunk of the main one
         # (its longest document's chunks over the main batch's chunks at full lanes), so that
         # both streams have work queued until the main batch ends
-        chunks = -(-(np.diff(np.asarray(corpus.offsets)) - 1) // chunk_len)   # a document's
+        chunks = document_chunks(corpus, chunk_len)
         main_steps = max(1, int(chunks[docs[aside.size:]].sum()) // main.lanes)
         ratio = int(chunks[aside].max()) / main_steps
     queued = 0.0
