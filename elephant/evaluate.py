@@ -16,6 +16,9 @@ over a long document. On the CPU the same static-buffer step runs without captur
 tests hold equal to the plain path). Measured on an H100 (benchmarks/results/
 train_speed_compile_model_*.json): one lane over a 1M-token document 391k tokens/s against 35k
 eager, the same loss to 4e-6; eval.py turns it on for GPUs (`--no-cuda-graph` turns it off).
+Only a batch of at most GRAPH_MAX_ROWS token rows is captured: a larger one keeps the GPU busy
+with the plain compiled step, and a capture (a device synchronization, warm-up steps) costs more
+than the launches it saves there.
 
 Speed: documents take the lanes longest first (dealt round-robin over ranks), so the longest ones
 start at once; the per-document and per-position sums stay on the device until the end, and the
@@ -39,8 +42,10 @@ state, static step and sums, and the side batch runs on a high-priority CUDA str
 graph captured there), so that its small kernels run as the main batch's leave room, and the host
 queues its chunks in step with the main batch's (its longest document's chunks over the main
 batch's share). Its document is then read at about a single lane's pace beside the main batch,
-not after it. The sums are the one batch's, but for the same rounding as compaction's. (Its
-speed on a GPU is not measured yet: benchmarks/train_speed.py --eval-side.)
+not after it. The sums are the one batch's, but for the same rounding as compaction's. On an
+H100, 64 lanes over 16M tokens of source files whose longest document is 806K tokens: 1.84M
+tokens/s compacted, 1.99M with the side batch (eval.py's default; benchmarks/results/
+eval_graph_rows_*.json).
 """
 from __future__ import annotations
 
@@ -165,6 +170,15 @@ class StaticChunkStep:
         return self._step()
 
 
+# The largest batch (lanes x chunk_len token rows) whose chunk step is replayed as a CUDA graph.
+# A graph pays where launches bound the step: on an H100 the plain compiled step of the
+# wt103-70m model costs ~7.6 ms of host time a chunk, so one lane reads 67K tokens/s plain and
+# 484K as a graph; at 64 lanes of 512 the GPU takes 14.9 ms a chunk, and the plain step was 3%
+# faster than the graph over a 300-chunk pass (its capture: a device synchronization, three
+# warm-up steps and the capture itself, ~140 ms; benchmarks/results/eval_graph_rows_*.json).
+GRAPH_MAX_ROWS = 16 * 1024
+
+
 def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
     """The lanes a batch of `lanes_now` shrinks to once no document is left to start, given the
     lanes `live` still reading one (indices into the current batch): None while more than an
@@ -255,7 +269,9 @@ class _Pass:
                 nll, self.state = model(tokens[:, :-1], self.state, starts[:, 0], targets=tokens[:, 1:],
                                         loss_mask=mask, reduction="none", starts=inner,
                                         prefix=self.prefix, inner_starts=batch.inner_starts)
-            if self.cuda_graph and not pack:   # from the next chunk on: the static step
+            rows = batch.tokens.shape[0] * self.chunk_len
+            if self.cuda_graph and not pack and rows <= GRAPH_MAX_ROWS:
+                # from the next chunk on: the static step (a batch of more rows runs plain)
                 self.static = StaticChunkStep(model, self.state, tokens, mask, autocast,
                                               graph=device.type == "cuda", stream=self.stream)
         nll = nll.double()                                             # (B, T) zero where masked

@@ -417,6 +417,37 @@ def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, orde
     assert compacted_lanes([1, 5, 6], 32) == [0, 1, 5, 6]                  # padded to a power of 2
 
 
+def test_only_a_batch_of_at_most_graph_max_rows_gets_the_static_step(monkeypatch):
+    # cuda_graph=True captures the chunk step only for a batch of at most GRAPH_MAX_ROWS token
+    # rows (on a GPU a larger one is busy with the plain step, and a capture costs more than the
+    # launches it saves): with the cap at 8 lanes of 8 tokens, the 16-lane batch runs plain and
+    # the static step is made once compaction leaves 2 lanes; under the default cap, for both;
+    # the sums are the plain pass's either way (float64)
+    from elephant import evaluate as ev
+    made = []
+
+    class Recorded(ev.StaticChunkStep):
+        def __init__(self, model, state, tokens, *args, **kwargs):
+            made.append(tokens.shape[0])
+            super().__init__(model, state, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(ev, "StaticChunkStep", Recorded)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
+    model = ElephantLM(cfg).double()
+    corpus = corpus_of([20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11])
+    plain = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu")
+    assert made == []
+    for cap, shapes in ((8 * 8, [2]), (ev.GRAPH_MAX_ROWS, [16, 2])):
+        monkeypatch.setattr(ev, "GRAPH_MAX_ROWS", cap)
+        made.clear()
+        got = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=True,
+                       compact=True)
+        assert made == shapes
+        assert_same_sums(got, plain)
+
+
 @pytest.mark.parametrize("cuda_graph, compact", [(False, False), (True, True)])
 def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda_graph, compact):
     # side=True: the documents that would outlast the batch (here the 700 and the 600, each more
