@@ -27,7 +27,8 @@
 #           and compiled-model GPU tests, then train_speed with train.compile=model and the
 #           CUDA-graph evaluation beside the defaults (~4 min)
 #   eval-side  the GPU tests of the captured graphs (optimizer, evaluation, the side batch on its
-#           stream), then train_speed against the yardstick with --eval-side (~8 min)
+#           stream), then train_speed's 64-lane evaluation compacted and with its side batch, in
+#           turns (--eval-modes compact,side; ~8 min)
 #   packing-model  bench_packing.py --only paths --compile model --profile: packing with the whole
 #           chunk step compiled, the paths timed in turns, every kernel of five of them
 #           (with one round and no profile it took about 6 minutes on the H100, compiling included)
@@ -222,14 +223,15 @@ for stage in $stages; do
         "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
         | tee "$LOGS/train_speed_model.log" | grep -v "profiler_st" | tail -12 ;;
     eval-side)
-      # session 34's CPU-built work on the GPU: the captured graphs (the optimizer's, evaluation's,
-      # the side batch's on its stream), then the hybrid against the yardstick with evaluation's
-      # side batch timed beside the compacted pass (~8 min on an H100)
+      # the GPU tests of the captured graphs (the optimizer's, evaluation's, the side batch's on its
+      # stream), then the 64-lane evaluation compacted and with its side batch (eval.py's
+      # default), timed in turns over 16M tokens of source files (~8 min on an H100, compiling
+      # included; the tests ~100 s)
       timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_model.py \
         tests/test_gpu_optim.py tests/test_gpu_trainer.py -k "side_batch or cuda_graph or graphed" \
         2>&1 | tee "$LOGS/gpu_eval_side_tests.log" | grep -E "^E |passed|failed|Error" | tail -30
-      timeout 420 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only baseline,hybrid,eval \
-        --eval-cuda-graph --eval-compact --eval-side --eval-tokens 16000000 --set data.site_packages=true \
+      timeout 440 python benchmarks/train_speed.py --cache /tmp/elephant-cache --only hybrid,eval \
+        --eval-modes compact,side --eval-rounds 2 --eval-tokens 16000000 --set data.site_packages=true \
         --out $RES/train_speed_eval_side_$(python -c \
         "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
         | tee "$LOGS/train_speed_eval_side.log" | grep -v "profiler_st" | tail -14 ;;

@@ -33,6 +33,8 @@ Evaluation (the hybrid's model, compiled blocks, bf16): `elephant.evaluate` with
 first documents of the corpus up to --eval-tokens tokens (longest first), and with one lane over
 one document of --eval-doc-tokens tokens (the corpus's tokens run together); tokens/s of predicted
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
+--eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
+--eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median).
 
 Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
 times the same steps with N processes (each rank its own lanes, as train.py under torchrun: the
@@ -437,6 +439,30 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
             "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
 
 
+# --eval-modes: evaluate()'s settings of each 64-lane mode timed in turns
+EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
+              "compact": dict(cuda_graph=True, compact=True),
+              "side": dict(cuda_graph=True, compact=True, side=True)}
+
+
+def eval_in_turns(args, model, corpus, T, device, autocast, lanes) -> dict:
+    """The 64-lane pass in each of --eval-modes: one untimed pass of each (compiles, captures),
+    then --eval-rounds rounds of every mode in turns (so a drift of the GPU's clock falls on all
+    modes alike); the median tokens/s of each mode as eval_<mode>_tokens_per_s."""
+    docs = leading_documents(corpus, args.eval_tokens)
+    for mode in args.eval_modes:
+        time_eval(model, docs, lanes, T, device, autocast, **EVAL_MODES[mode])
+    turns = {mode: [] for mode in args.eval_modes}
+    for _ in range(args.eval_rounds):
+        for mode in args.eval_modes:
+            turns[mode].append(time_eval(model, docs, lanes, T, device, autocast, **EVAL_MODES[mode]))
+    out = {"order": "longest first", "modes_in_turns": turns}
+    for mode, runs in turns.items():
+        out[f"eval_{mode}_tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in runs]))
+        out[f"eval_{mode}_loss_diff"] = abs(runs[0]["loss"] - turns[args.eval_modes[0]][0]["loss"])
+    return out
+
+
 def run_eval(args, trainer, device) -> dict:
     from benchmarks.common import bf16_autocast
     # evaluation compiles the blocks again for its lane counts and no-grad mode: the trainer's
@@ -445,6 +471,8 @@ def run_eval(args, trainer, device) -> dict:
     T = trainer.cfg.train.chunk_len
     autocast = bf16_autocast(device)
     lanes = 4 if args.cpu_smoke else 64
+    if args.eval_modes:
+        return eval_in_turns(args, model, corpus, T, device, autocast, lanes)
     warm_docs = leading_documents(corpus, 2 * lanes * T)
     docs = leading_documents(corpus, args.eval_tokens)                       # the 64-lane passes'
     time_eval(model, warm_docs, lanes, T, device, autocast)                  # compile, not timed
@@ -502,7 +530,14 @@ def parse(argv):
     ap.add_argument("--eval-side", action="store_true",
                     help="with --eval-cuda-graph: also the 64-lane pass compacted, with the "
                          "documents that outlast the batch read by a side batch on a stream of "
-                         "their own (evaluate(side=True), eval.py --side), after an untimed one")
+                         "their own (evaluate(side=True), eval.py's default), after an untimed one")
+    ap.add_argument("--eval-modes", default="",
+                    help=f"comma-separated modes of the 64-lane pass, among {','.join(EVAL_MODES)}, "
+                         "timed in turns (after an untimed pass of each) instead of the passes "
+                         "above: plain; graph (CUDA graphs where the batch is small enough, "
+                         "evaluate.GRAPH_MAX_ROWS); compact (graph, the batch compacted at its end); "
+                         "side (compact, and a side batch: eval.py's default)")
+    ap.add_argument("--eval-rounds", type=int, default=2, help="rounds of --eval-modes (default 2)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")
@@ -533,6 +568,12 @@ def parse(argv):
     bad = [p for p in args.parts if p not in PARTS]
     if bad:
         ap.error(f"--only: unknown part(s) {', '.join(bad)}; choose from {', '.join(PARTS)}")
+    args.eval_modes = [m.strip() for m in args.eval_modes.split(",") if m.strip()]
+    bad = [m for m in args.eval_modes if m not in EVAL_MODES]
+    if bad:
+        ap.error(f"--eval-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(EVAL_MODES)}")
+    if args.eval_rounds < 1:
+        ap.error("--eval-rounds must be positive")
     if "eval" in args.parts and "hybrid" not in args.parts:
         ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
     args.inductor_options = inductor_options(args.inductor, ap.error)
@@ -634,6 +675,8 @@ def main(argv=None) -> int:
         return 1 if results["failures"] else 0
     summary = {k: results.get(k) for k in ("ratio", "ratio_attention", "speedup", "eval_tokens_per_s",
                                            "eval_1lane_tokens_per_s", "failures")}
+    summary.update({f"eval_{m}_tokens_per_s": results.get(f"eval_{m}_tokens_per_s")
+                    for m in args.eval_modes})
     print(json.dumps(summary, indent=1))
     print(f"wrote {out_path}", file=sys.stderr)
     return 1 if results["failures"] else 0

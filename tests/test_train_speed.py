@@ -238,3 +238,30 @@ def test_eval_timing_reports_rows_and_the_full_lane_rate_only_when_lanes_are_kep
     assert side["side"] and side["side_documents"] == 1 and side["tokens"] == 491 - 5
     assert side["loss"] == pytest.approx(res[False]["loss"], rel=1e-6)
     assert res[False]["side_documents"] == 0
+
+
+def test_eval_modes_are_timed_in_turns_and_agree():
+    # --eval-modes: one untimed pass of each mode, then --eval-rounds rounds of all of them in
+    # turns over the same documents; each mode's median tokens/s, and the same loss every way
+    # (float64 on the CPU); the side mode reads the long document beside the batch
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    from elephant.config import ModelConfig
+    from elephant.model import ElephantLM
+    torch.manual_seed(0)
+    model = ElephantLM(ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48,
+                                   d_state=16, mamba_head_dim=16, ssd_chunk=8, n_mem=2,
+                                   kv_window=16)).double()
+    rng = np.random.default_rng(0)
+    corpus = TokenizedCorpus.from_documents([rng.integers(0, 61, n) for n in [300] + [20] * 30])
+    args = train_speed.parse(["--cpu-smoke", "--only", "hybrid,eval", "--eval-modes",
+                              "plain,compact,side", "--eval-rounds", "2", "--eval-tokens", "10000"])
+    out = train_speed.eval_in_turns(args, model, corpus, 8, "cpu", None, lanes=8)
+    turns = out["modes_in_turns"]
+    assert list(turns) == ["plain", "compact", "side"] and all(len(r) == 2 for r in turns.values())
+    assert [r["side_documents"] for r in turns["side"]] == [1, 1]
+    assert turns["compact"][0]["lane_chunks"] < turns["plain"][0]["lane_chunks"]
+    for mode in turns:
+        assert out[f"eval_{mode}_tokens_per_s"] > 0 and out[f"eval_{mode}_loss_diff"] < 1e-12
+    with pytest.raises(SystemExit):
+        train_speed.parse(["--cpu-smoke", "--eval-modes", "plain,fast"])
