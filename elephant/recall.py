@@ -33,6 +33,12 @@ DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
 
 
+def document_chunks(n_tokens: int, chunk_len: int) -> int:
+    """The chunks a document of n_tokens takes: its n_tokens - 1 predicted tokens over chunk_len,
+    rounded up."""
+    return -(-(n_tokens - 1) // chunk_len)
+
+
 def parse_count(text: str) -> int:
     """'512', '4K', '1M' -> tokens (K = 1024, M = 1024**2)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
@@ -87,8 +93,7 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
 
     rng = np.random.default_rng(seed)
     docs = [eval_document(rng, tokenizer, distances, n_pairs, digits) for _ in range(lanes)]
-    L = max(len(d.tokens) for d in docs)
-    n_chunks = math.ceil((L - 1) / chunk_len)
+    n_chunks = document_chunks(max(len(d.tokens) for d in docs), chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
     query = np.full((lanes, n_chunks * chunk_len + 1), -1, dtype=np.int64)  # query index of a target
     digit = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)     # its place in the answer
@@ -185,7 +190,7 @@ def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int
         return int(rng.integers(gaps[0], gaps[1] + 1))
     docs = [build_document(rng, tokenizer, 1, [(0, gap())], lead=int(rng.integers(0, chunk_len)),
                            digits=digits) for _ in range(lanes)]
-    n_chunks = -(-(max(len(d.tokens) for d in docs) - 1) // chunk_len)
+    n_chunks = document_chunks(max(len(d.tokens) for d in docs), chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), np.int64)
     mask = np.zeros((lanes, n_chunks * chunk_len), bool)
     for b, d in enumerate(docs):
@@ -289,7 +294,7 @@ class AnswerLanes:
 
     def _refill(self, b: int) -> None:
         doc = self.task.document(self.rng, self.tokenizer)
-        n = max(1, -(-(len(doc.tokens) - 1) // self.T))
+        n = max(1, document_chunks(len(doc.tokens), self.T))
         tokens = np.zeros(n * self.T + 1, np.int64)
         tokens[:len(doc.tokens)] = doc.tokens
         mask = np.zeros(n * self.T, bool)
