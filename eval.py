@@ -39,14 +39,14 @@ def parse(argv):
                         "left to start and at most an eighth of the lanes still read one, the "
                         "batch shrinks to them: a long last document is read at the speed of one "
                         "lane, not of a batch of padding; the same sums)")
-    p.add_argument("--no-side", dest="side", action="store_false",
-                   help="read every document in the one batch (by default the documents that "
-                        "would outlast it, each more chunks than an even share over the lanes, up "
-                        "to an eighth of the lanes, are read by a side batch on a stream of its "
+    p.add_argument("--no-side", dest="side", action="store_false", default=None,
+                   help="read every document in the one batch (by default on a GPU the documents "
+                        "that would outlast it, each more chunks than an even share over the lanes, "
+                        "up to an eighth of the lanes, are read by a side batch on a stream of its "
                         "own beside the others: the same sums; on an H100, 64 lanes over 16M "
-                        "tokens of source files 1.84M -> 1.99M tokens/s)")
-    p.add_argument("--side", dest="side", action="store_true", default=True,
-                   help=argparse.SUPPRESS)   # the default since the side batch measured faster
+                        "tokens of source files 1.84M -> 1.99-2.02M tokens/s)")
+    p.add_argument("--side", dest="side", action="store_true", default=None,
+                   help="the side batch on the CPU too (where the two batches take turns, no faster)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -151,7 +151,7 @@ def run(args) -> int:
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
                     cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact,
-                    side=args.side)
+                    side=device.type == "cuda" if args.side is None else args.side)
     ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
                 source=data.source, split=split)
     results = {"elephant": ours}

@@ -44,7 +44,7 @@ queues its chunks in step with the main batch's (its longest document's chunks o
 batch's share). Its document is then read at about a single lane's pace beside the main batch,
 not after it. The sums are the one batch's, but for the same rounding as compaction's. On an
 H100, 64 lanes over 16M tokens of source files whose longest document is 806K tokens: 1.84M
-tokens/s compacted, 1.99M with the side batch (eval.py's default; benchmarks/results/
+tokens/s compacted, 1.99-2.02M with the side batch (eval.py's default on a GPU; benchmarks/results/
 eval_graph_rows_*.json).
 """
 from __future__ import annotations
