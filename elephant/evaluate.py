@@ -175,7 +175,8 @@ class StaticChunkStep:
 # wt103-70m model costs ~7.6 ms of host time a chunk, so one lane reads 67K tokens/s plain and
 # 484K as a graph; at 64 lanes of 512 the GPU takes 14.9 ms a chunk, and the plain step was 3%
 # faster than the graph over a 300-chunk pass (its capture: a device synchronization, three
-# warm-up steps and the capture itself, ~140 ms; benchmarks/results/eval_graph_rows_*.json).
+# warm-up steps and the capture itself, ~140 ms; benchmarks/results/eval_graph_full_lanes_*.json;
+# the 64-lane pass over 16M tokens with the cap, eval_graph_rows_*.json).
 GRAPH_MAX_ROWS = 16 * 1024
 
 
