@@ -29,6 +29,8 @@
 #   eval-side  the GPU tests of the captured graphs (optimizer, evaluation, the side batch on its
 #           stream), then train_speed's 64-lane evaluation compacted and with its side batch, in
 #           turns (--eval-modes compact,side; ~8 min)
+#   speed-ab  the hybrid step of this checkout and of an older one (SPEED_BEFORE=<folder>) by
+#           train_speed.py, in turns over SPEED_AB_ROUNDS rounds: a speed lever's A/B in one call
 #   packing-model  bench_packing.py --only paths --compile model --profile: packing with the whole
 #           chunk step compiled, the paths timed in turns, every kernel of five of them
 #           (with one round and no profile it took about 6 minutes on the H100, compiling included)
@@ -235,6 +237,22 @@ for stage in $stages; do
         --out $RES/train_speed_eval_side_$(python -c \
         "import torch;print(torch.cuda.get_device_name().replace(' ','_'))").json 2>&1 \
         | tee "$LOGS/train_speed_eval_side.log" | grep -v "profiler_st" | tail -14 ;;
+    speed-ab)
+      # the hybrid step of this checkout against an older one (SPEED_BEFORE: a folder holding its
+      # benchmarks/, elephant/, data_packing/ and configs/, e.g. from git archive), each in a
+      # process of its own, in turns over SPEED_AB_ROUNDS rounds (default 2), so that a drift of
+      # the GPU's clock falls on both; SPEED_ARGS passed on (~7 min on a cold H100, each tree
+      # compiling once)
+      abs_res=$(pwd)/$RES
+      for round in $(seq ${SPEED_AB_ROUNDS:-2}); do
+        for tree in before after; do
+          dir=$([ $tree = before ] && echo "${SPEED_BEFORE:?SPEED_BEFORE: the older checkout}" || echo .)
+          (cd "$dir" && timeout ${SPEED_AB_TIMEOUT:-240} python benchmarks/train_speed.py \
+            --cache /tmp/elephant-cache --only hybrid ${SPEED_ARGS:-} \
+            --out "$abs_res/train_speed_ab_${tree}_${round}.json") 2>&1 \
+            | tee "$LOGS/train_speed_ab_${tree}_${round}.log" | grep -E "^hybrid:|failures" | sed "s/^/$tree $round: /"
+        done
+      done ;;
     packing-model)
       timeout 500 python benchmarks/bench_packing.py --only paths --compile model --profile 2>&1 \
         | tee "$LOGS/bench_packing_model.log" | tail -12 ;;
