@@ -194,10 +194,10 @@ def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
     return sorted(live + idle[:n - len(live)])
 
 
-def document_chunks(corpus, chunk_len: int) -> np.ndarray:
-    """The chunks each document of the corpus takes (unpacked): its n - 1 predicted tokens over
-    chunk_len, rounded up."""
-    return -(-(np.diff(np.asarray(corpus.offsets)) - 1) // chunk_len)
+def document_chunks(n_tokens, chunk_len: int):
+    """The chunks a document of n_tokens takes unpacked (an int, or an array of counts: each
+    document's): its n_tokens - 1 predicted tokens over chunk_len, rounded up."""
+    return -(-(n_tokens - 1) // chunk_len)
 
 
 def side_documents(corpus, docs: np.ndarray, lanes: int, chunk_len: int) -> np.ndarray:
@@ -207,7 +207,7 @@ def side_documents(corpus, docs: np.ndarray, lanes: int, chunk_len: int) -> np.n
     none for fewer than 8 lanes: the batch is the side batch)."""
     if lanes < 8 or not docs.size:
         return docs[:0]
-    chunks = document_chunks(corpus, chunk_len)[docs]
+    chunks = document_chunks(corpus.doc_lengths, chunk_len)[docs]
     return docs[:lanes // 8][chunks[:lanes // 8] * lanes > chunks.sum()]
 
 
@@ -360,30 +360,29 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         # allocator gives their memory back to that stream alone (the main batch's stream would
         # take a freed state while the side stream still reads it)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            passes = [main, _Pass(lanes=int(aside.size), order=aside, stream=stream, **common)]
+            beside = _Pass(lanes=int(aside.size), order=aside, stream=stream, **common)
     else:
-        main = _Pass(lanes=lanes, order=docs, **common)
-        passes = [main]
+        main, beside = _Pass(lanes=lanes, order=docs, **common), None
     steps = math.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=int(steps), desc="evaluating", unit=" chunks", dynamic_ncols=True)
-    if len(passes) == 2:
+    if beside is not None:
         # advanced in step: the side batch by its share of chunks for each chunk of the main one
         # (its longest document's chunks over the main batch's chunks at full lanes), so that
         # both streams have work queued until the main batch ends
-        chunks = document_chunks(corpus, chunk_len)
+        chunks = document_chunks(corpus.doc_lengths, chunk_len)
         main_steps = max(1, int(chunks[docs[aside.size:]].sum()) // main.lanes)
         ratio = int(chunks[aside].max()) / main_steps
     queued = 0.0
     while True:
         ran = main.step()
-        if len(passes) == 2:
+        if beside is not None:
             queued += ratio if ran else float("inf")
-            while queued >= 1 and passes[1].step():
+            while queued >= 1 and beside.step():
                 queued -= 1
-            if not ran and passes[1].done:
+            if not ran and beside.done:
                 break
         elif not ran:
             break
@@ -391,11 +390,12 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
             bar.update(1)
     if bar is not None:
         bar.close()
+    passes = [main] if beside is None else [main, beside]
     sums = main.sums()
-    if len(passes) == 2:
-        if passes[1].stream is not None:
-            torch.cuda.current_stream(device).wait_stream(passes[1].stream)
-        sums = [a + b for a, b in zip(sums, passes[1].sums())]
+    if beside is not None:
+        if beside.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(beside.stream)
+        sums = [a + b for a, b in zip(sums, beside.sums())]
     doc_nll, doc_tok, pos_nll, pos_tok, long_nll, long_tok = sums
     if world > 1:
         for t in (doc_nll, doc_tok, pos_nll, pos_tok, long_nll, long_tok):
@@ -411,4 +411,4 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         "lane_chunks": sum(p.lane_chunks for p in passes),
         "position_buckets_long": long_buckets.to_dict(), "long_documents": int(is_long.sum()),
         "side_documents": int(aside.size),
-        "side_chunk_steps": passes[1].chunk_steps if len(passes) == 2 else 0}
+        "side_chunk_steps": 0 if beside is None else beside.chunk_steps}

@@ -27,16 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elephant.evaluate import document_chunks
 from elephant.model import in_eval_mode
 
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
-
-
-def document_chunks(n_tokens: int, chunk_len: int) -> int:
-    """The chunks a document of n_tokens takes: its n_tokens - 1 predicted tokens over chunk_len,
-    rounded up."""
-    return -(-(n_tokens - 1) // chunk_len)
 
 
 def parse_count(text: str) -> int:
