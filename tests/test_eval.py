@@ -27,12 +27,17 @@ def corpus_of(lengths, vocab=61, seed=0) -> TokenizedCorpus:
     return c
 
 
-def mama_model() -> ElephantLM:
-    """A tiny float64 MAMA model, memory off, its window (128) covering every test document."""
+def mama_model(n_mem: int = 0, kv_window: int = 128, **extra) -> ElephantLM:
+    """A tiny float64 MAMA model (seed 0), by default memory off and its window (128) covering
+    every test document; `extra`: more ModelConfig fields."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=128)
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=n_mem, kv_window=kv_window, **extra)
     return ElephantLM(cfg).double()
+
+
+# two long documents (700 and 600 tokens) among short ones: they outlast a 16-lane batch
+LONG_TAIL = [20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11]
 
 
 def assert_same_sums(got: dict, want: dict, long: bool = False) -> None:
@@ -109,10 +114,7 @@ def test_packed_evaluation_equals_unpacked_evaluation(lanes, chunk_len):
 
 
 def test_packed_evaluation_with_memory_scores_every_document_once():
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
-    model = ElephantLM(cfg).double()
+    model = mama_model(n_mem=2, kv_window=16)
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     unpacked = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu")
     packed = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", pack=True)
@@ -126,10 +128,7 @@ def test_packed_evaluation_equals_the_boundary_path_on_every_chunk():
     # no document starting inside; the same stream with `starts` (and a fresh prefix) on every
     # chunk must give the same sums
     from data_packing import RollingChunkBatcher
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
-    model = ElephantLM(cfg).double().eval()
+    model = mama_model(n_mem=2, kv_window=16).eval()
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     packed = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", pack=True, order="corpus")
     batcher = RollingChunkBatcher(corpus, lanes=2, chunk_len=16, seed=0, loop=False, shuffle=False,
@@ -153,10 +152,7 @@ def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, c
     # buffers (on the CPU without capture): the state written back in place after each chunk,
     # resets included, gives the plain path's sums exactly (float64): every document, every
     # position bucket; kept tokens and position-free memory included
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=n_mem, kv_window=kv_window, **extra)
-    model = ElephantLM(cfg).double()
+    model = mama_model(n_mem=n_mem, kv_window=kv_window, **extra)
     corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
     plain = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu")
     static = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", cuda_graph=True)
@@ -400,11 +396,8 @@ def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, orde
     # fewer rows. 16 lanes; the two longest documents outlast the rest: once only they are read,
     # on 2 lanes (one of two left is not an eighth of them: no third shape).
     from elephant.evaluate import compacted_lanes
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
-    model = ElephantLM(cfg).double()
-    corpus = corpus_of([20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11])
+    model = mama_model(n_mem=2, kv_window=16)
+    corpus = corpus_of(LONG_TAIL)
     # in the corpus's order the long documents take lanes 5 (at once) and 3 (a chunk later, when
     # its 5 tokens are done): their positions cross the first bucket's edge (512) a chunk apart
     full = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
@@ -435,11 +428,8 @@ def test_only_a_batch_of_at_most_graph_max_rows_gets_the_static_step(monkeypatch
             super().__init__(model, state, tokens, *args, **kwargs)
 
     monkeypatch.setattr(ev, "StaticChunkStep", Recorded)
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
-    model = ElephantLM(cfg).double()
-    corpus = corpus_of([20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11])
+    model = mama_model(n_mem=2, kv_window=16)
+    corpus = corpus_of(LONG_TAIL)
     plain = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu")
     assert made == []
     for cap, shapes in ((8 * 8, [2]), (ev.GRAPH_MAX_ROWS, [16, 2])):
@@ -458,12 +448,8 @@ def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda
     # own (2 lanes) while 14 lanes read the rest; every document's and position bucket's sum is the
     # one batch's (float64; on the CPU the two batches take turns on one stream)
     from elephant.evaluate import longest_first, side_documents
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=61, d_model=32, n_heads=4, layers="MAMA", d_mlp=48, d_state=16,
-                      mamba_head_dim=16, ssd_chunk=8, n_mem=2, kv_window=16)
-    model = ElephantLM(cfg).double()
-    lengths = [20, 30, 17, 5, 44, 700, 12, 3, 26, 61, 8, 19, 33, 7, 14, 22, 600, 40, 11]
-    corpus = corpus_of(lengths)
+    model = mama_model(n_mem=2, kv_window=16)
+    corpus = corpus_of(LONG_TAIL)
     one = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
                    compact=compact)
     two = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
