@@ -280,13 +280,14 @@ if HAS_TRITON:
     @triton.jit
     def _conv_bwd_walk_kernel(x_ptr, st_ptr, w_ptr, g_ptr, a_ptr, dx_ptr, dw_ptr, db_ptr,
                               L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                              BL: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+                              dx_off, BL: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
         """The backward of width 4 without segments, a tile of BL tokens by walking them in
         order: each program's threads own its BC channels and keep the last three inputs and the
         next three output gradients in registers, so that x and g are read once (no tap re-reads
         a shifted tile) and the weight's and bias's sums pile up in each thread (no reduction
         across the program). dx and one slot of partial sums per tile, as `_conv_bwd_kernel`."""
         K: tl.constexpr = 4
+        dx_ptr += dx_off   # dx: the columns of a wider gradient this far in (see conv_backward)
         b = tl.program_id(0)
         lb = tl.program_id(1)
         c = tl.program_id(2) * BC + tl.arange(0, BC)
@@ -354,13 +355,14 @@ if HAS_TRITON:
     def _conv_bwd_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, since_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr,
                          dw_ptr, db_ptr, dtail_ptr,
                          L, C, NL, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc, sdb, sdl, sdc,
-                         K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         dx_off, K: tl.constexpr, HAS_SEG: tl.constexpr, HAS_TAIL: tl.constexpr,
                          BL: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
                          SUB: tl.constexpr, SILU: tl.constexpr):
         """dx, and one slot of partial sums per tile of BL tokens: dw (B * NL, C, K), db (B * NL,
         C), dtail (B * NL, C, K-1). Which tiles as in `_conv_fwd_kernel` (with HAS_SEG, the sums of
         a tile's SUB-token sub-tiles added up). Deterministic: no atomics, the caller sums the
         slots."""
+        dx_ptr += dx_off
         b = tl.program_id(0)
         lb = tl.program_id(1)
         part = (b * NL + lb).to(tl.int64)
@@ -486,13 +488,14 @@ if HAS_TRITON:
     @triton.jit
     def _conv_bwd_fix_kernel(x_ptr, st_ptr, w_ptr, seg_ptr, tail_ptr, g_ptr, a_ptr, dx_ptr, dw_ptr,
                              dtail_ptr, L, C, sxb, sxl, sxc, ssb, ssc, ssk, sgb, sgl, sgc,
-                             sdb, sdl, sdc, K: tl.constexpr, HAS_TAIL: tl.constexpr,
+                             sdb, sdl, sdc, dx_off, K: tl.constexpr, HAS_TAIL: tl.constexpr,
                              BT: tl.constexpr, BC: tl.constexpr, KP: tl.constexpr,
                              KW: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
                              SILU: tl.constexpr):
         """Over the plain backward, lane program_id(0): `_fix_bwd_at` at each of its segment
         starts; the weight and tail gradients' changes summed into the lane's slot of dw (B, C, K)
         and dtail (B, C, K-1) (zeros for a lane without a start)."""
+        dx_ptr += dx_off
         b = tl.program_id(0)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = c < C
@@ -685,6 +688,16 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
     """(dx, dstate, dw, db, dtail) from g, the gradient of the conv's output, or with `out` (the
     conv's output) of SiLU(out): every kernel then takes g times SiLU'(out) as it reads g (no pass
     of its own for it; g and out read at the same offsets, both contiguous)."""
+    return conv_backward(g, x, conv_state, weight, seg, since, tail, mend, out)
+
+
+def conv_backward(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: Tensor | None,
+                  since: Tensor | None, tail: Tensor | None, mend: bool = False,
+                  out: Tensor | None = None, into: Tensor | None = None, col: int = 0
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`_conv_bwd_op`'s body. `into`: None, or a (B, L, >= col + C) tensor whose columns col ..
+    col + C receive dx (the kernels are given `into` itself and the offset, not a view of it, so
+    that a compiled graph sees them write `into` and nothing else); dx is then `into`."""
     B, L, C = x.shape
     silu = out is not None
     if silu:
@@ -697,7 +710,8 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
     BL = launches[0][1]   # the tiles: one slot of partial sums each
     NL = triton.cdiv(L, BL)
     P = B * NL
-    dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype)
+    dx = torch.empty(B, L, C, device=x.device, dtype=x.dtype) if into is None else into
+    dx_off = 0 if into is None else col
     dw = torch.empty(P, C, K, device=x.device, dtype=torch.float32)
     db = torch.empty(P, C, device=x.device, dtype=torch.float32)
     # "tiles": only the tiles with a boundary write theirs (a tile without one reads no tail);
@@ -713,14 +727,14 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
                 x, st, weight, g, act, dx, dw, db, L, C, NL,
                 x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
                 g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-                BL=BL, BC=wbc, SILU=silu, num_warps=wwarps)
+                dx_off, BL=BL, BC=wbc, SILU=silu, num_warps=wwarps)
             continue
         grid = (B, NL, triton.cdiv(C, BC))
         torch.library.wrap_triton(_conv_bwd_kernel)[grid](
             x, st, weight, seg_, since_, tail_, g, act, dx, dw, db, dtail, L, C, NL,
             x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
             g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-            K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC,
+            dx_off, K=K, HAS_SEG=segments, HAS_TAIL=segments and has_tail, BL=BL, BC=BC,
             KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), SUB=sub, SILU=silu,
             num_warps=warps)
     if fix:   # over the plain launch: what each start changes, a program a lane
@@ -730,7 +744,7 @@ def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: 
             x, st, weight, seg_, tail_, g, act, dx, dw_fix, dtail, L, C,
             x.stride(0), x.stride(1), x.stride(2), st.stride(0), st.stride(2), st.stride(1),
             g.stride(0), g.stride(1), g.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
-            K=K, HAS_TAIL=has_tail, BT=triton.next_power_of_2(K - 1), BC=BC,
+            dx_off, K=K, HAS_TAIL=has_tail, BT=triton.next_power_of_2(K - 1), BC=BC,
             KP=triton.next_power_of_2(K - 1), KW=triton.next_power_of_2(K), BS=BS,
             NB=triton.cdiv(L, BS), SILU=silu, num_warps=warps)
     # the carried inputs' gradient (_conv_dstate_kernel)

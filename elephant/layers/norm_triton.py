@@ -62,11 +62,12 @@ def reference(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
 if HAS_TRITON:
     @triton.jit
     def _gated_norm_bwd_kernel(dout_ptr, y_ptr, z_ptr, w_ptr, dy_ptr, dz_ptr, dw_ptr, N, D, s_do,
-                               s_y, s_z, eps, ITERS: tl.constexpr, ROWS: tl.constexpr,
+                               s_y, s_z, s_dz, eps, ITERS: tl.constexpr, ROWS: tl.constexpr,
                                BD: tl.constexpr):
         """Row blocks pid, pid + P, ... of (N, D) (ITERS of them, a constant of the kernel; those
-        past N masked), rows at strides s_*, unit stride over D; dy and dz contiguous. This
-        program's partial sums of the weight's gradient to dw_ptr[pid]."""
+        past N masked), rows at strides s_*, unit stride over D; dy contiguous, dz's rows at
+        stride s_dz (the first columns of a wider gradient: `backward_into`). This program's
+        partial sums of the weight's gradient to dw_ptr[pid]."""
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BD)[None, :]
@@ -90,7 +91,7 @@ if HAS_TRITON:
             dw += do * hn
             dh = r * (g - hn * (tl.sum(g * hn, axis=1) / D)[:, None])
             tl.store(dy_ptr + rows * D + cols, (dh * sz).to(dy_ptr.dtype.element_ty), mask=m)
-            tl.store(dz_ptr + rows * D + cols,
+            tl.store(dz_ptr + rows * s_dz + cols,
                      (dh * y * s * (1.0 + z * (1.0 - s))).to(dz_ptr.dtype.element_ty), mask=m)
         tl.store(dw_ptr + pid * D + cols, tl.sum(dw, axis=0)[None, :], mask=cm)
 
@@ -105,20 +106,31 @@ def _programs(x: Tensor, blocks: int, per_sm: int) -> int:
 @torch.library.triton_op("elephant::gated_rmsnorm_backward", mutates_args=())
 def _bwd_op(dout: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor]:
+    dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
+    dy, dw = backward_into(dout, y, z, weight, eps, dz)
+    return dy, dz, dw
+
+
+def backward_into(dout: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float, into: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """The backward's kernel: (dy, dweight), with dz written to `into`, a tensor of z's leading
+    shape whose rows (contiguous, unit stride over columns) hold dz in their first D columns (z's
+    own gradient, or the first column block of a wider one: the Mamba block's in-projection's,
+    `mamba_inner`). float32 weight."""
     D = y.shape[-1]
     do, yr, zr = unit_stride_rows(dout), unit_stride_rows(y), unit_stride_rows(z)
     N = yr.shape[0]
+    dz = into.view(N, into.shape[-1])
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
-    dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
     rows, warps, per_sm = (4, 1, 1) if _INTERPRET else LAUNCH
     P = _programs(y, triton.cdiv(N, rows), per_sm) if N else 1
     dw = torch.zeros(P, D, device=y.device, dtype=torch.float32)
     if N:
         torch.library.wrap_triton(_gated_norm_bwd_kernel)[(P,)](
-            do, yr, zr, weight, dy, dz, dw, N, D, do.stride(0), yr.stride(0), zr.stride(0), eps,
-            ITERS=triton.cdiv(triton.cdiv(N, rows), P), ROWS=rows, BD=triton.next_power_of_2(D),
-            num_warps=warps)
-    return dy, dz, dw.sum(0)
+            do, yr, zr, weight, dy, into, dw, N, D, do.stride(0), yr.stride(0), zr.stride(0),
+            dz.stride(0), eps, ITERS=triton.cdiv(triton.cdiv(N, rows), P), ROWS=rows,
+            BD=triton.next_power_of_2(D), num_warps=warps)
+    return dy, dw.sum(0)
 
 
 @torch.library.triton_op("elephant::gated_rmsnorm", mutates_args=())
