@@ -72,16 +72,19 @@ def ssd_scan(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, s
     it and returns their gradients as its one gradient (`ssd_triton`); the PyTorch path takes x, B
     and C as given, and autograd reaches joint through the views."""
     check_joint(joint, x, B)
-    backend = get_backend()
     args = (x, dt, A, B, C, D, initial_state, chunk_size, seg, segment_init)
-    if backend == "ref":
-        return ssd_chunked(*args)
-    if backend == "triton":
-        return ssd_triton.ssd_triton(*args, joint=joint)
-    if (x.is_cuda and ssd_triton.supports(x, B, chunk_size)
-            and not inline_in_graph(x, x.shape[0] * x.shape[1])):
+    if takes_triton(x, B, chunk_size):
         return ssd_triton.ssd_triton(*args, joint=joint)
     return ssd_chunked(*args)
+
+
+def takes_triton(x, B, chunk_size: int) -> bool:
+    """Whether `ssd_scan` takes the Triton path for x (b, l, h, p) and B (b, l, g, n)."""
+    backend = get_backend()
+    if backend != "auto":
+        return backend == "triton"
+    return (x.is_cuda and ssd_triton.supports(x, B, chunk_size)
+            and not inline_in_graph(x, x.shape[0] * x.shape[1]))
 
 
 def check_joint(joint, x, B) -> None:

@@ -798,6 +798,37 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
 torch.library.register_autograd("elephant::ssd", _ssd_grad, setup_context=_ssd_setup)
 
 
+def decay_cumsum(dt, A, seg, Q: int):
+    """(cs, segp): the in-chunk cumulative log-decay (b, h, chunks, Q) in float32 of dt (b, l, h)
+    and A (h,), and the segment ids padded to whole chunks (int32), None without seg. The padded
+    tail has dt = 0: no decay, no write. With seg the sum restarts at each boundary."""
+    b, l, h = dt.shape
+    nc = max(1, math.ceil(l / Q))
+    if seg is None:
+        dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
+        return dA.cumsum(2).permute(0, 3, 1, 2).contiguous(), None
+    segp = padded_segments(seg, Q)
+    return _segment_cumsum_op((dt.float() * A.float()).contiguous(), segp, Q), segp
+
+
+def padded_segments(seg, Q: int):
+    """The segment ids (b, l) as the kernels take them: padded with the last one to whole chunks
+    of Q, int32."""
+    b, l = seg.shape
+    nc = max(1, math.ceil(l / Q))
+    return torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
+
+
+def decay_cumsum_backward(dcs, segp, l: int):
+    """The gradient of `decay_cumsum`'s dt * A (b, l, h) float32 from dcs (b, h, chunks, Q): the
+    in-chunk sums from the end (restarting at each boundary with segp)."""
+    b, h, nc, Q = dcs.shape
+    if segp is None:
+        rev = dcs.flip(-1).cumsum(-1).flip(-1)                        # sum over s >= t in the chunk
+        return rev.permute(0, 2, 3, 1).reshape(b, nc * Q, h)[:, :l]
+    return _segment_cumsum_bwd_op(dcs, segp, l, Q)
+
+
 def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64, seg=None,
                segment_init=None, joint=None):
     """The chunked SSD scan through the Triton kernels; same contract as `ssd.ssd_chunked` (y in x's
@@ -822,17 +853,8 @@ def ssd_triton(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64,
                          f"head_dim and d_state <= 128, and tensors under 2**31 elements (split the "
                          f"batch); got {x.dtype}, chunk_size={chunk_size}, x {tuple(x.shape)}, "
                          f"d_state={B.shape[-1]}")
-    b, l, h, _ = x.shape
     Q = chunk_size
-    nc = max(1, math.ceil(l / Q))
-    # in-chunk cumulative log-decay (b, h, chunks, Q); the padded tail has dt = 0: no decay, no write
-    if seg is None:
-        dA = F.pad(dt.float() * A.float(), (0, 0, 0, nc * Q - l)).view(b, nc, Q, h)
-        cs = dA.cumsum(2).permute(0, 3, 1, 2).contiguous()
-        segp = None
-    else:  # restarting at each boundary; the segment ids, padded with the last one, go to the kernels
-        segp = torch.cat([seg, seg[:, -1:].expand(b, nc * Q - l)], dim=1).to(torch.int32).contiguous()
-        cs = _segment_cumsum_op((dt.float() * A.float()).contiguous(), segp, Q)
+    cs, segp = decay_cumsum(dt, A, seg, Q)
     init = initial_state.float().contiguous() if initial_state is not None else None
     sinit = segment_init.float().contiguous() if segment_init is not None else None
     y, final, _ = _ssd_op(x, dt, cs, segp, B, C, D, init, sinit, Q, joint)
