@@ -33,7 +33,7 @@ class Sm90:
 if not hasattr(wrap, "identify_accessed_tensors"):
     print(json.dumps(None)); sys.exit(0)
 triton.runtime.driver.set_active(Sm90())
-from elephant.layers import ce_triton, conv_triton, norm_triton, rotary_triton
+from elephant.layers import ce_triton, conv_triton, mamba_inner, norm_triton, rotary_triton
 
 def written(kernel, values):
     args = {name: values[name] for name in kernel.arg_names}
@@ -85,14 +85,14 @@ for seg in (False, True):
                                           a_ptr=torch.randn_like(x), SILU=True,
                                           dw_ptr=torch.empty(8, C, K), db_ptr=torch.empty(8, C),
                                           dtail_ptr=torch.zeros(8, C, K - 1), NL=3, sgb=1, sgl=1,
-                                          sgc=1, sdb=1, sdl=1, sdc=1, KP=4, KW=4))
+                                          sgc=1, sdb=1, sdl=1, sdc=1, dx_off=0, KP=4, KW=4))
 walk = dict(L=L, C=C, BL=16, BC=16, sxb=1, sxl=1, sxc=1, ssb=1, ssc=1, ssk=1, x_ptr=x,
             st_ptr=torch.randn(B, 3, C), w_ptr=torch.randn(C, 1, 4))
 out["conv bwd walk"] = written(conv_triton._conv_bwd_walk_kernel,
                                dict(walk, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
                                     a_ptr=torch.randn_like(x), SILU=True,
                                     dw_ptr=torch.empty(8, C, 4), db_ptr=torch.empty(8, C), NL=3,
-                                    sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
+                                    sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1, dx_off=0))
 fix = dict(L=L, C=C, K=4, HAS_TAIL=True, BT=4, BC=16, BS=16, NB=3, sxb=1, sxl=1, sxc=1, ssb=1,
            ssc=1, ssk=1, x_ptr=x, st_ptr=torch.randn(B, 3, C), w_ptr=torch.randn(C, 1, 4),
            seg_ptr=torch.zeros(B, L, dtype=torch.int32), tail_ptr=torch.randn(C, 3))
@@ -105,7 +105,8 @@ out["conv bwd fix"] = written(conv_triton._conv_bwd_fix_kernel,
                               dict(fix, g_ptr=torch.randn_like(x), dx_ptr=torch.empty_like(x),
                                    a_ptr=torch.randn_like(x), SILU=True,
                                    dw_ptr=torch.empty(B, C, 4), dtail_ptr=torch.empty(B, C, 3),
-                                   KP=4, KW=4, sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1))
+                                   KP=4, KW=4, sgb=1, sgl=1, sgc=1, sdb=1, sdl=1, sdc=1,
+                                   dx_off=0))
 z = torch.randn(4, 64).half()
 for fw, gr in ((True, False), (True, True), (False, True)):
     out[f"ce {fw} {gr}"] = written(ce_triton._ce_kernel,
@@ -127,7 +128,13 @@ out["gated norm bwd"] = written(norm_triton._gated_norm_bwd_kernel,
                                      z_ptr=torch.randn_like(rows), w_ptr=torch.ones(32),
                                      dy_ptr=torch.empty_like(rows), dz_ptr=torch.empty_like(rows),
                                      dw_ptr=torch.empty(2, 32), N=6, D=32, s_do=32, s_y=32, s_z=32,
+                                     s_dz=32,
                                      eps=1e-6, ITERS=1, ROWS=4, BD=32))
+for add in (False, True):
+    out[f"into columns {add}"] = written(mamba_inner._into_columns_kernel,
+                                         dict(src_ptr=torch.randn(B, 3, 8), dst_ptr=x, R=3, W=8,
+                                              s_sb=24, s_sr=8, s_db=L * C, s_dr=C, dst_off=4,
+                                              ADD=add, BR=4, BW=8))
 """
 
 
@@ -171,6 +178,12 @@ def test_loss_kernel_writes_only_its_outputs(writes, forward, grad):
                                              | ({"dz_ptr"} if grad else set()))
 
 
+@pytest.mark.parametrize("add", [False, True])
+def test_into_columns_kernel_writes_only_its_destination(writes, add):
+    # mamba_inner's writes into the in-projection's gradient (dt's columns, the conv state's rows)
+    assert writes[f"into columns {add}"] == {"dst_ptr"}
+
+
 def test_gated_norm_kernel_writes_only_its_outputs(writes):
     assert writes["gated norm bwd"] == {"dy_ptr", "dz_ptr", "dw_ptr"}
 
@@ -189,7 +202,7 @@ ctx = lt.ir.context(); lt.ir.load_dialects(ctx); backend.load_dialects(ctx)
 opts = backend.parse_options({})
 sig = {n: "*bf16" for n in ("dout_ptr", "y_ptr", "z_ptr", "dy_ptr", "dz_ptr")}
 sig.update(w_ptr="*fp32", dw_ptr="*fp32", N="i32", D="i32", s_do="i32", s_y="i32", s_z="i32",
-           eps="fp64", ITERS="constexpr", ROWS="constexpr", BD="constexpr")
+           s_dz="i32", eps="fp64", ITERS="constexpr", ROWS="constexpr", BD="constexpr")
 src = ASTSource(fn=norm_triton._gated_norm_bwd_kernel, signature=sig,
                 constexprs={"ITERS": 8, "ROWS": 4, "BD": 1024})
 src.make_ir(target, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), ctx)

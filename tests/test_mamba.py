@@ -238,3 +238,96 @@ def test_joint_gradient_and_silu_in_the_conv_kernels_equal_the_pytorch_mixer(pac
             assert (a - r).abs().max() / scale(r) < 1e-5, name
         for n, a, r in zip(names, got[3], want[3]):
             assert (a - r).abs().max() / scale(r) < 1e-4, (name, n)
+
+
+def _triton_or_skip():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA and TRITON_INTERPRET is not set")
+
+
+def _mixer_outputs(m, x, conv0, ssm0, seg, init, leaves):
+    y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=init)
+    loss = (y ** 2).sum() + (ssm * torch.linspace(-1, 1, ssm.shape[-1])).sum() \
+        + (conv * torch.linspace(-1, 1, conv.shape[-1])).sum()
+    return y, conv, ssm, torch.autograd.grad(loss, list(m.parameters()) + leaves)
+
+
+@pytest.mark.parametrize("packed", [False, True, "no tail"])
+def test_the_block_as_one_op_equals_the_pytorch_mixer(packed):
+    # mamba_inner (the conv, scan and gated norm as one op, whose backward writes the
+    # in-projection's gradient whole: dz, dxBC, dt's gradient and the new conv state's in place)
+    # == the mixer in PyTorch forms: output, both states and every gradient, the carried states'
+    # and the initial memory's included; with packed documents (the conv's default form: the op
+    # passes the form to the conv's own kernels), a document starting within the chunk's last
+    # d_conv - 1 tokens (the new conv state reads the tail)
+    _triton_or_skip()
+    m = make_mixer(dtype=torch.float32)
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(2))
+    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
+    seg = init = None
+    leaves = [conv0, ssm0]
+    if packed:
+        starts = torch.zeros(2, 24, dtype=torch.long)
+        starts[0, [5, 11, 12, 22]] = 1
+        starts[1, [0, 17]] = 1
+        seg = starts.cumsum(1)
+        if packed != "no tail":
+            gen = torch.Generator().manual_seed(3)
+            init = (torch.randn(m.conv_dim, 3, generator=gen).requires_grad_(),
+                    torch.randn(m.heads, m.head_dim, m.d_state, generator=gen).requires_grad_())
+            leaves += list(init)
+    before = ssd.get_backend()
+    try:
+        ssd.set_backend("ref")
+        m.fast_conv, m.fused_inner = False, False
+        want = _mixer_outputs(m, x, conv0, ssm0, seg, init, leaves)
+        ssd.set_backend("triton")
+        m.fast_conv, m.fused_inner = True, True
+        assert m._takes_inner(m.in_proj(x), seg, init)
+        got = _mixer_outputs(m, x, conv0, ssm0, seg, init, leaves)
+    finally:
+        ssd.set_backend(before)
+        del m.fast_conv, m.fused_inner
+    scale = lambda t: t.abs().max().clamp(min=1e-12)
+    names = [n for n, _ in m.named_parameters()] + ["conv0", "ssm0", "tail", "ssm_init"]
+    for a, r, n in zip(got[:3], want[:3], ("y", "conv", "ssm")):
+        assert (a - r).abs().max() / scale(r) < 1e-5, n
+    for n, a, r in zip(names, got[3], want[3]):
+        assert (a - r).abs().max() / scale(r) < 1e-4, n
+
+
+def test_the_block_as_one_op_in_chunks():
+    # three chunks in a row, the middle one through the op (the carried states' gradients reach
+    # it from the next chunk, and its own reach the previous one), == one pass of the PyTorch
+    # mixer; a chunk shorter than d_conv - 1 tokens takes the separate path. (Compiled, the op is
+    # a GPU test: wrap_triton does not trace the interpreter's kernels.)
+    _triton_or_skip()
+    m = make_mixer(dtype=torch.float32)
+    x = torch.randn(2, 26, 32, generator=torch.Generator().manual_seed(4))
+    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
+    leaves = list(m.parameters()) + [conv0, ssm0]
+    before = ssd.get_backend()
+    try:
+        ssd.set_backend("ref")
+        m.fast_conv, m.fused_inner = False, False
+        y, conv, ssm = m(x, conv0, ssm0)
+        want = (y, conv, ssm, torch.autograd.grad((y ** 2).sum() + ssm.sum(), leaves))
+        ssd.set_backend("triton")
+        m.fast_conv = True
+        y1, c1, s1 = m(x[:, :9], conv0, ssm0)
+        m.fused_inner = True
+        assert not m._takes_inner(m.in_proj(x[:, :2]), None, None)
+        y2, c2, s2 = m(x[:, 9:24], c1, s1)
+        m.fused_inner = False
+        y3, conv, ssm = m(x[:, 24:], c2, s2)
+        y = torch.cat([y1, y2, y3], dim=1)
+        got = (y, conv, ssm, torch.autograd.grad((y ** 2).sum() + ssm.sum(), leaves))
+    finally:
+        ssd.set_backend(before)
+        del m.fast_conv, m.fused_inner
+    scale = lambda t: t.abs().max().clamp(min=1e-12)
+    for a, r in zip(got[:3], want[:3]):
+        assert (a - r).abs().max() / scale(r) < 1e-5
+    for a, r in zip(got[3], want[3]):
+        assert (a - r).abs().max() / scale(r) < 1e-4

@@ -26,7 +26,9 @@ place, segments and `tail` included; `fast_conv = False` takes the PyTorch forms
 the reference). The Triton scan takes the activated conv output whole (ssd_scan's `joint`) and
 writes the gradients of its x, B and C blocks into one tensor, which the conv's backward kernels
 read, times SiLU', as it is: no concatenation of the three and no SiLU-backward pass between them
-(`joint_grad = False`: three gradients, concatenated by autograd).
+(`joint_grad = False`: three gradients, concatenated by autograd). On that path the whole block
+between the two projections is one op (`mamba_inner`, `fused_inner`), whose backward writes the
+in-projection's gradient [dz | dxBC | ddt] in place instead of autograd concatenating the three.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers import conv_triton, norm_triton
-from elephant.layers.ssd import add_segment_init, ssd_scan
+from elephant.layers import conv_triton, mamba_inner, norm_triton
+from elephant.layers.ssd import add_segment_init, ssd_scan, takes_triton
 
 
 class GatedRMSNorm(nn.Module):
@@ -136,6 +138,10 @@ class Mamba2(nn.Module):
     fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
     fast_conv = True           # on CUDA, the Triton conv (conv_triton); False: conv1d / segment_conv
     joint_grad = True          # the Triton scan returns x's, B's and C's gradients as one tensor
+    # the conv, scan and gated norm as one op whose backward writes the in-projection's gradient
+    # whole (mamba_inner): None on CUDA where the Triton path runs, True wherever its kernels run
+    # (the CPU tests, under the interpreter), False never
+    fused_inner: bool | None = None
 
     def __init__(self, cfg: ModelConfig, dt_min: float = 1e-3, dt_max: float = 1e-1,
                  dt_floor: float = 1e-4, A_range: tuple[float, float] = (1.0, 16.0)):
@@ -186,6 +192,11 @@ class Mamba2(nn.Module):
         the module docstring)."""
         b, l, _ = x.shape
         zxbcdt = self.in_proj(x)
+        if self._takes_inner(zxbcdt, seg, init):
+            out, new_conv_state, new_ssm_state = mamba_inner.mamba_inner(
+                zxbcdt, conv_state, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log,
+                self.D, self.norm.weight, ssm_state, self._dims(), self.norm.eps, seg, init)
+            return self.out_proj(out), new_conv_state.contiguous(), new_ssm_state.contiguous()
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
 
         if self.fast_conv and xBC.is_cuda and conv_triton.supported(xBC):
@@ -207,6 +218,25 @@ class Mamba2(nn.Module):
             new_conv_state = new_conv_state.to(conv_state.dtype)
         xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)
         return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
+
+    def _dims(self) -> list[int]:
+        return [self.d_inner, self.conv_dim, self.heads, self.head_dim, self.d_state,
+                self.chunk_size]
+
+    def _takes_inner(self, zxbcdt: torch.Tensor, seg, init) -> bool:
+        """Whether forward takes `mamba_inner` (see fused_inner): the path it fuses is the one the
+        chunk would take (the Triton conv and scan, the joint gradient, the fused segment
+        initial state, the norm's kernel)."""
+        if self.fused_inner is False or not (self.fast_conv and self.joint_grad and self.norm.fused
+                                             and (init is None or self.fused_segment_init)):
+            return False
+        dims = self._dims()
+        if not mamba_inner.supported(zxbcdt, self.conv1d.weight, dims, self.d_conv):
+            return False
+        if self.fused_inner:
+            return True
+        x = zxbcdt[..., :self.d_inner].unflatten(-1, (self.heads, self.head_dim))
+        return zxbcdt.is_cuda and takes_triton(x, zxbcdt[..., None, :self.d_state], self.chunk_size)
 
     def _after_conv(self, xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state):
         """forward from the activated conv output xBC (B, L, conv_dim) on: the scan and the gated
