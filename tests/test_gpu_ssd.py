@@ -259,9 +259,10 @@ def test_mamba2_with_boundaries_triton_equals_reference_on_cuda(compiled):
     assert not bad, f"relative errors above {tol}: {bad}"
 
 
+@pytest.mark.heavy   # a compile of the mixer's forward and backward (conftest)
 def test_mamba2_block_as_one_op_equals_the_separate_ops_on_cuda():
     """The block between its projections as one op (mamba_inner, its backward writing the
-    in-projection's gradient whole) == the separate Triton ops, both compiled under bf16
+    in-projection's gradient whole), compiled, == the separate Triton ops, eager, under bf16
     autocast, over two chunks with the state carried between them (the second chunk's loss
     reaches the first chunk's op through the new conv and SSM states), with packed documents and
     the initial memory's state. (Without documents the op is what
@@ -276,13 +277,13 @@ def test_mamba2_block_as_one_op_equals_the_separate_ops_on_cuda():
     try:
         for fused in (False, True):
             m.fused_inner = fused
-            fn = torch.compile(m, dynamic=False)
+            fn = torch.compile(m, dynamic=False) if fused else m
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 # a chunk's ids count from the document carried into it (0)
                 part = lambda a, b: seg[:, a:b] - (seg[:, a - 1:a] if a else 0)
-                y1, c1, s1 = fn(x[:, :128], conv0, ssm0, seg=part(0, 128), init=init)
-                assert m._takes_inner(m.in_proj(x[:, :128]), part(0, 128), init) == fused
-                y2, c2, s2 = fn(x[:, 128:], c1, s1, seg=part(128, 300), init=init)
+                y1, c1, s1 = fn(x[:, :150], conv0, ssm0, seg=part(0, 150), init=init)
+                assert m._takes_inner(m.in_proj(x[:, :150]), part(0, 150), init) == fused
+                y2, c2, s2 = fn(x[:, 150:], c1, s1, seg=part(150, 300), init=init)   # one compile
             y = torch.cat([y1, y2], dim=1)
             loss = (y.float() ** 2).mean() + s2.square().mean() + c2.float().square().mean()
             results[fused] = (y, c2, s2, torch.autograd.grad(loss, list(m.parameters()) + leaves))
@@ -290,8 +291,10 @@ def test_mamba2_block_as_one_op_equals_the_separate_ops_on_cuda():
         del m.fused_inner
     names = [n for n, _ in m.named_parameters()] + ["conv_state", "ssm_state", "tail", "ssm_init"]
     (y_a, c_a, s_a, g_a), (y_b, c_b, s_b, g_b) = results[False], results[True]
+    # the same kernels; compiled against eager, bf16 roundings may fall differently
     for a, b in ((y_a, y_b), (c_a, c_b), (s_a, s_b)):
-        assert rel_err(b, a) < 1e-3
+        assert rel_err(b, a) < 5e-3
+    tol = REL_TOL[torch.bfloat16]
     errors = {n: rel_err(b, a) for n, a, b in zip(names, g_a, g_b)}
-    bad = {k: v for k, v in errors.items() if not v < 1e-2}
-    assert not bad, f"relative errors above 1e-2: {bad}"
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
