@@ -165,10 +165,14 @@ def test_states_keep_their_dtype_under_autocast():
     assert conv2.dtype == conv.dtype and ssm2.dtype == ssm.dtype == torch.float32
 
 
-def test_triton_path_equals_reference_in_mixer():
+def _triton_or_skip():
     pytest.importorskip("triton")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no CUDA and TRITON_INTERPRET is not set")
+
+
+def test_triton_path_equals_reference_in_mixer():
+    _triton_or_skip()
     m = make_mixer(dtype=torch.float32)
     x = torch.randn(2, 40, 32)
     conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
@@ -190,6 +194,28 @@ def test_triton_path_equals_reference_in_mixer():
         assert (a - b).abs().max() / scale(b) < 1e-4
 
 
+def float32_case(length: int, starts: list | None, initial_memory: bool = True):
+    """A float32 mixer (make_mixer), its input (2, length, 32) and carried states with gradients;
+    with `starts` (each lane's document start positions) the segment ids and, with
+    initial_memory, the (conv tail, SSM state) later documents start from. Returns (m, x, conv0,
+    ssm0, seg, init, leaves: the tensors whose gradients the tests compare)."""
+    m = make_mixer(dtype=torch.float32)
+    x = torch.randn(2, length, 32, generator=torch.Generator().manual_seed(2))
+    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
+    seg = init = None
+    leaves = [conv0, ssm0]
+    if starts is not None:
+        first = torch.zeros(2, length, dtype=torch.long)
+        for lane, at in enumerate(starts):
+            first[lane, at] = 1
+        seg = first.cumsum(1)
+        if initial_memory:
+            gen = torch.Generator().manual_seed(3)
+            init = (torch.randn(m.conv_dim, 3, generator=gen).requires_grad_(),
+                    torch.randn(m.heads, m.head_dim, m.d_state, generator=gen).requires_grad_())
+            leaves += list(init)
+    return m, x, conv0, ssm0, seg, init, leaves
+
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("backend", ["ref", "triton"])
@@ -198,24 +224,9 @@ def test_joint_gradient_and_silu_in_the_conv_kernels_equal_the_pytorch_mixer(pac
     # the conv's kernels as they read it), the older Triton form (three gradients, SiLU' in
     # PyTorch), on either scan path, == the mixer in PyTorch forms (fast_conv False): output,
     # states and every gradient, with packed documents and the initial memory's state too
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and TRITON_INTERPRET is not set")
+    _triton_or_skip()
     from elephant.layers import conv_triton
-    m = make_mixer(dtype=torch.float32)
-    x = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(2))
-    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
-    seg = init = None
-    leaves = [conv0, ssm0]
-    if packed:
-        starts = torch.zeros(2, 40, dtype=torch.long)
-        starts[0, [5, 17, 18]] = 1
-        starts[1, [0, 33]] = 1
-        seg = starts.cumsum(1)
-        gen = torch.Generator().manual_seed(3)
-        init = (torch.randn(m.conv_dim, 3, generator=gen).requires_grad_(),
-                torch.randn(m.heads, m.head_dim, m.d_state, generator=gen).requires_grad_())
-        leaves += list(init)
+    m, x, conv0, ssm0, seg, init, leaves = float32_case(40, [[5, 17, 18], [0, 33]] if packed else None)
     before, in_kernels = ssd.get_backend(), conv_triton.SILU_IN_KERNELS
     out = {}
     try:
@@ -240,12 +251,6 @@ def test_joint_gradient_and_silu_in_the_conv_kernels_equal_the_pytorch_mixer(pac
             assert (a - r).abs().max() / scale(r) < 1e-4, (name, n)
 
 
-def _triton_or_skip():
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA and TRITON_INTERPRET is not set")
-
-
 def _mixer_outputs(m, x, conv0, ssm0, seg, init, leaves):
     y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=init)
     loss = (y ** 2).sum() + (ssm * torch.linspace(-1, 1, ssm.shape[-1])).sum() \
@@ -262,21 +267,8 @@ def test_the_block_as_one_op_equals_the_pytorch_mixer(packed):
     # passes the form to the conv's own kernels), a document starting within the chunk's last
     # d_conv - 1 tokens (the new conv state reads the tail)
     _triton_or_skip()
-    m = make_mixer(dtype=torch.float32)
-    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(2))
-    conv0, ssm0 = (t.requires_grad_() for t in random_states(m, 2, dtype=torch.float32))
-    seg = init = None
-    leaves = [conv0, ssm0]
-    if packed:
-        starts = torch.zeros(2, 24, dtype=torch.long)
-        starts[0, [5, 11, 12, 22]] = 1
-        starts[1, [0, 17]] = 1
-        seg = starts.cumsum(1)
-        if packed != "no tail":
-            gen = torch.Generator().manual_seed(3)
-            init = (torch.randn(m.conv_dim, 3, generator=gen).requires_grad_(),
-                    torch.randn(m.heads, m.head_dim, m.d_state, generator=gen).requires_grad_())
-            leaves += list(init)
+    m, x, conv0, ssm0, seg, init, leaves = float32_case(
+        24, [[5, 11, 12, 22], [0, 17]] if packed else None, initial_memory=packed != "no tail")
     before = ssd.get_backend()
     try:
         ssd.set_backend("ref")
