@@ -809,6 +809,24 @@ torch.library.register_autograd("elephant::depthwise_conv_silu", _conv_silu_grad
                                 setup_context=_conv_silu_setup)
 
 
+def segment_args(seg: Tensor | None, tail: Tensor | None, form: str | None
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, bool]:
+    """(seg, since, tail, mend) as the ops take them: the segment ids int32 and contiguous, how
+    far each token is into its segment (only with a tail), the tail contiguous, and whether the
+    segments are mended at each start (`form` "starts") rather than by their tiles ("tiles");
+    form None is SEGMENT_FORM."""
+    form = form or SEGMENT_FORM
+    if form not in ("tiles", "starts"):
+        raise ValueError(f"depthwise_conv: form must be 'tiles' or 'starts', got {form!r}")
+    tail = None if tail is None else tail.contiguous()
+    since = None
+    if seg is not None:
+        seg = seg.to(torch.int32).contiguous()
+        if tail is not None:
+            since = segment_since(seg)
+    return seg, since, tail, seg is not None and form == "starts"
+
+
 def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
                    seg: Tensor | None = None, tail: Tensor | None = None,
                    silu: bool = False, form: str | None = None) -> tuple[Tensor, Tensor]:
@@ -821,16 +839,7 @@ def depthwise_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor,
                            f"of float32/bfloat16/float16, got {x.device} {x.dtype}")
     if not weight.is_contiguous():
         raise ValueError("depthwise_conv: weight must be contiguous (C, 1, K)")
-    form = form or SEGMENT_FORM
-    if form not in ("tiles", "starts"):
-        raise ValueError(f"depthwise_conv: form must be 'tiles' or 'starts', got {form!r}")
-    tail = None if tail is None else tail.contiguous()
-    since = None
-    if seg is not None:
-        seg = seg.to(torch.int32).contiguous()
-        if tail is not None:
-            since = segment_since(seg)
-    mend = seg is not None and form == "starts"
+    seg, since, tail, mend = segment_args(seg, tail, form)
     if silu:
         out = _conv_silu_op(x, conv_state, weight, bias, seg, since, tail, mend)[1]
     else:

@@ -221,14 +221,8 @@ def mamba_inner(zxbcdt: Tensor, conv_state: Tensor, conv_w: Tensor, conv_b: Tens
     projections, as the separate Triton path computes it (see the module docstring). `init`: the
     (conv tail, SSM state) that segments > 0 start from, with `seg`. `form`: the conv's segment
     form (conv_triton.SEGMENT_FORM)."""
-    form = form or conv_triton.SEGMENT_FORM
-    tail = sinit = since = None
-    if seg is not None:
-        seg = seg.to(torch.int32).contiguous()
-        if init is not None:
-            tail, sinit = init[0].contiguous(), init[1]
-            since = conv_triton.segment_since(seg)
-    mend = seg is not None and form == "starts"
+    tail, sinit = (None, None) if seg is None or init is None else init
+    seg, since, tail, mend = conv_triton.segment_args(seg, tail, form)
     out, new_conv, final = _inner_op(zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, D,
                                      norm_w, ssm_state, seg, since, tail, sinit, list(dims),
                                      float(eps), mend)[:3]
