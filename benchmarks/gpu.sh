@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu.sh [tests] [bench] [train] [speed] [train2]   (default: tests bench train)
 #
 #   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS processes with pytest-xdist
-#           (default: one per CPU core)
+#           (default: one per CPU core); where the wall time went: gpu_tests_timeline.txt
 #           (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
 #   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
 #           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
@@ -80,10 +80,18 @@ for stage in $stages; do
       # machine has no index); without it, serially
       python -c "import xdist" 2>/dev/null || pip install -q --no-index --find-links .whl pytest-xdist 2>/dev/null
       par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$(nproc)} --dist worksteal")
-      # one compile thread per test process: the workers already fill the cores, and each one's
-      # own pool of compile processes (a torch import each) was work on top (TEST_COMPILE_THREADS)
-      [ -n "$par" ] && export TORCHINDUCTOR_COMPILE_THREADS=${TEST_COMPILE_THREADS:-1}
-      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=30 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40 ;;
+      # inductor's compile processes: none in a worker, a pool of 4 for a test marked heavy
+      # (tests/conftest.py); TEST_COMPILE_THREADS and HEAVY_COMPILE_THREADS set them otherwise
+      [ -n "${TEST_COMPILE_THREADS:-}" ] && export TORCHINDUCTOR_COMPILE_THREADS=$TEST_COMPILE_THREADS
+      [ -n "${HEAVY_COMPILE_THREADS:-}" ] && export ELEPHANT_HEAVY_COMPILE_THREADS=$HEAVY_COMPILE_THREADS
+      # each test's start and end on its worker (tests/conftest.py), summed up by test_timeline.py
+      export ELEPHANT_TEST_TIMELINE=$LOGS/gpu_tests_timeline.jsonl
+      python -c "import json, time; print(json.dumps({'event': 'launch', 'at': time.time()}))" > "$ELEPHANT_TEST_TIMELINE"
+      timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=30 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
+      # (gpu_seconds.json: each test's seconds; copied to tests/, the quickest follow the long ones)
+      python benchmarks/test_timeline.py "$ELEPHANT_TEST_TIMELINE" --json "$LOGS/gpu_tests_timeline.json" \
+        --seconds "$LOGS/gpu_seconds.json" | tee "$LOGS/gpu_tests_timeline.txt"
+      unset ELEPHANT_TEST_TIMELINE ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
         echo "--- bench_$b"

@@ -1,27 +1,65 @@
 """Shared test setup: Triton kernels run in the interpreter when there is no GPU; paths to ../shared."""
+import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-# Small shapes on a 2-core machine: two OpenMP threads contend (with each other and with the
-# subprocesses some tests start) and make every op many times slower than one thread.
-torch.set_num_threads(1)
 
-if torch.cuda.is_available():
-    # The GPU tests check values, gradients and recompiles, not which launch is fastest. Inductor
-    # compiles two or six launch configurations of each pointwise kernel to time them; one is
-    # enough here, and the GPU suite is bound by the host compiling Triton kernels.
-    # Likewise one configuration of each reduction instead of up to seven (the pick inductor makes
-    # in its deterministic mode; a test switch of inductor's own, where this torch has it).
+def pytest_configure(config):
+    # pytest-xdist's main process only deals the tests out: torch, imported here by the processes
+    # that run them, took ~6 s at the head of a parallel GPU run, before any worker was started
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Small shapes on a 2-core machine: two OpenMP threads contend (with each other and with the
+    # subprocesses some tests start) and make every op many times slower than one thread.
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        # The GPU tests check values, gradients and recompiles, not which launch is fastest.
+        # Inductor compiles two or six launch configurations of each pointwise kernel to time
+        # them; one is enough here, and the GPU suite is bound by the host compiling Triton
+        # kernels. Likewise one configuration of each reduction instead of up to seven (the pick
+        # inductor makes in its deterministic mode; a test switch of inductor's own, where this
+        # torch has it).
+        import torch._inductor.config as inductor_config
+        inductor_config.triton.autotune_pointwise = False
+        if hasattr(config, "workerinput") and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+            inductor_config.compile_threads = 1   # see HEAVY_COMPILE_THREADS
+        if hasattr(getattr(inductor_config, "test_configs", None), "force_filter_reduction_configs"):
+            inductor_config.test_configs.force_filter_reduction_configs = True
+
+
+# Inductor's compile processes under pytest-xdist on a GPU host: the workers already fill its
+# cores, and a pool in each of them (a torch import each) was work on top (GPU suite 134.5 s with
+# them, 114.1 s without; session 28). The tests marked heavy, the long compiles that end the
+# suite, get a pool of HEAVY_COMPILE_THREADS: their kernels compile while inductor writes the
+# rest (the trainer's test 94.5 -> 78.8 s, the suite 139.8 -> 126.9 s; session 37).
+# TORCHINDUCTOR_COMPILE_THREADS and ELEPHANT_HEAVY_COMPILE_THREADS override them.
+HEAVY_COMPILE_THREADS = 4
+
+
+@pytest.fixture(autouse=True)
+def _heavy_compile_threads(request):
+    """A test marked heavy, on an xdist worker, compiles over a pool of HEAVY_COMPILE_THREADS
+    processes (inductor makes it at its first compile that wants one, and keeps it)."""
+    default = HEAVY_COMPILE_THREADS if os.environ.get("PYTEST_XDIST_WORKER") else 0
+    n = int(os.environ.get("ELEPHANT_HEAVY_COMPILE_THREADS", default))
+    if n <= 1 or "heavy" not in request.keywords:
+        yield
+        return
     import torch._inductor.config as inductor_config
-    inductor_config.triton.autotune_pointwise = False
-    if hasattr(getattr(inductor_config, "test_configs", None), "force_filter_reduction_configs"):
-        inductor_config.test_configs.force_filter_reduction_configs = True
+    before = inductor_config.compile_threads
+    inductor_config.compile_threads = n
+    try:
+        yield
+    finally:
+        inductor_config.compile_threads = before
+
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -54,10 +92,14 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu_slow" in item.keywords:
                 item.add_marker(opt_in)
+    import torch
+    cuda = torch.cuda.is_available()
     workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers:
-        items[:] = spread_heavy(items, workers, lambda item: "heavy" in item.keywords)
-    if torch.cuda.is_available():
+    if workers:   # the GPU tests' seconds order a GPU run only (on the CPU they are skipped)
+        measured = _gpu_seconds() if cuda else {}
+        items[:] = spread_heavy(items, workers, lambda item: "heavy" in item.keywords,
+                                (lambda item: measured.get(item.nodeid)) if measured else None)
+    if cuda:
         return
     skip = pytest.mark.skip(reason="needs CUDA: run benchmarks/gpu.sh on the device machine")
     for item in items:
@@ -65,13 +107,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def spread_heavy(items: list, workers: int, heavy) -> list:
+GPU_SECONDS = Path(__file__).with_name("gpu_seconds.json")
+
+
+def _gpu_seconds() -> dict:
+    """Each GPU test's seconds in the last measured run (tests/gpu_seconds.json, written by
+    `benchmarks/test_timeline.py --seconds` from a run's timeline), {} without it."""
+    try:
+        return json.loads(GPU_SECONDS.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def spread_heavy(items: list, workers: int, heavy, seconds=None) -> list:
     """The collected tests reordered for pytest-xdist's worksteal, which hands each worker a
-    contiguous share at the start (len(pending) // workers left, worker by worker): the `heavy`
-    tests (long compiles, marked so) dealt one per share in turn, at the share's head, so that they
-    start at once instead of queueing behind each other; the others fill the shares in their order.
-    The GPU suite ends when its longest compiles do. Every worker computes the same order, as xdist
-    requires."""
+    contiguous share at the start (len(pending) // workers left, worker by worker) and lets an
+    idle worker take the back half of the longest queue, except the test each worker runs next.
+    The `heavy` tests (long compiles, marked so) are dealt one per share in turn, at the share's
+    head, so that they start at once instead of queueing behind each other. Without `seconds`
+    the others fill the shares in their collected order. With it (a test's seconds in the last
+    measured run, or None), the test after each heavy one is the quickest measured, and the others
+    go longest first (an unmeasured one as the longest) to the share with the least work dealt so
+    far, those without a heavy head first, so that the long ones start early and the queues end
+    with quick tests to take. The suite ends when its longest compiles do. Every worker computes
+    the same order, as xdist requires."""
     long = [item for item in items if heavy(item)]
     rest = [item for item in items if not heavy(item)]
     sizes, left = [], len(items)
@@ -80,12 +139,63 @@ def spread_heavy(items: list, workers: int, heavy) -> list:
         left -= sizes[-1]
     heads = [long[w::workers][:size] for w, size in enumerate(sizes)]
     spare = [item for w, size in enumerate(sizes) for item in long[w::workers][size:]]
-    rest = spare + rest   # heavy tests that no share had room for (more than its size)
-    out = []
-    for head, size in zip(heads, sizes):
-        out += head + rest[:size - len(head)]
-        del rest[:size - len(head)]
-    return out
+    if not seconds:
+        rest = spare + rest   # heavy tests that no share had room for (more than its size)
+        out = []
+        for head, size in zip(heads, sizes):
+            out += head + rest[:size - len(head)]
+            del rest[:size - len(head)]
+        return out
+    measured = sorted((item for item in rest if seconds(item) is not None), key=seconds)
+    quick = measured[:sum(0 < len(head) < size for head, size in zip(heads, sizes))]
+    shares = [list(head) + ([quick.pop(0)] if 0 < len(head) < size and quick else [])
+              for head, size in zip(heads, sizes)]
+    taken = {id(item) for share in shares for item in share}
+    longest = max((seconds(item) for item in measured), default=0.0)
+
+    def cost(item) -> float:
+        s = seconds(item)
+        return longest if s is None else s
+    load = [sum(cost(item) for item in share[1:]) for share in shares]
+    for item in sorted((item for item in spare + rest if id(item) not in taken), key=cost,
+                       reverse=True):
+        room = [w for w in range(workers) if len(shares[w]) < sizes[w]]
+        w = min(room, key=lambda w: (bool(heads[w]), load[w], w))
+        shares[w].append(item)
+        load[w] += cost(item)
+    return [item for share in shares for item in share]
+
+
+if os.environ.get("ELEPHANT_TEST_TIMELINE"):
+    # Where a parallel run's wall time goes (benchmarks/test_timeline.py reads it): each test's
+    # start and end on its worker, one JSON line each, and when the worker finished importing
+    _CONFTEST_IMPORTED = time.time()
+
+    def _timeline(**record):
+        record["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.environ["ELEPHANT_TEST_TIMELINE"], "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _process_start() -> float:
+        """When this process started (Linux: /proc), so that a worker's spawn and its imports
+        are told apart; NaN where /proc is not."""
+        try:
+            with open("/proc/self/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+            return boot + ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, StopIteration):
+            return float("nan")
+
+    def pytest_sessionstart(session):
+        _timeline(event="imported", at=_CONFTEST_IMPORTED, started=_process_start())
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        start = time.time()
+        yield
+        _timeline(event="test", test=item.nodeid, start=start, stop=time.time())
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-
 from elephant.baseline import (BaselineUnavailable, load_baseline, prefix_token_id, rolling_windows,
                                score_documents)
 
@@ -21,7 +19,14 @@ LONG = ("Elephants are the largest living land animals. Three species are curren
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def transformers():
+    """transformers, imported by the tests that use it: at the module's top it cost ~2 s of every
+    test process's collection, a parallel GPU run's 16 workers included."""
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, transformers):
     """A randomly initialised 2-layer GPT-NeoX with the GPT-NeoX tokenizer, saved to a local folder."""
     if not TOKENIZER_JSON.is_file():
         pytest.fail(f"{TOKENIZER_JSON} is missing: the test needs the shared GPT-NeoX tokenizer")
@@ -84,7 +89,7 @@ def test_stride_out_of_range_is_rejected():
         list(rolling_windows(40, 16, 17))
 
 
-def test_loads_from_local_folder(tiny):
+def test_loads_from_local_folder(tiny, transformers):
     model, tok = tiny
     assert isinstance(model, transformers.GPTNeoXForCausalLM) and not model.training
     assert _ids(tok, "Hello world") == [12092, 1533]
@@ -149,7 +154,7 @@ def test_max_len_beyond_model_positions_is_rejected(tiny):
         score_documents(model, tok, [SHORT], max_len=128)
 
 
-def test_missing_model_raises_one_line_baseline_unavailable(tmp_path, monkeypatch):
+def test_missing_model_raises_one_line_baseline_unavailable(tmp_path, monkeypatch, transformers):
     import huggingface_hub.constants
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
