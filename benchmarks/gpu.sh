@@ -80,9 +80,10 @@ for stage in $stages; do
       # machine has no index); without it, serially
       python -c "import xdist" 2>/dev/null || pip install -q --no-index --find-links .whl pytest-xdist 2>/dev/null
       par=$(python -c "import xdist" 2>/dev/null && echo "-n ${GPU_TEST_WORKERS:-$(nproc)} --dist worksteal")
-      # inductor's compile processes: none in a worker, a pool of 4 for a test marked heavy
-      # (tests/conftest.py); TEST_COMPILE_THREADS and HEAVY_COMPILE_THREADS set them otherwise
-      [ -n "${TEST_COMPILE_THREADS:-}" ] && export TORCHINDUCTOR_COMPILE_THREADS=$TEST_COMPILE_THREADS
+      # inductor's compile processes: none in a worker (nor in what a test starts), a pool of 4
+      # for a test marked heavy (tests/conftest.py); TEST_COMPILE_THREADS and
+      # HEAVY_COMPILE_THREADS set them otherwise
+      [ -n "$par" ] && export TORCHINDUCTOR_COMPILE_THREADS=${TEST_COMPILE_THREADS:-1}
       [ -n "${HEAVY_COMPILE_THREADS:-}" ] && export ELEPHANT_HEAVY_COMPILE_THREADS=$HEAVY_COMPILE_THREADS
       # each test's start and end on its worker (tests/conftest.py), summed up by test_timeline.py
       export ELEPHANT_TEST_TIMELINE=$LOGS/gpu_tests_timeline.jsonl

@@ -38,8 +38,9 @@ def pytest_configure(config):
 # cores, and a pool in each of them (a torch import each) was work on top (GPU suite 134.5 s with
 # them, 114.1 s without; session 28). The tests marked heavy, the long compiles that end the
 # suite, get a pool of HEAVY_COMPILE_THREADS: their kernels compile while inductor writes the
-# rest (the trainer's test 94.5 -> 78.8 s, the suite 139.8 -> 126.9 s; session 37).
-# TORCHINDUCTOR_COMPILE_THREADS and ELEPHANT_HEAVY_COMPILE_THREADS override them.
+# rest (the trainer's test 94.5 -> 78.8 s, the suite 138.3 -> 127.5 s; session 37).
+# TORCHINDUCTOR_COMPILE_THREADS sets the workers' own, ELEPHANT_HEAVY_COMPILE_THREADS the heavy
+# tests' (1: none).
 HEAVY_COMPILE_THREADS = 4
 
 
