@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from elephant.config import ModelConfig
 from elephant.layers import conv_triton, mamba_inner, norm_triton
-from elephant.layers.ssd import add_segment_init, ssd_scan, takes_triton
+from elephant.layers.ssd import add_segment_init, ssd_scan
 
 
 class GatedRMSNorm(nn.Module):
@@ -230,13 +230,8 @@ class Mamba2(nn.Module):
         if self.fused_inner is False or not (self.fast_conv and self.joint_grad and self.norm.fused
                                              and (init is None or self.fused_segment_init)):
             return False
-        dims = self._dims()
-        if not mamba_inner.supported(zxbcdt, self.conv1d.weight, dims, self.d_conv):
-            return False
-        if self.fused_inner:
-            return True
-        x = zxbcdt[..., :self.d_inner].unflatten(-1, (self.heads, self.head_dim))
-        return zxbcdt.is_cuda and takes_triton(x, zxbcdt[..., None, :self.d_state], self.chunk_size)
+        return mamba_inner.takes(zxbcdt, self.conv1d.weight, self._dims(), self.d_conv,
+                                 anywhere=bool(self.fused_inner))
 
     def _after_conv(self, xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state):
         """forward from the activated conv output xBC (B, L, conv_dim) on: the scan and the gated

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import conv_triton, norm_triton, ssd_triton
+from .ssd import takes_triton
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
 
@@ -229,15 +230,20 @@ def mamba_inner(zxbcdt: Tensor, conv_state: Tensor, conv_w: Tensor, conv_b: Tens
     return out, new_conv, final
 
 
-def supported(zxbcdt: Tensor, conv_w: Tensor, dims: list[int], d_conv: int) -> bool:
+def takes(zxbcdt: Tensor, conv_w: Tensor, dims: list[int], d_conv: int, anywhere: bool) -> bool:
     """Whether the op takes this chunk: the Triton conv, scan and norm run on it (CUDA, or CPU
     under the interpreter, float32/bfloat16/float16), and the chunk has at least d_conv - 1
-    tokens (its new conv state then holds only its own inputs)."""
+    tokens (its new conv state then holds only its own inputs); unless `anywhere`, only where the
+    separate path's scan takes Triton too (`ssd.takes_triton`: CUDA, the backend, not inlined in a
+    graph)."""
     d_inner, conv_dim, heads, head_dim, d_state, Q = dims
     b, l, _ = zxbcdt.shape
     if not (HAS_TRITON and l >= max(1, d_conv - 1) and conv_w.is_contiguous()
             and conv_triton.supported(zxbcdt)):
         return False
     z = zxbcdt[..., :d_inner]
-    x = zxbcdt[..., :heads * head_dim].unflatten(-1, (heads, head_dim))
-    return norm_triton.supported(z, z) and ssd_triton.supports(x, z[..., None, :d_state], Q)
+    x = z.unflatten(-1, (heads, head_dim))
+    B = z[..., None, :d_state]   # B's shape and dtype, for the checks
+    if not (norm_triton.supported(z, z) and ssd_triton.supports(x, B, Q)):
+        return False
+    return anywhere or (zxbcdt.is_cuda and takes_triton(x, B, Q))
