@@ -1,4 +1,4 @@
-"""The loss's per-block math (one block of the recipe's chunk: 4,096 rows x 50,304 bf16 logits): the
+"""The loss's per-block math (one block of the recipe's window: 16,384 rows x 50,304 bf16 logits): the
 Triton kernel (elephant/layers/ce_triton.py) over its launch (vocabulary elements per step, warps)
 against inductor's kernel of the plain functions (head._nll_and_dlogits, _nll_lse compiled), the
 form it replaces.
@@ -9,7 +9,8 @@ Two kinds: `grad` (training: NLL, log-sum-exp and the logits' gradient, two read
 and one write) and `nll` (evaluation: one read). Each is timed as a CUDA graph (median of --iters
 after --warmup), given as GB/s of the bytes it must move at least (grad: the logits read once and
 the gradient written; nll: the logits read once), and checked against inductor's results. The
-gradient's second walk over a row is swept both ways (`reversed`: from the row's end).
+gradient's second walk over a row is swept both ways (`reversed`: from the row's end), with and
+without the L2 eviction hints (`hints`: ce_triton.L2_HINTS).
 `registers`: the registers and spills of each launch compiled.
 
 (Session 30 tried the gradient from one read, a program holding its row whole in registers, at
@@ -33,7 +34,7 @@ from elephant.layers import ce_triton, head  # noqa: E402
 
 def main() -> None:
     ap = sweep_parser(30, 5)
-    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--vocab", type=int, default=50304)
     args = ap.parse_args()
     device = cuda_or_exit("bench_ce")
@@ -58,16 +59,19 @@ def main() -> None:
         rows.append({"kind": kind, "kernel": "inductor", "us": ms * 1e3,
                      "gb_s": least[kind] / ms / 1e6})
         print(json.dumps(rows[-1]), flush=True)
-    chosen = {**ce_triton.LAUNCH, "grad_reversed": ce_triton.GRAD_REVERSED}
-    configs = [(kind, block, warps, rev) for kind in ("grad", "nll")
+    chosen = {**ce_triton.LAUNCH, "grad_reversed": ce_triton.GRAD_REVERSED,
+              "l2_hints": ce_triton.L2_HINTS}
+    configs = [(kind, block, warps, rev, hints) for kind in ("grad", "nll")
                for rev in ((True, False) if kind == "grad" else (False,))
+               for hints in ((True, False) if kind == "grad" else (False,))
                for block in (1024, 2048, 4096, 8192, 16384) for warps in (4, 8, 16)]
     try:
-        for kind, block, warps, rev in configs:
+        for kind, block, warps, rev, hints in configs:
             ce_triton.LAUNCH[kind] = (block, warps)
             ce_triton.GRAD_REVERSED = rev
+            ce_triton.L2_HINTS = hints
             row = {"kind": kind, "kernel": "triton", "block": block, "warps": warps,
-                   **({"reversed": rev} if kind == "grad" else {})}
+                   **({"reversed": rev, "hints": hints} if kind == "grad" else {})}
             try:
                 got = ce_triton.FNS[kind](*args_of[kind])
                 row["equal"] = all(rel_close(a, b, 2e-3) for a, b in zip(got, want[kind]))
@@ -80,6 +84,7 @@ def main() -> None:
     finally:
         ce_triton.LAUNCH.update({k: chosen[k] for k in ce_triton.LAUNCH})
         ce_triton.GRAD_REVERSED = chosen["grad_reversed"]
+        ce_triton.L2_HINTS = chosen["l2_hints"]
     best = {k: min((r for r in rows if r["kind"] == k and r["kernel"] == "triton"
                     and r.get("equal")), key=lambda r: r["us"], default=None)
             for k in ("grad", "nll")}
