@@ -34,7 +34,9 @@ first documents of the corpus up to --eval-tokens tokens (longest first), and wi
 one document of --eval-doc-tokens tokens (the corpus's tokens run together); tokens/s of predicted
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
---eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median).
+--eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
+Python's cyclic garbage collector paused for the pass. Each pass records the collector's pauses
+inside it and its wall-clock span (to match against the GPU's clock sampled beside it).
 
 Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
 times the same steps with N processes (each rank its own lanes, as train.py under torchrun: the
@@ -416,13 +418,25 @@ def one_document(corpus, n_tokens: int):
 
 
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
-              compact: bool = False, side: bool = False) -> dict:
+              compact: bool = False, side: bool = False, collect: bool = True) -> dict:
+    """One pass of evaluate() timed, with its lane fill, the garbage collector's pauses inside it
+    (`gc`) and its wall-clock span (`span`, Unix seconds: to match against samples of the GPU's
+    clock). collect=False: the cyclic collector paused for the pass (gc.disable)."""
     from elephant.evaluate import evaluate
     peak_reset(device)
     resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
-    with Clock(device) as clock:
-        result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
-                          autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
+    paused = not collect and gc.isenabled()
+    if paused:
+        gc.disable()
+    began = time.time()
+    try:
+        with GCPauses() as pauses, Clock(device) as clock:
+            result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
+                              autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
+    finally:
+        if paused:
+            gc.enable()
+    span = [began, time.time()]
     # lane fill: how much of the rows the pass computed held tokens (a corpus whose longest
     # document is a large share of it ends with that document read in one lane while the others
     # idle, unless the batch is compacted)
@@ -436,13 +450,15 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
             "compact": compact, "side": side, "side_documents": result["side_documents"],
             "lane_fill": fill, "row_tokens_per_s": rows,
             "tokens_per_s_at_full_lanes": None if compact else rows,
-            "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident}
+            "loss": result["loss"], "peak_mem_gb": peak_gb(device), "resident_gb": resident,
+            "collect": collect, "gc": pauses.stats, "span": span}
 
 
 # --eval-modes: evaluate()'s settings of each 64-lane mode timed in turns
 EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "compact": dict(cuda_graph=True, compact=True),
-              "side": dict(cuda_graph=True, compact=True, side=True)}
+              "side": dict(cuda_graph=True, compact=True, side=True),
+              "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False)}
 
 
 def eval_in_turns(args, model, corpus, T, device, autocast, lanes) -> dict:
