@@ -1,0 +1,57 @@
+"""Evaluation's head by row blocks: the per-row NLL of h @ W^T (head._forward_nll, logits made
+block by block in bf16 and read once by the loss kernel) over one 64-lane chunk step of the
+wt103-70m shape (32,768 rows, D 512, V 50,304), at block sizes from the default (two blocks of
+16,384) down to blocks whose bf16 logits would stay in L2 (64-384 rows: 6-39 MB), at three
+launches of the NLL kernel; `matmul_only_ms` the blocks' products alone.
+
+    python benchmarks/bench_eval_head.py [out.json]      # CUDA
+
+The question it answered (session 38): would evaluation's head gain from blocks small enough that
+the logits never leave L2 (no trip through memory between the product and the loss kernel)? No:
+3.7 ms a pass at the default, 4.3-4.7 ms at 512-1,024 rows and worse below, the products losing
+more than the loss kernel gains (docs/RESULTS.md, issue 12, session 38).
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import cuda_or_exit, environment, median_ms  # noqa: E402
+from elephant.layers import ce_triton, head  # noqa: E402
+
+
+def main(path: str | None = None) -> dict:
+    dev = cuda_or_exit("bench_eval_head")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    N, D, V = 32768, 512, 50304
+    h = torch.randn(N, D, device=dev, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(V, D, device=dev, generator=gen) * 0.05).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device=dev, generator=gen)
+    want = head._forward_nll(h, w, t, 16384)[0]
+    chosen = ce_triton.LAUNCH["nll"]
+    rows_out = []
+    try:
+        for launch in ((2048, 4), (4096, 4), (8192, 8)):
+            ce_triton.LAUNCH["nll"] = launch
+            for rows in (16384, 4096, 1024, 512, 384, 256, 192, 128, 64):
+                err = float((head._forward_nll(h, w, t, rows)[0] - want).abs().max())
+                ms = median_ms(lambda: head._forward_nll(h, w, t, rows), dev, 20, 3, graph=True)
+                mm = median_ms(lambda: [h[s] @ w.t() for s in head._blocks(N, rows)], dev, 20, 3,
+                               graph=True)
+                rows_out.append(dict(launch=launch, block_rows=rows, ms=ms, matmul_only_ms=mm,
+                                     maxerr=err))
+                print(json.dumps(rows_out[-1]), flush=True)
+    finally:
+        ce_triton.LAUNCH["nll"] = chosen
+    out = {**environment(dev), "command": " ".join(["python benchmarks/bench_eval_head.py"] + sys.argv[1:]),
+           "shape": {"rows": N, "d_model": D, "vocab": V}, "rows": rows_out}
+    if path:
+        Path(path).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
