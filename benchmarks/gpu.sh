@@ -251,10 +251,13 @@ for stage in $stages; do
       # benchmarks/, elephant/, data_packing/ and configs/, e.g. from git archive), each in a
       # process of its own, in turns over SPEED_AB_ROUNDS rounds (default 2), so that a drift of
       # the GPU's clock falls on both; SPEED_ARGS passed on (~7 min on a cold H100, each tree
-      # compiling once)
+      # compiling once). The order alternates (before, after; then after, before; ...): the first
+      # run on a fresh machine ran slower in session 38's one-round A/Bs
       abs_res=$(pwd)/$RES
       for round in $(seq ${SPEED_AB_ROUNDS:-2}); do
-        for tree in before after; do
+        order="before after"
+        [ $((round % 2)) = 0 ] && order="after before"
+        for tree in $order; do
           dir=$([ $tree = before ] && echo "${SPEED_BEFORE:?SPEED_BEFORE: the older checkout}" || echo .)
           (cd "$dir" && timeout ${SPEED_AB_TIMEOUT:-240} python benchmarks/train_speed.py \
             --cache /tmp/elephant-cache --only hybrid ${SPEED_ARGS:-} \

@@ -19,8 +19,8 @@ alone (evaluation) is one read instead of two.
 The second read is meant to come from L2 (50 MB on an H100), so the gradient's loads and stores
 carry eviction hints (`L2_HINTS`): the first walk asks L2 to keep the row (evict_last), the second
 reads it and writes dz as data not to be kept (evict_first), so the gradient's writes do not push
-out rows still to be read. On an H100 the recipe's block (16,384 x 50,304 bf16) ran 1,561 -> 1,339
-us, a plain copy of the same bytes 1,137 (benchmarks/bench_ce.py, docs/RESULTS.md).
+out rows still to be read. On an H100 the recipe's block (16,384 x 50,304 bf16) ran 1,561 -> 1,335
+us, a plain copy of the same bytes 1,135 (benchmarks/bench_ce.py, docs/RESULTS.md).
 
 Registered with torch.library.triton_op (inductor launches the kernel from its own code inside a
 compiled chunk). Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
@@ -42,8 +42,9 @@ LAUNCH = {"nll": (2048, 4), "grad": (8192, 8)}
 # the gradient's walk over a row runs from its end, whose blocks the first walk read last: 3-10%
 # faster than from its start at every launch of the sweep (8192 x 8: 406 us against 421)
 GRAD_REVERSED = True
-# L2 eviction hints on the gradient's walks (see the module doc): 3-5% faster than without on
-# every launch of the session-38 sweep, -14% at the recipe's block
+# L2 eviction hints on the gradient's walks (see the module doc): in session 38's sweep of the
+# recipe's block, 12% faster at this launch (8192 x 8, reversed), up to 21% at others, and within
+# 2% either way at the two launches of 16,384 x 16 warps
 L2_HINTS = True
 
 
