@@ -10,6 +10,10 @@ The question it answered (session 38): would evaluation's head gain from blocks 
 the logits never leave L2 (no trip through memory between the product and the loss kernel)? No:
 3.7 ms a pass at the default, 4.3-4.7 ms at 512-1,024 rows and worse below, the products losing
 more than the loss kernel gains (docs/RESULTS.md, issue 12, session 38).
+
+Then the head that never writes its logits (elephant/layers/linear_nll_triton.py, head.EVAL_FUSED),
+over a sweep of its launch (rows and columns a tile, D a product step, warps, stages; `fused`
+rows): against the default blocked pass above, and its largest difference from it.
 """
 import json
 import sys
@@ -20,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import cuda_or_exit, environment, median_ms  # noqa: E402
-from elephant.layers import ce_triton, head  # noqa: E402
+from elephant.layers import ce_triton, head, linear_nll_triton  # noqa: E402
 
 
 def main(path: str | None = None) -> dict:
@@ -46,8 +50,28 @@ def main(path: str | None = None) -> dict:
                 print(json.dumps(rows_out[-1]), flush=True)
     finally:
         ce_triton.LAUNCH["nll"] = chosen
+    fused = []
+    kept = dict(linear_nll_triton.LAUNCH)
+    try:
+        for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                                          (128, 128, 64, 4, 3), (64, 256, 64, 8, 3),
+                                          (128, 128, 128, 8, 2), (256, 128, 64, 8, 3),
+                                          (128, 64, 64, 4, 4)):
+            linear_nll_triton.LAUNCH.update(BM=bm, BN=bn, BK=bk, warps=warps, stages=stages)
+            row = dict(BM=bm, BN=bn, BK=bk, warps=warps, stages=stages)
+            try:
+                err = float((linear_nll_triton.linear_nll(h, w, t)[0] - want).abs().max())
+                ms = median_ms(lambda: linear_nll_triton.linear_nll(h, w, t), dev, 20, 3, graph=True)
+                row.update(ms=ms, maxerr_vs_blocked=err)
+            except Exception as e:   # record and go on (a tile may not fit)
+                row["error"] = f"{type(e).__name__}: {str(e)[-300:]}"
+            fused.append(row)
+            print(json.dumps({"fused": row}), flush=True)
+    finally:
+        linear_nll_triton.LAUNCH.update(kept)
     out = {**environment(dev), "command": " ".join(["python benchmarks/bench_eval_head.py"] + sys.argv[1:]),
-           "shape": {"rows": N, "d_model": D, "vocab": V}, "rows": rows_out}
+           "shape": {"rows": N, "d_model": D, "vocab": V}, "rows": rows_out, "fused": fused,
+           "fused_launch": kept}
     if path:
         Path(path).write_text(json.dumps(out, indent=1))
     return out

@@ -35,7 +35,8 @@ one document of --eval-doc-tokens tokens (the corpus's tokens run together); tok
 tokens and the peak memory, beside the peak of a short one-lane document (memory must stay flat).
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
-Python's cyclic garbage collector paused for the pass. Each pass records the collector's pauses
+Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
+its logits (head.EVAL_FUSED). Each pass records the collector's pauses
 inside it and its wall-clock span (to match against the GPU's clock sampled beside it).
 
 Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
@@ -418,22 +419,29 @@ def one_document(corpus, n_tokens: int):
 
 
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
-              compact: bool = False, side: bool = False, collect: bool = True) -> dict:
+              compact: bool = False, side: bool = False, collect: bool = True,
+              fused_head: bool | None = None) -> dict:
     """One pass of evaluate() timed, with its lane fill, the garbage collector's pauses inside it
     (`gc`) and its wall-clock span (`span`, Unix seconds: to match against samples of the GPU's
-    clock). collect=False: the cyclic collector paused for the pass (gc.disable)."""
+    clock). collect=False: the cyclic collector paused for the pass (gc.disable). fused_head:
+    head.EVAL_FUSED for the pass (None: as it is)."""
     from elephant.evaluate import evaluate
+    from elephant.layers import head
     peak_reset(device)
     resident = (torch.cuda.memory_allocated() / 2**30) if torch.device(device).type == "cuda" else None
     paused = not collect and gc.isenabled()
     if paused:
         gc.disable()
+    was_fused = head.EVAL_FUSED
+    if fused_head is not None:
+        head.EVAL_FUSED = fused_head
     began = time.time()
     try:
         with GCPauses() as pauses, Clock(device) as clock:
             result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
                               autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
     finally:
+        head.EVAL_FUSED = was_fused
         if paused:
             gc.enable()
     span = [began, time.time()]
@@ -458,7 +466,8 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
 EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "compact": dict(cuda_graph=True, compact=True),
               "side": dict(cuda_graph=True, compact=True, side=True),
-              "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False)}
+              "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False),
+              "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True)}
 
 
 def eval_in_turns(args, model, corpus, T, device, autocast, lanes) -> dict:

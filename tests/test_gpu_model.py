@@ -290,6 +290,30 @@ def test_loss_kernel_l2_hints_change_no_value_on_cuda(monkeypatch):
     assert rel(got[True][2], want_dz) < 1e-2
 
 
+def test_fused_evaluation_head_equals_the_blocked_path_on_cuda():
+    """linear_nll_triton (evaluation's head without its logits, head.EVAL_FUSED) at the 70M
+    vocabulary and width in bf16: against the float32 logits of the same bf16 operands (the
+    kernel's float32 sums; 1e-4) and against the blocked path, whose logits are rounded to bf16
+    (2e-3), with rows that no tile divides; compiled as inductor launches it, the same values to
+    float32 rounding."""
+    from elephant.layers import head, linear_nll_triton
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(1000, 512, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(50304, 512, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    t = torch.randint(0, 50304, (1000,), device="cuda", generator=gen)
+    t[::9] = head.IGNORE_INDEX
+    nll, lse = linear_nll_triton.linear_nll(h, w, t)
+    z = h.float() @ w.float().t()
+    want_lse = torch.logsumexp(z, 1)
+    valid = t != head.IGNORE_INDEX
+    want_nll = torch.where(valid, want_lse - z.gather(1, torch.where(valid, t, 0)[:, None])[:, 0], 0.0)
+    assert rel(lse, want_lse) < 1e-4 and rel(nll, want_nll) < 1e-4
+    blocked = head._forward_nll(h, w, t, 384)[0]
+    assert rel(nll, blocked) < 2e-3
+    compiled = torch.compile(lambda a, b, c: linear_nll_triton.linear_nll(a, b, c), fullgraph=True)
+    assert rel(compiled(h, w, t)[0], nll) < 1e-6   # (the parts' combination compiled: rounding)
+
+
 def test_blocked_head_makes_no_host_sync_on_cuda():
     """The training loss (sum, with gradients) and the evaluation loss (none, without) run without
     a host synchronization (CUDA sync debug mode raises on one)."""

@@ -33,7 +33,8 @@ class Sm90:
 if not hasattr(wrap, "identify_accessed_tensors"):
     print(json.dumps(None)); sys.exit(0)
 triton.runtime.driver.set_active(Sm90())
-from elephant.layers import ce_triton, conv_triton, mamba_inner, norm_triton, rotary_triton
+from elephant.layers import (ce_triton, conv_triton, linear_nll_triton, mamba_inner, norm_triton,
+                             rotary_triton)
 
 def written(kernel, values):
     args = {name: values[name] for name in kernel.arg_names}
@@ -114,7 +115,16 @@ for fw, gr in ((True, False), (True, True), (False, True)):
                                         lse_in_ptr=torch.zeros(4), nll_ptr=torch.empty(4),
                                         lse_ptr=torch.empty(4), dz_ptr=torch.empty_like(z), V=64,
                                         s_z=64, s_dz=64, BLOCK=64, FORWARD=fw, GRAD=gr, IGNORE=-100,
-                                        REVERSED=True))
+                                        REVERSED=True,
+                                        # the L2 hints as _run passes them (a row read twice)
+                                        KEEP="evict_last" if fw and gr else "",
+                                        DROP="evict_first" if fw and gr else ""))
+hl, wl = torch.randn(5, 32).half(), torch.randn(40, 32).half()
+out["linear nll"] = written(linear_nll_triton._linear_nll_kernel,
+                            dict(h_ptr=hl, w_ptr=wl, t_ptr=torch.randint(0, 40, (5,)),
+                                 m_ptr=torch.empty(2, 5), s_ptr=torch.empty(2, 5),
+                                 p_ptr=torch.empty(2, 5), N=5, V=40, s_h=32, s_w=32, span=32,
+                                 D=32, BM=16, BN=16, BK=16, IGNORE=-100, PREC="", STAGES=1))
 for seg in (False, True):
     out[f"conv dstate {seg}"] = written(conv_triton._conv_dstate_kernel,
                                         dict(g_ptr=torch.randn_like(x), w_ptr=torch.randn(C, 1, 4),
@@ -176,6 +186,11 @@ def test_conv_start_kernels_write_only_their_outputs(writes):
 def test_loss_kernel_writes_only_its_outputs(writes, forward, grad):
     assert writes[f"ce {forward} {grad}"] == (({"nll_ptr", "lse_ptr"} if forward else set())
                                              | ({"dz_ptr"} if grad else set()))
+
+
+def test_linear_nll_kernel_writes_only_its_partial_sums(writes):
+    # evaluation's head without its logits (head.EVAL_FUSED), launched by inductor from a chunk
+    assert writes["linear nll"] == {"m_ptr", "s_ptr", "p_ptr"}
 
 
 @pytest.mark.parametrize("add", [False, True])

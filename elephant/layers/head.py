@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from elephant.layers import ce_triton
+from elephant.layers import ce_triton, linear_nll_triton
 
 IGNORE_INDEX = -100
 # float32 logits of one row block: at most 4 GiB (21,344 rows at V = 50,304; the block holds its
@@ -141,6 +141,12 @@ FUSED = True           # False: the in-place float32 steps on CUDA too (the A/B 
 CE_KERNEL = os.environ.get("ELEPHANT_CE", "triton")
 if CE_KERNEL not in ("triton", "inductor"):
     raise ValueError(f"ELEPHANT_CE must be 'triton' or 'inductor', got {CE_KERNEL!r}")
+
+
+# Evaluation's per-row NLL (no gradient) as one kernel that never writes the logits
+# (linear_nll_triton): built in session 38 and held to the blocked path on the CPU, not yet
+# measured on a GPU, so off unless ELEPHANT_EVAL_FUSED=1 (or set here)
+EVAL_FUSED = os.environ.get("ELEPHANT_EVAL_FUSED", "0") == "1"
 
 
 def _use_ce_kernel(z: Tensor) -> bool:
@@ -406,5 +412,9 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, loss_mask: 
         nll = _PerTokenNLL.apply(h2, weight, t, block_rows, dtype)
     else:
         with _no_autocast(h.device.type):
-            nll = _forward_nll(h2.to(dtype), weight.to(dtype), t, block_rows)[0]
+            hc, wc = h2.to(dtype), weight.to(dtype)
+            if EVAL_FUSED and linear_nll_triton.supported(hc, wc):
+                nll = linear_nll_triton.linear_nll(hc, wc, t)[0]
+            else:
+                nll = _forward_nll(hc, wc, t, block_rows)[0]
     return reduce_nll(nll.view(targets.shape), loss_mask, reduction)
