@@ -4,7 +4,9 @@ wt103-70m shape (32,768 rows, D 512, V 50,304), at block sizes from the default 
 16,384) down to blocks whose bf16 logits would stay in L2 (64-384 rows: 6-39 MB), at three
 launches of the NLL kernel; `matmul_only_ms` the blocks' products alone.
 
-    python benchmarks/bench_eval_head.py [out.json]      # CUDA
+    python benchmarks/bench_eval_head.py [--quick] [out.json]      # CUDA
+
+--quick: the blocked pass at its default only (no block or NLL-launch sweep), then the fused head.
 
 The question it answered (session 38): would evaluation's head gain from blocks small enough that
 the logits never leave L2 (no trip through memory between the product and the loss kernel)? No:
@@ -27,7 +29,7 @@ from benchmarks.common import cuda_or_exit, environment, median_ms  # noqa: E402
 from elephant.layers import ce_triton, head, linear_nll_triton  # noqa: E402
 
 
-def main(path: str | None = None) -> dict:
+def main(path: str | None = None, quick: bool = False) -> dict:
     dev = cuda_or_exit("bench_eval_head")
     gen = torch.Generator(device=dev).manual_seed(0)
     N, D, V = 32768, 512, 50304
@@ -38,9 +40,9 @@ def main(path: str | None = None) -> dict:
     chosen = ce_triton.LAUNCH["nll"]
     rows_out = []
     try:
-        for launch in ((2048, 4), (4096, 4), (8192, 8)):
+        for launch in ((chosen,) if quick else ((2048, 4), (4096, 4), (8192, 8))):
             ce_triton.LAUNCH["nll"] = launch
-            for rows in (16384, 4096, 1024, 512, 384, 256, 192, 128, 64):
+            for rows in ((16384,) if quick else (16384, 4096, 1024, 512, 384, 256, 192, 128, 64)):
                 err = float((head._forward_nll(h, w, t, rows)[0] - want).abs().max())
                 ms = median_ms(lambda: head._forward_nll(h, w, t, rows), dev, 20, 3, graph=True)
                 mm = median_ms(lambda: [h[s] @ w.t() for s in head._blocks(N, rows)], dev, 20, 3,
@@ -78,4 +80,5 @@ def main(path: str | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    main(args[0] if args else None, quick="--quick" in sys.argv[1:])

@@ -20,10 +20,15 @@ enough programs are in flight for a short batch; their partial (maximum, sum, pi
 by a few small torch ops. The logits are float32 sums of the matmul dtype's products, never
 rounded to bf16 as the blocked path's are: the two agree to that rounding.
 
-Status: built in session 38 and held to a float64 reference and to the blocked path on the CPU
-(under the interpreter). Not yet measured on a GPU, so `head.EVAL_FUSED` keeps it off by default;
-`benchmarks/bench_eval_head.py` times it, and `train_speed.py --eval-modes side,side_fused`
-gives its A/B in one process.
+Status: built in session 38, held to a float64 reference on the CPU (under the interpreter) and
+to the float32 logits and the blocked path on an H100 (tests/test_gpu_model.py). Measured there
+slower, so `head.EVAL_FUSED` keeps it off: 4.59 ms a 32,768-row pass at its best launch of seven
+(128 x 128 tiles, products of 64, 8 warps, 3 stages) against the blocked path's 3.68 ms (cuBLAS's
+product 2.85 ms and the NLL kernel's read of the bf16 logits). Its products, reloading both
+operands for every tile, run well below cuBLAS's; a GEMM-grade main loop (the h block kept on
+chip across the vocabulary, TMA loads, warp specialization) is what it would need to pay
+(`benchmarks/bench_eval_head.py`; `train_speed.py --eval-modes side,side_fused` for the 64-lane
+A/B in one process).
 
 Registered with torch.library.triton_op (inductor launches it from a compiled chunk). Runs on
 CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
@@ -38,9 +43,9 @@ from .triton_env import INTERPRET as _INTERPRET
 
 IGNORE_INDEX = -100
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): a first guess for
-# an H100 (not yet swept: benchmarks/bench_eval_head.py); the interpreter takes the smallest tiles
-# tl.dot allows
+# (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
+# seven launches benchmarks/bench_eval_head.py sweeps on an H100 (4.59 ms a 32,768-row pass; the
+# others 4.71-6.68); the interpreter takes the smallest tiles tl.dot allows
 LAUNCH = {"BM": 128, "BN": 128, "BK": 64, "warps": 8, "stages": 3}
 # programs in flight to aim for when splitting the vocabulary (about two per SM of an H100)
 TARGET_PROGRAMS = 264
