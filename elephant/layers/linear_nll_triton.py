@@ -38,11 +38,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .ce_triton import IGNORE_INDEX
+from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
 
-IGNORE_INDEX = -100
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
 # seven launches benchmarks/bench_eval_head.py sweeps on an H100 (4.59 ms a 32,768-row pass; the
 # others 4.71-6.68); the interpreter takes the smallest tiles tl.dot allows
@@ -160,11 +160,16 @@ def _combine(m: Tensor, s: Tensor, p: Tensor, t: Tensor) -> tuple[Tensor, Tensor
     return nll, lse
 
 
+def _nll_lse(h: Tensor, weight: Tensor, t: Tensor, split: int | None = None
+             ) -> tuple[Tensor, Tensor]:
+    _check(h, weight, t)
+    m, s, p = _partials(h, weight, t.contiguous(), split)
+    return _combine(m, s, p, t)
+
+
 @torch.library.triton_op("elephant::linear_nll", mutates_args=())
 def _linear_nll_op(h: Tensor, weight: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-    _check(h, weight, t)
-    m, s, p = _partials(h, weight, t.contiguous())
-    return _combine(m, s, p, t)
+    return _nll_lse(h, weight, t)
 
 
 def linear_nll(h: Tensor, weight: Tensor, targets: Tensor, split: int | None = None
@@ -174,6 +179,4 @@ def linear_nll(h: Tensor, weight: Tensor, targets: Tensor, split: int | None = N
     `split_for`; the tests give it to cover empty and partial parts), outside the custom op."""
     if split is None:
         return _linear_nll_op(h, weight, targets)
-    _check(h, weight, targets)
-    m, s, p = _partials(h, weight, targets.contiguous(), split)
-    return _combine(m, s, p, targets)
+    return _nll_lse(h, weight, targets, split)
