@@ -36,8 +36,11 @@ tokens and the peak memory, beside the peak of a short one-lane document (memory
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
 Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
-its logits (head.EVAL_FUSED). Each pass records the collector's pauses
+its logits (head.EVAL_FUSED), side_allgraph with every batch's step a CUDA graph (the 64-lane one
+too; evaluate.GRAPH_MAX_ROWS); the *_torchcapture modes capture through torch.cuda.graph's context
+(evaluate.LEAN_CAPTURE off: a device synchronization and emptied caches before each capture). Each pass records the collector's pauses
 inside it and its wall-clock span (to match against the GPU's clock sampled beside it).
+--eval-profile-tokens N then profiles one pass of the first mode over the first N tokens' documents.
 
 Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
 times the same steps with N processes (each rank its own lanes, as train.py under torchrun: the
@@ -420,11 +423,14 @@ def one_document(corpus, n_tokens: int):
 
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
               compact: bool = False, side: bool = False, collect: bool = True,
-              fused_head: bool | None = None) -> dict:
+              fused_head: bool | None = None, graph_max_rows: int | None = None,
+              lean_capture: bool | None = None) -> dict:
     """One pass of evaluate() timed, with its lane fill, the garbage collector's pauses inside it
     (`gc`) and its wall-clock span (`span`, Unix seconds: to match against samples of the GPU's
     clock). collect=False: the cyclic collector paused for the pass (gc.disable). fused_head:
-    head.EVAL_FUSED for the pass (None: as it is)."""
+    head.EVAL_FUSED for the pass (None: as it is). graph_max_rows: evaluate.GRAPH_MAX_ROWS for the
+    pass, lean_capture: evaluate.LEAN_CAPTURE (None: as they are)."""
+    from elephant import evaluate as evaluate_module
     from elephant.evaluate import evaluate
     from elephant.layers import head
     peak_reset(device)
@@ -432,16 +438,22 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     paused = not collect and gc.isenabled()
     if paused:
         gc.disable()
-    was_fused = head.EVAL_FUSED
+    was_fused, was_rows = head.EVAL_FUSED, evaluate_module.GRAPH_MAX_ROWS
+    was_lean = evaluate_module.LEAN_CAPTURE
+    if lean_capture is not None:
+        evaluate_module.LEAN_CAPTURE = lean_capture
     if fused_head is not None:
         head.EVAL_FUSED = fused_head
+    if graph_max_rows is not None:
+        evaluate_module.GRAPH_MAX_ROWS = graph_max_rows
     began = time.time()
     try:
         with GCPauses() as pauses, Clock(device) as clock:
             result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
                               autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
     finally:
-        head.EVAL_FUSED = was_fused
+        head.EVAL_FUSED, evaluate_module.GRAPH_MAX_ROWS = was_fused, was_rows
+        evaluate_module.LEAN_CAPTURE = was_lean
         if paused:
             gc.enable()
     span = [began, time.time()]
@@ -467,7 +479,11 @@ EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "compact": dict(cuda_graph=True, compact=True),
               "side": dict(cuda_graph=True, compact=True, side=True),
               "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False),
-              "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True)}
+              "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True),
+              "side_allgraph": dict(cuda_graph=True, compact=True, side=True, graph_max_rows=1 << 30),
+              "side_torchcapture": dict(cuda_graph=True, compact=True, side=True, lean_capture=False),
+              "side_allgraph_torchcapture": dict(cuda_graph=True, compact=True, side=True,
+                                                 graph_max_rows=1 << 30, lean_capture=False)}
 
 
 def eval_in_turns(args, model, corpus, T, device, autocast, lanes) -> dict:
@@ -485,6 +501,16 @@ def eval_in_turns(args, model, corpus, T, device, autocast, lanes) -> dict:
     for mode, runs in turns.items():
         out[f"eval_{mode}_tokens_per_s"] = float(np.median([r["tokens_per_s"] for r in runs]))
         out[f"eval_{mode}_loss_diff"] = abs(runs[0]["loss"] - turns[args.eval_modes[0]][0]["loss"])
+    if args.eval_profile_tokens:   # where the device time of a pass goes, kernel by kernel
+        mode = args.eval_modes[0]
+        few = leading_documents(corpus, args.eval_profile_tokens)
+        passes = []
+        kernels, table, summary = profile(
+            lambda: passes.append(time_eval(model, few, lanes, T, device, autocast, **EVAL_MODES[mode])),
+            1, device, f"evaluation, mode {mode}, {lanes} lanes, one pass over "
+                       f"{args.eval_profile_tokens:,} tokens", top=30)
+        out["profile"] = {"mode": mode, "pass": passes[0], "top_kernels": kernels,
+                          "profile_summary": summary, "table": table}
     return out
 
 
@@ -563,6 +589,10 @@ def parse(argv):
                          "evaluate.GRAPH_MAX_ROWS); compact (graph, the batch compacted at its end); "
                          "side (compact, and a side batch: eval.py's default)")
     ap.add_argument("--eval-rounds", type=int, default=2, help="rounds of --eval-modes (default 2)")
+    ap.add_argument("--eval-profile-tokens", type=int, default=0,
+                    help="with --eval-modes: after the rounds, one profiled pass of the first mode "
+                         "over the documents up to this many tokens (its kernel table in the "
+                         "_profile.txt; device ms by kernel under eval.profile)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override for the attention and hybrid steps (repeatable), "
                          "e.g. data.pack=true")
@@ -599,6 +629,8 @@ def parse(argv):
         ap.error(f"--eval-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(EVAL_MODES)}")
     if args.eval_rounds < 1:
         ap.error("--eval-rounds must be positive")
+    if args.eval_profile_tokens and not args.eval_modes:
+        ap.error("--eval-profile-tokens profiles a pass of --eval-modes' first mode: give --eval-modes")
     if "eval" in args.parts and "hybrid" not in args.parts:
         ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
     args.inductor_options = inductor_options(args.inductor, ap.error)
@@ -660,6 +692,8 @@ def main(argv=None) -> int:
                     res, table, trainer = run_trainer(args, part, device, Path(tmp))
                     if part == "hybrid" and "eval" in args.parts:
                         results["eval"] = run_eval(args, trainer, device)
+                        if "profile" in results["eval"]:
+                            tables.append(results["eval"]["profile"].pop("table"))
                         results.update({k: v for k, v in results["eval"].items() if k.startswith("eval_")})
                     trainer.close()
                     del trainer

@@ -9,7 +9,8 @@ from torch import Tensor
 
 
 def capture(step: Callable[[], object], state: Sequence[Tensor], warmup: int = 3,
-            error_mode: str = "global", stream: torch.cuda.Stream | None = None):
+            error_mode: str = "global", stream: torch.cuda.Stream | None = None,
+            lean: bool = False):
     """Capture `step()` (which reads and writes static tensors in place) as a CUDA graph.
 
     It first runs `warmup` times on a side stream (whatever compiles or allocates lazily does it
@@ -18,6 +19,11 @@ def capture(step: Callable[[], object], state: Sequence[Tensor], warmup: int = 3
     "thread_local" where other threads go on using CUDA meanwhile (a process group's watchdog
     polls its collectives' events), as torch.compile's CUDA graphs capture. `stream`: the stream
     to capture on (its priority goes into the graph's kernels; None: a side stream of its own).
+    lean: begin the capture on that stream after an event wait, where torch.cuda.graph's context
+    first synchronizes the device and empties the caching allocator's cache and the pinned host
+    memory's. A pass that captures a step while other work runs (evaluation's side batch and
+    compacted batches) then neither stalls for the device nor allocates again, through the driver,
+    the memory it has just given back (the graph takes a memory pool of its own either way).
     Returns (graph, what the captured call returned: static outputs that every replay rewrites)."""
     keep = [t.clone() for t in state]
     side = torch.cuda.Stream()
@@ -27,8 +33,23 @@ def capture(step: Callable[[], object], state: Sequence[Tensor], warmup: int = 3
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode=error_mode):
-        out = step()
+    if lean:
+        on = stream if stream is not None else side
+        on.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(on):
+            graph.capture_begin(capture_error_mode=error_mode)
+            try:
+                out = step()
+            except BaseException:
+                try:   # end the broken capture, so that the stream can be used again
+                    graph.capture_end()
+                except Exception:
+                    pass
+                raise
+            graph.capture_end()
+    else:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode=error_mode):
+            out = step()
     for t, old in zip(state, keep):
         t.copy_(old)
     return graph, out

@@ -157,7 +157,7 @@ class StaticChunkStep:
     def _capture(self) -> None:
         from .cudagraph import capture
         self.graph, self.nll = capture(self._step, list(self.state.tensors().values()),
-                                       stream=self.stream)
+                                       stream=self.stream, lean=LEAN_CAPTURE)
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
         """One chunk: host or device batch tensors in, the per-token NLL (B, T) out (with a graph,
@@ -178,6 +178,10 @@ class StaticChunkStep:
 # warm-up steps and the capture itself, ~140 ms; benchmarks/results/eval_graph_full_lanes_*.json;
 # the 64-lane pass over 16M tokens with the cap, eval_graph_rows_*.json).
 GRAPH_MAX_ROWS = 16 * 1024
+# Each capture of a pass's step (the side batch's, each compacted batch's) begins without the
+# device synchronization and emptied caches of torch.cuda.graph's context (cudagraph.capture's
+# `lean`): the other batch's work goes on meanwhile, and its memory stays cached.
+LEAN_CAPTURE = True
 
 
 def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:

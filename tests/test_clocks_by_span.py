@@ -24,3 +24,21 @@ def test_samples_are_averaged_over_each_span_in_utc(tmp_path, capsys):
     assert clocks_by_span.main([str(csv), str(result)]) == 0
     out = capsys.readouterr().out
     assert "1850 MHz (1800-1900)" in out and "no samples" in out
+
+
+def test_utilization_column_and_train_speed_evaluation_passes(tmp_path, capsys):
+    csv = tmp_path / "clocks.csv"
+    csv.write_text("2026/11/26 11:00:00.500, 1800 MHz, 2619 MHz, 600.00 W, 50, 100 %\n"
+                   "2026/11/26 11:00:01.000, 1900 MHz, 2619 MHz, 700.00 W, 60, 80 %\n"
+                   "2026/11/26 11:00:02.500, 1500 MHz, 2619 MHz, 300.00 W, 40, 10 %\n")
+    t0 = 1795690800.0
+    result = tmp_path / "speed.json"
+    turns = {"side": [{"tokens_per_s": 2e6, "span": [t0 + 0.2, t0 + 1.2]}],
+             "graph": [{"tokens_per_s": 1.5e6, "span": [t0 + 2.0, t0 + 3.0]}]}
+    result.write_text(json.dumps({"eval": {"modes_in_turns": turns}}))
+    spans = clocks_by_span.eval_spans(json.loads(result.read_text()))
+    assert [s["path"] for s in spans] == ["side 2,000k/s", "graph 1,500k/s"]
+    rows = clocks_by_span.by_span(clocks_by_span.read_samples(str(csv)), spans)
+    assert rows[0]["util"] == 90 and rows[1]["util"] == 10 and rows[1]["power_w"] == 300
+    assert clocks_by_span.main([str(csv), str(result)]) == 0
+    assert "busy  90.0%" in capsys.readouterr().out

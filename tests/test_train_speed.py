@@ -130,7 +130,8 @@ def test_train_speed_fails_on_graph_breaks_and_recompiles():
 
 
 def test_train_speed_rejects_bad_arguments(capsys):
-    for argv in (["--only", "nothing"], ["--only", "eval"], ["--steps", "0"]):
+    for argv in (["--only", "nothing"], ["--only", "eval"], ["--steps", "0"],
+                 ["--only", "hybrid,eval", "--eval-profile-tokens", "1000"]):
         with pytest.raises(SystemExit):
             train_speed.parse(argv)
         assert "error" in capsys.readouterr().err
