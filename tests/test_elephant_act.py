@@ -282,3 +282,16 @@ def test_mlp_under_bf16_autocast():
         mlp.fused = False
         y_ref = mlp(h)
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-3)
+
+
+def test_whole_powers_by_squaring_equal_pow():
+    # the eager path's powers: whole exponents up to 16 by repeated squaring (reciprocal for
+    # negative ones: within 16 float32 ulps), any other exponent by pow; float64 pow is the reference
+    from elephant.layers.elephant import _pow
+    z = torch.cat([torch.rand(4096) * 3, torch.tensor([0.0, 1.0, 1e-3, 40.0])])
+    for e in (1.0, 2.0, 7.0, 8.0, 9.0, 16.0, -1.0, -8.0, 2.5, -3.5, 17.0, 0.0):
+        want = z.double().pow(e)
+        got = _pow(z, e).double()
+        finite = want.isfinite() & (want.abs() < 1e30) & (want.abs() > 1e-30)
+        assert torch.allclose(got[finite], want[finite], rtol=16 * 2.0 ** -24, atol=0), e
+        assert (got[~finite].isinf() == want[~finite].isinf()).all(), e   # 0 ** -8: inf in both

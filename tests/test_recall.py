@@ -14,10 +14,13 @@ from elephant.recall import evaluate_recall, main, parse_count, train_on_answers
 
 def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     # Attention only and no KV window: from the fact's chunk to the answer's chunk (two or more
-    # chunks later) the memory is the only path. Chance is 0.1 per digit.
+    # chunks later) the memory is the only path. Chance is 0.1 per digit. The gates start half
+    # open (the recipe's start shut): in 600 steps this tiny model then learns in each of seeds
+    # 0, 1, 2 (0.72 / 0.70, 0.91 / 0.63, 0.79 / 0.69 at 64 / 96 tokens); with shut gates only
+    # seed 0 did, at 0.84 / 0.65, and a change of rounding took it to 0.70 / 0.59 (LOG, session 39)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
-                      kv_window=0, bptt_chunks=8)
+                      kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
     model = ElephantLM(cfg)
     opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
                                               adam_lr=0.01, embed_lr=0.01, head_lr=0.01))
@@ -25,13 +28,13 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     cpu = torch.device("cpu")
     recall = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3)
     accuracy = [r["accuracy"] for r in recall["by_distance"].values()]
-    assert min(accuracy) > 0.6, recall["by_distance"]           # 0.85 and 0.79 when written
+    assert min(accuracy) > 0.5, recall["by_distance"]           # 0.72 and 0.70
     for row in recall["by_distance"].values():   # each answer has 3 digits: the places average out
         assert len(row["by_place"]) == 3 and abs(sum(row["by_place"]) / 3 - row["accuracy"]) < 1e-9
     # drop the memory after every chunk: the fact is gone, so it did travel in the memory
     ablated = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3,
                               ablation="memory")
-    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.09 and 0.06
+    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.08 and 0.09
 
 
 def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
