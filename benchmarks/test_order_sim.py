@@ -1,10 +1,12 @@
-"""The GPU suite's order under pytest-xdist's worksteal, simulated over measured seconds: when the
+"""The GPU suite's (or with --cpu the CPU suite's) order under pytest-xdist's worksteal, simulated
+over measured seconds: when the
 suite would end in the collected order and in tests/conftest.py's order by seconds, each test's
 time drawn again within +-`--jitter` over `--trials` runs (a machine's spread). The tests, their
 order and their heavy marks are collected here (on the CPU too); the seconds are a run's
 (`tests/gpu_seconds.json`, or one written by `benchmarks/test_timeline.py --seconds`).
 
     python benchmarks/test_order_sim.py tests/gpu_seconds.json [--workers 16]
+    python benchmarks/test_order_sim.py tests/cpu_seconds.json --cpu --workers 2
 
 The model: worksteal's first shares (len(pending) // idle workers, worker by worker); each worker
 runs its queue in order; a worker holding fewer than two tests is idle and takes the back half of
@@ -20,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def collect() -> tuple[list[str], set[str]]:
-    """The GPU tests' ids in collected order, and those marked heavy."""
+def collect(marker: str = "gpu") -> tuple[list[str], set[str]]:
+    """The ids of the tests `marker` selects (pytest -m) in collected order, and those marked heavy."""
     import pytest
 
     class Collector:
@@ -31,7 +33,7 @@ def collect() -> tuple[list[str], set[str]]:
             self.items = list(session.items)
 
     c = Collector()
-    pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(ROOT / "tests")],
+    pytest.main(["--collect-only", "-q", "-m", marker, "-p", "no:cacheprovider", str(ROOT / "tests")],
                 plugins=[c])
     return [i.nodeid for i in c.items], {i.nodeid for i in c.items if "heavy" in i.keywords}
 
@@ -75,11 +77,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--trials", type=int, default=200)
     ap.add_argument("--jitter", type=float, default=0.3)
+    ap.add_argument("--cpu", action="store_true", help="the CPU suite (the tests not marked gpu)")
     args = ap.parse_args()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the tests import both, as under pytest
     from conftest import spread_heavy
     measured = json.loads(Path(args.seconds).read_text())
-    items, heavy = collect()
+    items, heavy = collect("not gpu" if args.cpu else "gpu")
     missing = [t for t in items if t not in measured]
     if missing:
         sys.exit(f"{len(missing)} collected tests have no seconds in {args.seconds}, e.g. {missing[0]}")
