@@ -16,9 +16,12 @@ over a long document. On the CPU the same static-buffer step runs without captur
 tests hold equal to the plain path). Measured on an H100 (benchmarks/results/
 train_speed_compile_model_*.json): one lane over a 1M-token document 391k tokens/s against 35k
 eager, the same loss to 4e-6; eval.py turns it on for GPUs (`--no-cuda-graph` turns it off).
-Only a batch of at most GRAPH_MAX_ROWS token rows is captured: a larger one keeps the GPU busy
-with the plain compiled step, and a capture (a device synchronization, warm-up steps) costs more
-than the launches it saves there.
+A batch of at most GRAPH_MAX_ROWS token rows is always captured. A larger one keeps the GPU
+busy with the plain compiled step as long as the host keeps up, and a capture (warm-up steps, the
+capture itself) costs more than the launches it saves on a short pass; it is captured when its
+pass has at least GRAPH_MIN_CHUNKS chunks ahead at its lane count. Such a pass is the one a
+host's stall slows (64 lanes over 16M tokens on an H100: 1.52-2.01M tokens/s plain with the GPU
+busy 81-100% of the time, 1.93-1.96M as a graph, busy 96-99%).
 
 Speed: documents take the lanes longest first (dealt round-robin over ranks), so the longest ones
 start at once; the per-document and per-position sums stay on the device until the end, and the
@@ -178,6 +181,12 @@ class StaticChunkStep:
 # warm-up steps and the capture itself, ~140 ms; benchmarks/results/eval_graph_full_lanes_*.json;
 # the 64-lane pass over 16M tokens with the cap, eval_graph_rows_*.json).
 GRAPH_MAX_ROWS = 16 * 1024
+# ... and a larger batch is captured too when its pass has at least this many chunks ahead: the
+# plain step's ~7.6 ms of host time a chunk is half of its GPU time there, so any stall of the
+# host idles the GPU (session 39: passes over 16M tokens, ~530 chunks at 61 lanes, plain 1,517k-
+# 2,012k tokens/s, the GPU busy 81-100%; as a graph 1,929k-1,963k, busy 96-99%); the capture's
+# warm-ups and host time, ~4-9 chunks' worth, are then under 4% of the pass
+GRAPH_MIN_CHUNKS = 256
 # Each capture of a pass's step (the side batch's, each compacted batch's) begins without the
 # device synchronization and emptied caches of torch.cuda.graph's context (cudagraph.capture's
 # `lean`): the other batch's work goes on meanwhile, and its memory stays cached.
@@ -239,6 +248,10 @@ class _Pass:
         self.lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
         self.idx = torch.arange(chunk_len, device=device)
         self.static = None
+        # the chunks this batch will run, at full lanes (its documents' chunks over its lanes)
+        chunks = document_chunks(corpus.doc_lengths, chunk_len)
+        total = int(chunks.sum()) // world if order is None else int(chunks[order].sum())
+        self.expected_chunks = -(-total // lanes)
         self.rows = None   # the batcher's lanes this batch computes (compacted), None: all of them
         self.chunk_steps = self.lane_chunks = 0
         self.done = False
@@ -275,8 +288,10 @@ class _Pass:
                                         loss_mask=mask, reduction="none", starts=inner,
                                         prefix=self.prefix, inner_starts=batch.inner_starts)
             rows = batch.tokens.shape[0] * self.chunk_len
-            if self.cuda_graph and not pack and rows <= GRAPH_MAX_ROWS:
-                # from the next chunk on: the static step (a batch of more rows runs plain)
+            ahead = self.expected_chunks - self.chunk_steps
+            if self.cuda_graph and not pack and (rows <= GRAPH_MAX_ROWS or ahead >= GRAPH_MIN_CHUNKS):
+                # from the next chunk on: the static step (a batch of more rows on a short pass
+                # runs plain)
                 self.static = StaticChunkStep(model, self.state, tokens, mask, autocast,
                                               graph=device.type == "cuda", stream=self.stream)
         nll = nll.double()                                             # (B, T) zero where masked

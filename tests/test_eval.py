@@ -432,8 +432,12 @@ def test_only_a_batch_of_at_most_graph_max_rows_gets_the_static_step(monkeypatch
     corpus = corpus_of(LONG_TAIL)
     plain = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu")
     assert made == []
-    for cap, shapes in ((8 * 8, [2]), (ev.GRAPH_MAX_ROWS, [16, 2])):
+    # ... and a batch over the cap is captured when its pass has GRAPH_MIN_CHUNKS chunks ahead
+    # (this pass: its 215 chunks over 16 lanes, 14 at full lanes; 13 ahead after the first)
+    for cap, least, shapes in ((8 * 8, ev.GRAPH_MIN_CHUNKS, [2]), (ev.GRAPH_MAX_ROWS, 10 ** 9, [16, 2]),
+                               (8 * 8, 13, [16, 2]), (8 * 8, 14, [2])):
         monkeypatch.setattr(ev, "GRAPH_MAX_ROWS", cap)
+        monkeypatch.setattr(ev, "GRAPH_MIN_CHUNKS", least)
         made.clear()
         got = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=True,
                        compact=True)
