@@ -585,8 +585,8 @@ def parse(argv):
     ap.add_argument("--eval-modes", default="",
                     help=f"comma-separated modes of the 64-lane pass, among {','.join(EVAL_MODES)}, "
                          "timed in turns (after an untimed pass of each) instead of the passes "
-                         "above: plain; graph (CUDA graphs where the batch is small enough, "
-                         "evaluate.GRAPH_MAX_ROWS); compact (graph, the batch compacted at its end); "
+                         "above: plain; graph (CUDA graphs where the batch is small enough or the pass "
+                         "long enough, evaluate.GRAPH_MAX_ROWS / GRAPH_MIN_CHUNKS); compact (graph, the batch compacted at its end); "
                          "side (compact, and a side batch: eval.py's default)")
     ap.add_argument("--eval-rounds", type=int, default=2, help="rounds of --eval-modes (default 2)")
     ap.add_argument("--eval-profile-tokens", type=int, default=0,
