@@ -36,10 +36,12 @@ tokens and the peak memory, beside the peak of a short one-lane document (memory
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
 Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
-its logits (head.EVAL_FUSED), side_allgraph with every batch's step a CUDA graph (the 64-lane one
-too; evaluate.GRAPH_MAX_ROWS); the *_torchcapture modes capture through torch.cuda.graph's context
-(evaluate.LEAN_CAPTURE off: a device synchronization and emptied caches before each capture). Each pass records the collector's pauses
-inside it and its wall-clock span (to match against the GPU's clock sampled beside it).
+its logits (head.EVAL_FUSED), side_allgraph with every batch's step a CUDA graph whatever the
+pass's length, side_capped with a batch over evaluate.GRAPH_MAX_ROWS plain however long the pass
+(evaluate.GRAPH_MIN_CHUNKS out of play: session 38's default), and the *_torchcapture modes capture
+through torch.cuda.graph's context (evaluate.LEAN_CAPTURE off: a device synchronization and
+emptied caches before each capture). Each pass records the collector's pauses inside it and its
+wall-clock span (to match against the GPU's clock sampled beside it).
 --eval-profile-tokens N then profiles one pass of the first mode over the first N tokens' documents.
 
 Several GPUs: `torchrun --standalone --nproc_per_node=N benchmarks/train_speed.py --only hybrid`
@@ -421,15 +423,29 @@ def one_document(corpus, n_tokens: int):
     return TokenizedCorpus.from_documents([tokens])
 
 
+@contextlib.contextmanager
+def setting(owner, name: str, value):
+    """owner.name = value inside the block, put back after it (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    was = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, was)
+
+
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
               compact: bool = False, side: bool = False, collect: bool = True,
               fused_head: bool | None = None, graph_max_rows: int | None = None,
-              lean_capture: bool | None = None) -> dict:
+              graph_min_chunks: int | None = None, lean_capture: bool | None = None) -> dict:
     """One pass of evaluate() timed, with its lane fill, the garbage collector's pauses inside it
     (`gc`) and its wall-clock span (`span`, Unix seconds: to match against samples of the GPU's
     clock). collect=False: the cyclic collector paused for the pass (gc.disable). fused_head:
-    head.EVAL_FUSED for the pass (None: as it is). graph_max_rows: evaluate.GRAPH_MAX_ROWS for the
-    pass, lean_capture: evaluate.LEAN_CAPTURE (None: as they are)."""
+    head.EVAL_FUSED for the pass; graph_max_rows, graph_min_chunks, lean_capture: evaluate's
+    GRAPH_MAX_ROWS, GRAPH_MIN_CHUNKS and LEAN_CAPTURE for the pass (None: as it is)."""
     from elephant import evaluate as evaluate_module
     from elephant.evaluate import evaluate
     from elephant.layers import head
@@ -438,22 +454,16 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     paused = not collect and gc.isenabled()
     if paused:
         gc.disable()
-    was_fused, was_rows = head.EVAL_FUSED, evaluate_module.GRAPH_MAX_ROWS
-    was_lean = evaluate_module.LEAN_CAPTURE
-    if lean_capture is not None:
-        evaluate_module.LEAN_CAPTURE = lean_capture
-    if fused_head is not None:
-        head.EVAL_FUSED = fused_head
-    if graph_max_rows is not None:
-        evaluate_module.GRAPH_MAX_ROWS = graph_max_rows
     began = time.time()
     try:
-        with GCPauses() as pauses, Clock(device) as clock:
+        with setting(head, "EVAL_FUSED", fused_head), \
+                setting(evaluate_module, "GRAPH_MAX_ROWS", graph_max_rows), \
+                setting(evaluate_module, "GRAPH_MIN_CHUNKS", graph_min_chunks), \
+                setting(evaluate_module, "LEAN_CAPTURE", lean_capture), \
+                GCPauses() as pauses, Clock(device) as clock:
             result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
                               autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
     finally:
-        head.EVAL_FUSED, evaluate_module.GRAPH_MAX_ROWS = was_fused, was_rows
-        evaluate_module.LEAN_CAPTURE = was_lean
         if paused:
             gc.enable()
     span = [began, time.time()]
@@ -481,6 +491,7 @@ EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False),
               "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True),
               "side_allgraph": dict(cuda_graph=True, compact=True, side=True, graph_max_rows=1 << 30),
+              "side_capped": dict(cuda_graph=True, compact=True, side=True, graph_min_chunks=1 << 30),
               "side_torchcapture": dict(cuda_graph=True, compact=True, side=True, lean_capture=False),
               "side_allgraph_torchcapture": dict(cuda_graph=True, compact=True, side=True,
                                                  graph_max_rows=1 << 30, lean_capture=False)}
@@ -585,8 +596,9 @@ def parse(argv):
     ap.add_argument("--eval-modes", default="",
                     help=f"comma-separated modes of the 64-lane pass, among {','.join(EVAL_MODES)}, "
                          "timed in turns (after an untimed pass of each) instead of the passes "
-                         "above: plain; graph (CUDA graphs where the batch is small enough or the pass "
-                         "long enough, evaluate.GRAPH_MAX_ROWS / GRAPH_MIN_CHUNKS); compact (graph, the batch compacted at its end); "
+                         "above: plain; graph (CUDA graphs where the batch is small enough or the "
+                         "pass long enough, evaluate.GRAPH_MAX_ROWS / GRAPH_MIN_CHUNKS); compact "
+                         "(graph, the batch compacted at its end); "
                          "side (compact, and a side batch: eval.py's default)")
     ap.add_argument("--eval-rounds", type=int, default=2, help="rounds of --eval-modes (default 2)")
     ap.add_argument("--eval-profile-tokens", type=int, default=0,

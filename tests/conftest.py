@@ -96,8 +96,8 @@ def pytest_collection_modifyitems(config, items):
     import torch
     cuda = torch.cuda.is_available()
     workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers:   # the GPU tests' seconds order a GPU run, the CPU tests' a CPU run
-        measured = _seconds(GPU_SECONDS if cuda else CPU_SECONDS)
+    if workers:   # the GPU tests' seconds order a GPU run only (on the CPU they are skipped)
+        measured = _seconds(GPU_SECONDS) if cuda else {}
         items[:] = spread_heavy(items, workers, lambda item: "heavy" in item.keywords,
                                 (lambda item: measured.get(item.nodeid)) if measured else None)
     if cuda:
@@ -109,15 +109,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 GPU_SECONDS = Path(__file__).with_name("gpu_seconds.json")
-# the CPU suite's (`make test` on a 2-core machine with ELEPHANT_TEST_TIMELINE set): its longest
-# tests then start first instead of where collection puts them (session 39's run ended with a 66 s
-# compile test begun at 521 s, 67 s after the other worker had finished)
-CPU_SECONDS = Path(__file__).with_name("cpu_seconds.json")
 
 
 def _seconds(path: Path) -> dict:
-    """Each test's seconds in the last measured run (tests/gpu_seconds.json or cpu_seconds.json,
-    written by `benchmarks/test_timeline.py --seconds` from a run's timeline), {} without it."""
+    """Each test's seconds in the last measured run (tests/gpu_seconds.json, written by
+    `benchmarks/test_timeline.py --seconds` from a run's timeline), {} without it."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

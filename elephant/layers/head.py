@@ -38,7 +38,7 @@ from torch import Tensor
 
 from elephant.layers import ce_triton, linear_nll_triton
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = ce_triton.IGNORE_INDEX   # the targets every path skips (the loss kernels share it)
 # float32 logits of one row block: at most 4 GiB (21,344 rows at V = 50,304; the block holds its
 # logits and their gradient in bf16, 4 GiB together). A window's 32,768 rows at the recipe's shape
 # are two blocks: against 1 GiB's eight, six fewer passes of the weight gradient's float32
