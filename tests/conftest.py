@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
     cuda = torch.cuda.is_available()
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:   # the GPU tests' seconds order a GPU run only (on the CPU they are skipped)
-        measured = _seconds(GPU_SECONDS) if cuda else {}
+        measured = _gpu_seconds() if cuda else {}
         items[:] = spread_heavy(items, workers, lambda item: "heavy" in item.keywords,
                                 (lambda item: measured.get(item.nodeid)) if measured else None)
     if cuda:
@@ -111,11 +111,11 @@ def pytest_collection_modifyitems(config, items):
 GPU_SECONDS = Path(__file__).with_name("gpu_seconds.json")
 
 
-def _seconds(path: Path) -> dict:
-    """Each test's seconds in the last measured run (tests/gpu_seconds.json, written by
+def _gpu_seconds() -> dict:
+    """Each GPU test's seconds in the last measured run (tests/gpu_seconds.json, written by
     `benchmarks/test_timeline.py --seconds` from a run's timeline), {} without it."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(GPU_SECONDS.read_text())
     except (OSError, ValueError):
         return {}
 
