@@ -36,7 +36,8 @@ tokens and the peak memory, beside the peak of a short one-lane document (memory
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
 Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
-its logits (head.EVAL_FUSED), side_allgraph with every batch's step a CUDA graph whatever the
+its logits (head.EVAL_FUSED, the default since session 40), side_blocked with the blocked head
+(logits made in blocks and read back by the loss kernel), side_allgraph with every batch's step a CUDA graph whatever the
 pass's length, side_capped with a batch over evaluate.GRAPH_MAX_ROWS plain however long the pass
 (evaluate.GRAPH_MIN_CHUNKS out of play: session 38's default), and the *_torchcapture modes capture
 through torch.cuda.graph's context (evaluate.LEAN_CAPTURE off: a device synchronization and
@@ -490,6 +491,7 @@ EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "side": dict(cuda_graph=True, compact=True, side=True),
               "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False),
               "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True),
+              "side_blocked": dict(cuda_graph=True, compact=True, side=True, fused_head=False),
               "side_allgraph": dict(cuda_graph=True, compact=True, side=True, graph_max_rows=1 << 30),
               "side_capped": dict(cuda_graph=True, compact=True, side=True, graph_min_chunks=1 << 30),
               "side_torchcapture": dict(cuda_graph=True, compact=True, side=True, lean_capture=False),

@@ -160,7 +160,7 @@ class StaticChunkStep:
     def _capture(self) -> None:
         from .cudagraph import capture
         self.graph, self.nll = capture(self._step, list(self.state.tensors().values()),
-                                       stream=self.stream, lean=LEAN_CAPTURE)
+                                       warmup=CAPTURE_WARMUP, stream=self.stream, lean=LEAN_CAPTURE)
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor, reset: torch.Tensor) -> torch.Tensor:
         """One chunk: host or device batch tensors in, the per-token NLL (B, T) out (with a graph,
@@ -191,6 +191,21 @@ GRAPH_MIN_CHUNKS = 256
 # device synchronization and emptied caches of torch.cuda.graph's context (cudagraph.capture's
 # `lean`): the other batch's work goes on meanwhile, and its memory stays cached.
 LEAN_CAPTURE = True
+# ... after one warm-up step on the capture's side stream: the batch's first chunk has already
+# run the same compiled step (every kernel compiled and loaded), so the warm-up is only there for
+# what is made per stream (the matmul library's workspace); each one more is a chunk's work thrown
+# away (torch's recipe, and the optimizer's and decoder's captures, take three)
+CAPTURE_WARMUP = 1
+
+
+def autocast_dtype(autocast, device) -> torch.dtype | None:
+    """The dtype `autocast()` (a context-manager factory, or None) computes in on `device`'s type,
+    None where it computes in none."""
+    if autocast is None:
+        return None
+    kind = torch.device(device).type
+    with autocast():
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
@@ -244,7 +259,9 @@ class _Pass:
         self.pos_nll = torch.zeros(len(BUCKET_EDGES), **f64)
         self.pos_tok = torch.zeros(len(BUCKET_EDGES), **f64)
         self.long_nll, self.long_tok = torch.zeros_like(self.pos_nll), torch.zeros_like(self.pos_tok)
-        self.state = model.init_state(lanes, device=device)
+        # the attention window in the dtype its keys are made in (autocast's): a float32 window
+        # holds the same values in twice the bytes, read, written and carried every chunk
+        self.state = model.init_state(lanes, device=device, kv_dtype=autocast_dtype(autocast, device))
         self.lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
         self.idx = torch.arange(chunk_len, device=device)
         self.static = None

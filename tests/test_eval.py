@@ -159,6 +159,32 @@ def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, c
     assert_same_sums(static, plain)
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_evaluation_keeps_the_attention_window_in_the_autocast_dtype(monkeypatch, cuda_graph):
+    # under bf16 autocast the keys and values are made in bf16, so the pass keeps its window in
+    # bf16 (half a float32 window's bytes, read, written and carried every chunk): the same values,
+    # so the same sums as a float32 window to the last bit
+    model = mama_model(n_mem=2, kv_window=16).float()
+    corpus = corpus_of([50, 2, 113, 17, 64])
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
+    kept, made = model.init_state, []
+
+    def init_state(*args, **kwargs):
+        made.append(kwargs.get("kv_dtype"))
+        return kept(*args, **kwargs)
+    monkeypatch.setattr(model, "init_state", init_state)
+    got = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", autocast=autocast,
+                   cuda_graph=cuda_graph)
+    assert made == [torch.bfloat16]
+    monkeypatch.setattr(model, "init_state", lambda *a, **k: kept(*a, **(k | {"kv_dtype": torch.float32})))
+    wide = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", autocast=autocast,
+                    cuda_graph=cuda_graph)
+    assert got["nll_sum"] == wide["nll_sum"] and got["tokens"] == wide["tokens"]
+    monkeypatch.setattr(model, "init_state", init_state)
+    plain = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", cuda_graph=cuda_graph)
+    assert made == [torch.bfloat16, None] and abs(got["loss"] - plain["loss"]) < 0.05   # float32 without autocast
+
+
 def test_static_step_keeps_its_buffers():
     # the static step reads and writes the same state tensors chunk after chunk (what a captured
     # graph needs), and a step that would change a state dtype is refused by name

@@ -384,6 +384,35 @@ def test_cuda_graph_evaluation_equals_the_plain_path(compiled):
     assert abs(graph["nll_sum"] - plain["nll_sum"]) <= 1e-6 * abs(plain["nll_sum"])
 
 
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_evaluation_window_in_bf16_equals_a_float32_window_on_cuda(monkeypatch, cuda_graph):
+    """Under bf16 autocast evaluate() keeps the attention window in bf16 (its keys are made in
+    bf16): the same sums as a float32 window (the old way), plain and as a CUDA graph."""
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    from elephant.evaluate import evaluate
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
+    model.set_fast_paths(True)
+    rng = np.random.default_rng(2)
+    corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in (700, 40, 333, 64, 900)])
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    kept, made = model.init_state, []
+
+    def init_state(*args, **kwargs):
+        made.append(kwargs.get("kv_dtype"))
+        return kept(*args, **kwargs)
+    monkeypatch.setattr(model, "init_state", init_state)
+    got = evaluate(model, corpus, lanes=3, chunk_len=64, device="cuda", autocast=autocast,
+                   cuda_graph=cuda_graph)
+    assert made == [torch.bfloat16]
+    monkeypatch.setattr(model, "init_state", lambda *a, **k: kept(*a, **(k | {"kv_dtype": torch.float32})))
+    wide = evaluate(model, corpus, lanes=3, chunk_len=64, device="cuda", autocast=autocast,
+                    cuda_graph=cuda_graph)
+    assert got["tokens"] == wide["tokens"]
+    assert abs(got["nll_sum"] - wide["nll_sum"]) <= 1e-6 * abs(wide["nll_sum"])
+
+
 def test_side_batch_evaluation_on_its_stream_equals_one_batch():
     """evaluate(side=True) on CUDA: the two longest documents read by a side batch on a
     high-priority stream (its CUDA graph captured there) while 14 lanes read the rest, queued in

@@ -120,11 +120,14 @@ for fw, gr in ((True, False), (True, True), (False, True)):
                                         KEEP="evict_last" if fw and gr else "",
                                         DROP="evict_first" if fw and gr else ""))
 hl, wl = torch.randn(5, 32).half(), torch.randn(40, 32).half()
-out["linear nll"] = written(linear_nll_triton._linear_nll_kernel,
-                            dict(h_ptr=hl, w_ptr=wl, t_ptr=torch.randint(0, 40, (5,)),
-                                 m_ptr=torch.empty(2, 5), s_ptr=torch.empty(2, 5),
-                                 p_ptr=torch.empty(2, 5), N=5, V=40, s_h=32, s_w=32, span=32,
-                                 D=32, BM=16, BN=16, BK=16, IGNORE=-100, PREC="", STAGES=1))
+out["linear nll"] = written(linear_nll_triton._lse_kernel,
+                            dict(h_ptr=hl, w_ptr=wl, m_ptr=torch.empty(2, 5), s_ptr=torch.empty(2, 5),
+                                 N=5, V=40, s_h=32, s_w=32, TILES=2, D=32, BM=16, BN=16, BK=16,
+                                 PREC="", STAGES=1))
+out["picked"] = written(linear_nll_triton._picked_kernel,
+                        dict(h_ptr=hl, w_ptr=wl, t_ptr=torch.randint(0, 40, (5,)),
+                             p_ptr=torch.empty(5), N=5, V=40, s_h=32, s_w=32, D=32, BM=16, BK=16,
+                             IGNORE=-100))
 for seg in (False, True):
     out[f"conv dstate {seg}"] = written(conv_triton._conv_dstate_kernel,
                                         dict(g_ptr=torch.randn_like(x), w_ptr=torch.randn(C, 1, 4),
@@ -188,9 +191,10 @@ def test_loss_kernel_writes_only_its_outputs(writes, forward, grad):
                                              | ({"dz_ptr"} if grad else set()))
 
 
-def test_linear_nll_kernel_writes_only_its_partial_sums(writes):
+def test_linear_nll_kernels_write_only_their_partial_sums(writes):
     # evaluation's head without its logits (head.EVAL_FUSED), launched by inductor from a chunk
-    assert writes["linear nll"] == {"m_ptr", "s_ptr", "p_ptr"}
+    assert writes["linear nll"] == {"m_ptr", "s_ptr"}
+    assert writes["picked"] == {"p_ptr"}
 
 
 @pytest.mark.parametrize("add", [False, True])

@@ -89,9 +89,10 @@ def test_far_apart_logits_keep_the_log_sum_exp_exact():
 
 
 def test_evaluation_head_takes_the_kernel_when_switched_on(monkeypatch):
-    # head.EVAL_FUSED routes the no-gradient per-token loss (evaluation) through the kernel: the
-    # same losses as the reference and as the blocked path, for every reduction; with gradients
-    # (training) the blocked path runs, the switch notwithstanding
+    # head.EVAL_FUSED (on by default) routes the no-gradient per-token loss (evaluation) on CUDA
+    # through the kernel; here on CPU tensors under the interpreter (head._use_eval_kernel patched
+    # to allow them): the same losses as the reference and as the blocked path, for every
+    # reduction; with gradients (training) the blocked path runs, the switch notwithstanding
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(2, 19, 32, generator=gen)
     w = torch.randn(90, 32, generator=gen) * 0.2
@@ -101,8 +102,11 @@ def test_evaluation_head_takes_the_kernel_when_switched_on(monkeypatch):
     real = linear_nll_triton.linear_nll
     monkeypatch.setattr(linear_nll_triton, "linear_nll",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert head.EVAL_FUSED and not head._use_eval_kernel(h, w)   # CPU tensors: the blocked path
     for fused in (False, True):
         monkeypatch.setattr(head, "EVAL_FUSED", fused)
+        monkeypatch.setattr(head, "_use_eval_kernel",
+                            lambda a, b: head.EVAL_FUSED and linear_nll_triton.supported(a, b))
         with torch.no_grad():
             for reduction in ("none", "sum", "mean"):
                 got = linear_cross_entropy(h, w, t, mask, reduction, block_rows=8)

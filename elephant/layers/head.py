@@ -144,9 +144,16 @@ if CE_KERNEL not in ("triton", "inductor"):
 
 
 # Evaluation's per-row NLL (no gradient) as one kernel that never writes the logits
-# (linear_nll_triton): measured slower than the blocked path on an H100 (4.59 against 3.68 ms a
-# 32,768-row pass, session 38), so off unless ELEPHANT_EVAL_FUSED=1 (or set here)
-EVAL_FUSED = os.environ.get("ELEPHANT_EVAL_FUSED", "0") == "1"
+# (linear_nll_triton): 3.30 against 3.74 ms a 32,768-row pass on an H100, 1-2% of the 64-lane
+# chunk step (session 40; session 38's unflattened form lost, 4.59 ms). ELEPHANT_EVAL_FUSED=0: the
+# blocked path (the A/B)
+EVAL_FUSED = os.environ.get("ELEPHANT_EVAL_FUSED", "1") == "1"
+
+
+def _use_eval_kernel(h: Tensor, weight: Tensor) -> bool:
+    """Evaluation's fused head: on CUDA while EVAL_FUSED (the CPU suite runs under the Triton
+    interpreter, where it would be slow: its tests call the kernel, or patch this)."""
+    return EVAL_FUSED and h.is_cuda and linear_nll_triton.supported(h, weight)
 
 
 def _use_ce_kernel(z: Tensor) -> bool:
@@ -413,7 +420,7 @@ def linear_cross_entropy(h: Tensor, weight: Tensor, targets: Tensor, loss_mask: 
     else:
         with _no_autocast(h.device.type):
             hc, wc = h2.to(dtype), weight.to(dtype)
-            if EVAL_FUSED and linear_nll_triton.supported(hc, wc):
+            if _use_eval_kernel(hc, wc):
                 nll = linear_nll_triton.linear_nll(hc, wc, t)[0]
             else:
                 nll = _forward_nll(hc, wc, t, block_rows)[0]

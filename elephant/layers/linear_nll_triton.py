@@ -8,27 +8,30 @@ hold this to): zero NLL for an ignored target (-100), no logit read for a target
 
 Why: in evaluation the blocked head makes each block's logits in bf16 (3.3 GB for one 64-lane
 chunk step of the 70M recipe) and ce_triton's NLL kernel reads them back once. On an H100 that is
-~3.7 ms of a ~15.5 ms step: the product ~2.6 ms, the NLL's read ~1.0 ms, and the product's write of
-the logits inside the first. The 64-lane pass runs at the GPU's power limit, so bytes not moved are
-time saved (docs/RESULTS.md, issue 12, session 38).
+~3.7 ms of a ~14.5 ms step: the product ~2.8 ms, the NLL's read ~0.9 ms, and the product's write of
+the logits inside the first. The 64-lane pass runs at the GPU's power limit, so bytes not moved
+are time saved (docs/RESULTS.md, issue 12, sessions 38 and 40).
 
-How: a program holds BM rows of h and walks its share of the vocabulary in tiles of BN columns.
+How: a program holds BM rows of h and walks its part of the vocabulary in tiles of BN columns.
 For each tile it forms the logits in registers (products over D in steps of BK, float32
-accumulation). It folds them into an online log-sum-exp (running maximum, rescaled sum) and
-picks up the target's logit. The vocabulary is split over SPLIT programs a row block, so that
-enough programs are in flight for a short batch; their partial (maximum, sum, picked) are combined
-by a few small torch ops. The logits are float32 sums of the matmul dtype's products, never
-rounded to bf16 as the blocked path's are: the two agree to that rounding.
+accumulation) and folds them into an online log-sum-exp in base 2 (running maximum, rescaled
+sum). The two loops (tiles, and D within a tile) are flattened into one (`tl.range(flatten=
+True)`), so the compiler keeps the next tile's loads in flight while a tile's sums are made: with
+the tile loop outside the pipelined D loop (session 38's form) every tile drained and refilled the
+pipeline, 4.59 ms a pass against 3.30 flattened. The vocabulary is split over `split` programs a
+row block, so that enough programs are in flight for a short batch; their partial (maximum, sum)
+are combined by a few small torch ops. The target's logit is one dot product a row
+(_picked_kernel), not a compare and sum over every logit. The logits are float32 sums of the
+matmul dtype's products, never rounded to bf16 as the blocked path's are: the two agree to that
+rounding, and this one is the closer to the float32 logits (4e-6 against 1.5e-2 at most, H100).
 
-Status: built in session 38, held to a float64 reference on the CPU (under the interpreter) and
-to the float32 logits and the blocked path on an H100 (tests/test_gpu_model.py). Measured there
-slower, so `head.EVAL_FUSED` keeps it off: 4.59 ms a 32,768-row pass at its best launch of seven
-(128 x 128 tiles, products of 64, 8 warps, 3 stages) against the blocked path's 3.68 ms (cuBLAS's
-product 2.85 ms and the NLL kernel's read of the bf16 logits). Its products, reloading both
-operands for every tile, run well below cuBLAS's; a GEMM-grade main loop (the h block kept on
-chip across the vocabulary, TMA loads, warp specialization) is what it would need to pay
-(`benchmarks/bench_eval_head.py`; `train_speed.py --eval-modes side,side_fused` for the 64-lane
-A/B in one process).
+Status: on by default on CUDA (head.EVAL_FUSED): 3.30 ms a 32,768-row pass at its best launch
+(128 x 128 tiles, products of 64, 8 warps, 3 stages) against the blocked path's 3.74, on the 64-
+lane chunk step 1-2% of its time (`benchmarks/bench_eval_head.py`, `bench_eval_step.py`). Tried
+and dropped (session 40): the row block's h kept on chip and the weight streamed in (BN, D)
+tiles, 4.1-8.5 ms (the shared memory it takes leaves one program an SM and few stages). What
+would make it GEMM-grade: TMA loads and warp specialization (loads, products and the
+log-sum-exp step in warps of their own), beyond what Triton's loops give.
 
 Registered with torch.library.triton_op (inductor launches it from a compiled chunk). Runs on
 CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
@@ -44,10 +47,11 @@ from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
 
 # (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
-# seven launches benchmarks/bench_eval_head.py sweeps on an H100 (4.59 ms a 32,768-row pass; the
-# others 4.71-6.68); the interpreter takes the smallest tiles tl.dot allows
+# launches benchmarks/bench_eval_head.py sweeps on an H100 (3.30 ms a 32,768-row pass; the
+# others 3.40-5.07); the interpreter takes the smallest tiles tl.dot allows
 LAUNCH = {"BM": 128, "BN": 128, "BK": 64, "warps": 8, "stages": 3}
-# programs in flight to aim for when splitting the vocabulary (about two per SM of an H100)
+# programs in flight to aim for when splitting the vocabulary (about two per SM of an H100; 132
+# to 1,056 measured within the spread of one launch's repeats)
 TARGET_PROGRAMS = 264
 MAX_SPLIT = 16
 
@@ -62,30 +66,37 @@ def supported(h: Tensor, weight: Tensor) -> bool:
 
 if HAS_TRITON:
     @triton.jit
-    def _linear_nll_kernel(h_ptr, w_ptr, t_ptr, m_ptr, s_ptr, p_ptr, N, V, s_h, s_w, span,
-                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           IGNORE: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
-        """One block of BM rows over the vocabulary columns [part * span, (part + 1) * span):
-        each row's maximum logit there, its sum of exp(z - maximum) and its target's logit (0 when
-        the target is not among these columns), written to (SPLIT, N) float32 at [part, row].
-        PREC: "" for 16-bit products on the tensor cores, else "ieee": float32 products (of
-        the operands widened to float32)."""
+    def _lse_step(z, cmask, m, s):
+        """One tile's step of the online log-sum-exp in base 2: z (BM, BN) float32 logits times
+        log2(e), cmask the columns inside the vocabulary. A row with no column yet keeps -inf and
+        0 (its scale point is 0, so no -inf - -inf)."""
+        z = tl.where(cmask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        at = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.math.exp2(m - at) + tl.sum(tl.math.exp2(z - at[:, None]), axis=1)
+        return m_new, s
+
+    @triton.jit
+    def _lse_kernel(h_ptr, w_ptr, m_ptr, s_ptr, N, V, s_h, s_w, TILES: tl.constexpr,
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         PREC: tl.constexpr, STAGES: tl.constexpr):
+        """One block of BM rows over the part's TILES tiles of BN columns (part = program 1): each
+        row's maximum logit there and its sum of exp(z - maximum), written to (split, N) float32
+        at [part, row] (a part past the vocabulary: -inf and 0). A tile's products over D in steps
+        of BK, then its log-sum-exp step; the two loops flattened into one, so that the loads of
+        the next tile are in flight during this tile's step. PREC: "" for 16-bit products on the
+        tensor cores, else "ieee": float32 products (of the operands widened to float32)."""
         rb = tl.program_id(0)
         part = tl.program_id(1)
         rows = rb * BM + tl.arange(0, BM)
         rmask = rows < N
-        t = tl.load(t_ptr + rows, mask=rmask, other=IGNORE)
         m = tl.full([BM], float("-inf"), tl.float32)
         s = tl.zeros([BM], tl.float32)
-        picked = tl.zeros([BM], tl.float32)
-        lo = part * span
-        hi = tl.minimum(lo + span, V)
-        start = lo
-        while start < hi:  # a while loop: the interpreter takes no range() over runtime bounds
-            cols = start + tl.arange(0, BN)
-            cmask = cols < hi
+        for i in tl.range(0, TILES, num_stages=STAGES, flatten=True):
+            cols = (part * TILES + i) * BN + tl.arange(0, BN)
+            cmask = cols < V
             acc = tl.zeros([BM, BN], tl.float32)
-            for k in tl.range(0, D, BK, num_stages=STAGES):
+            for k in range(0, D, BK):
                 ks = k + tl.arange(0, BK)
                 kmask = ks < D
                 a = tl.load(h_ptr + rows[:, None] * s_h + ks[None, :],
@@ -94,19 +105,32 @@ if HAS_TRITON:
                             mask=cmask[:, None] & kmask[None, :], other=0.0)            # (BN, BK)
                 if PREC == "":
                     acc = tl.dot(a, tl.trans(b), acc)
-                else:   # float32 operands, or 16-bit ones widened (exact) for the interpreter
+                else:
                     acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
                                  input_precision=PREC)
-            z = tl.where(cmask[None, :], acc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-            m = m_new
-            picked += tl.sum(tl.where(cols[None, :] == t[:, None], acc, 0.0), axis=1)
-            start += BN
+            m, s = _lse_step(acc * 1.4426950408889634, cmask, m, s)   # log2(e)
         out = part * N + rows
-        tl.store(m_ptr + out, m, mask=rmask)
+        tl.store(m_ptr + out, m * 0.6931471805599453, mask=rmask)   # ln(2)
         tl.store(s_ptr + out, s, mask=rmask)
-        tl.store(p_ptr + out, picked, mask=rmask)
+
+    @triton.jit
+    def _picked_kernel(h_ptr, w_ptr, t_ptr, p_ptr, N, V, s_h, s_w, D: tl.constexpr,
+                       BM: tl.constexpr, BK: tl.constexpr, IGNORE: tl.constexpr):
+        """Each row's target logit h . weight[target] (float32 sum of the products; 0 for an
+        ignored target or one outside [0, V), whose weight row is never read)."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        rmask = rows < N
+        t = tl.load(t_ptr + rows, mask=rmask, other=IGNORE)
+        ok = rmask & (t >= 0) & (t < V)
+        t = tl.where(ok, t, 0)
+        acc = tl.zeros([BM], tl.float32)
+        for k in range(0, D, BK):
+            ks = k + tl.arange(0, BK)
+            both = ok[:, None] & (ks < D)[None, :]
+            a = tl.load(h_ptr + rows[:, None] * s_h + ks[None, :], mask=both, other=0.0)
+            b = tl.load(w_ptr + t[:, None] * s_w + ks[None, :], mask=both, other=0.0)
+            acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
+        tl.store(p_ptr + rows, acc, mask=rmask)
 
 
 def _launch() -> dict:
@@ -132,7 +156,9 @@ def _check(h: Tensor, weight: Tensor, t: Tensor) -> None:
 
 def _partials(h: Tensor, weight: Tensor, t: Tensor, split: int | None = None
               ) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel's per-part (maximum, sum, picked), each (split, n) float32."""
+    """The kernels' per-part maximum and sum, each (split, n) float32, and each row's target
+    logit (1, n). TILES is a compile-time constant (the interpreter takes no loop over a runtime
+    bound): one compiled kernel per vocabulary size and split, a few a pass."""
     n, D = h.shape
     V = weight.shape[0]
     cfg = _launch()
@@ -140,16 +166,21 @@ def _partials(h: Tensor, weight: Tensor, t: Tensor, split: int | None = None
     # each part's columns a whole number of tiles (the last part may hold fewer, or none)
     span = triton.cdiv(triton.cdiv(V, split), cfg["BN"]) * cfg["BN"]
     f32 = dict(device=h.device, dtype=torch.float32)
-    m, s, p = (torch.empty(split, n, **f32) for _ in range(3))
+    m, s = (torch.empty(split, n, **f32) for _ in range(2))
+    p = torch.empty(1, n, **f32)
     if n:
         # float32 products in full precision; under the interpreter 16-bit operands too (its
         # bf16 products are wrong), widened first: the products of 16-bit values are exact in
         # float32, so only the order of the sums can differ from the GPU's
         prec = "ieee" if h.dtype == torch.float32 or _INTERPRET else ""
-        torch.library.wrap_triton(_linear_nll_kernel)[(triton.cdiv(n, cfg["BM"]), split)](
-            h, weight, t, m, s, p, n, V, h.stride(0), weight.stride(0), span,
-            D=D, BM=cfg["BM"], BN=cfg["BN"], BK=min(cfg["BK"], max(16, triton.next_power_of_2(D))),
-            IGNORE=IGNORE_INDEX, PREC=prec, STAGES=cfg["stages"], num_warps=cfg["warps"])
+        torch.library.wrap_triton(_lse_kernel)[(triton.cdiv(n, cfg["BM"]), split)](
+            h, weight, m, s, n, V, h.stride(0), weight.stride(0), TILES=span // cfg["BN"], D=D,
+            BM=cfg["BM"], BN=cfg["BN"], BK=min(cfg["BK"], max(16, triton.next_power_of_2(D))),
+            PREC=prec, STAGES=cfg["stages"], num_warps=cfg["warps"])
+        pm = 64 if not _INTERPRET else 16
+        torch.library.wrap_triton(_picked_kernel)[(triton.cdiv(n, pm),)](
+            h, weight, t, p, n, V, h.stride(0), weight.stride(0), D=D, BM=pm,
+            BK=min(64, max(16, triton.next_power_of_2(D))), IGNORE=IGNORE_INDEX, num_warps=4)
     return m, s, p
 
 
