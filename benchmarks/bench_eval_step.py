@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -48,6 +49,16 @@ def main() -> dict:
     ap.add_argument("--fused-launch", default="",
                     help="the fused head's launch: BM,BN,BK,warps,stages, or a JSON of "
                          "bench_eval_head.py whose fastest fused row to take")
+    ap.add_argument("--side-lanes", type=int, default=0,
+                    help="time instead a side batch of this many lanes beside the main one (as "
+                         "evaluate(side=True) runs it): each alone, then both in step")
+    ap.add_argument("--side-ratio", type=float, default=3.45,
+                    help="side chunks queued a main chunk (the benchmark pass's longest document's "
+                         "chunks over the main batch's: 1,575 / 457)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile instead N plain chunk steps at full lanes (the default head and "
+                         "window): the kernels by device time, by kind (out.json's `profile`; "
+                         "the table beside it as _profile.txt)")
     ap.add_argument("out", nargs="?")
     args = ap.parse_args()
     dev = cuda_or_exit("bench_eval_step")
@@ -111,10 +122,87 @@ def main() -> dict:
                 "graph_tokens_per_s": B * T / graph_ms * 1e3,
                 "nll_mean": float(nll.mean()), "plain_nll_mean": float(ref.float().mean())}
 
+    @in_eval_mode
+    @torch.no_grad()
+    def beside(model, side_lanes: int, ratio: float, priority: int) -> dict:
+        """The main batch (lanes - side_lanes) and a side batch on a stream of `priority`, each a
+        CUDA graph as evaluate() makes them: each alone, then both queued in step."""
+        kv_dtype = evaluate.autocast_dtype(autocast, dev)
+
+        def static(lanes: int, stream):
+            tok, m, r = tokens[:lanes], mask[:lanes], reset[:lanes]
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                state = model.init_state(lanes, device=dev, kv_dtype=kv_dtype)
+                with autocast():
+                    _, state = model(tok[:, :-1], state, r, targets=tok[:, 1:], loss_mask=m,
+                                     reduction="none")
+                step = evaluate.StaticChunkStep(model, state, tok, m, autocast, graph=True,
+                                                stream=stream)
+
+            def run():
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    step(tok, m, r)
+            return run
+        here = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=dev, priority=priority)
+        main_step, side_step = static(B - side_lanes, None), static(side_lanes, side)
+        n_side = round(args.chunks * ratio)
+        main_ms = events_ms(main_step, args.chunks) * args.chunks
+        with torch.cuda.stream(side):   # the events on the side batch's stream
+            side_ms = events_ms(side_step, n_side) * n_side
+
+        def both():
+            queued = 0.0
+            side.wait_stream(here)
+            for _ in range(args.chunks):
+                main_step()
+                queued += ratio
+                while queued >= 1:
+                    side_step()
+                    queued -= 1
+            here.wait_stream(side)
+        both_ms = events_ms(both, 1)
+        return {"main_lanes": B - side_lanes, "side_lanes": side_lanes, "priority": priority,
+                "main_chunks": args.chunks, "side_chunks": n_side, "main_alone_ms": main_ms,
+                "side_alone_ms": side_ms, "both_ms": both_ms,
+                "side_chunk_alone_ms": side_ms / n_side,
+                # the share of the side batch's own time that running beside the main one hid
+                "hidden": (main_ms + side_ms - both_ms) / side_ms}
+
+    @in_eval_mode
+    @torch.no_grad()
+    def profiled(model) -> dict:
+        from benchmarks.common import profile
+        state = model.init_state(B, device=dev, kv_dtype=evaluate.autocast_dtype(autocast, dev))
+
+        def plain():
+            nonlocal state
+            with autocast():
+                _, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
+                                 loss_mask=mask, reduction="none")
+        for _ in range(3):
+            plain()
+        kernels, table, summary = profile(plain, args.profile, dev,
+                                          f"evaluation chunk step, {B} lanes x {T}", top=40)
+        if args.out:
+            Path(args.out).with_name(Path(args.out).stem + "_profile.txt").write_text(table)
+        return {"top_kernels": kernels, "summary": summary}
+
     kept = head.EVAL_FUSED
+    if args.profile:
+        rows["profile"] = profiled(model)
+        print(json.dumps(rows["profile"]["summary"]["by_kind"], indent=1), flush=True)
+        print(json.dumps({"device_ms_per_step": rows["profile"]["summary"]["device_ms_per_step"],
+                          "gaps": rows["profile"]["summary"].get("gaps")})[:1500], flush=True)
+    if args.side_lanes:
+        head.EVAL_FUSED = kept
+        for priority in (-1, 0, -1, 0):
+            rows.setdefault("beside", []).append(beside(model, args.side_lanes, args.side_ratio, priority))
+            print("beside", json.dumps(rows["beside"][-1]), flush=True)
     try:
         # in turns: the GPU's clock drifts with its heat
-        for fused, kv in ((False, "float32"), (False, "autocast"), (True, "autocast")) * 2:
+        for fused, kv in () if args.side_lanes or args.profile else (
+                (False, "float32"), (False, "autocast"), (True, "autocast")) * 2:
             name = ("fused" if fused else "blocked") + f" head, {kv} window"
             rows.setdefault(name, []).append(measure(model, fused, kv))
             print(name, json.dumps(rows[name][-1]), flush=True)

@@ -37,7 +37,8 @@ tokens and the peak memory, beside the peak of a short one-lane document (memory
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
 Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
 its logits (head.EVAL_FUSED, the default since session 40), side_blocked with the blocked head
-(logits made in blocks and read back by the loss kernel), side_allgraph with every batch's step a CUDA graph whatever the
+(logits made in blocks and read back by the loss kernel), side_fullside with the side batch
+kept at its lane count to the end (evaluate.SIDE_COMPACT_SHARE 8: before session 40), side_allgraph with every batch's step a CUDA graph whatever the
 pass's length, side_capped with a batch over evaluate.GRAPH_MAX_ROWS plain however long the pass
 (evaluate.GRAPH_MIN_CHUNKS out of play: session 38's default), and the *_torchcapture modes capture
 through torch.cuda.graph's context (evaluate.LEAN_CAPTURE off: a device synchronization and
@@ -441,12 +442,14 @@ def setting(owner, name: str, value):
 def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_graph: bool = False,
               compact: bool = False, side: bool = False, collect: bool = True,
               fused_head: bool | None = None, graph_max_rows: int | None = None,
-              graph_min_chunks: int | None = None, lean_capture: bool | None = None) -> dict:
+              graph_min_chunks: int | None = None, lean_capture: bool | None = None,
+              side_share: int | None = None) -> dict:
     """One pass of evaluate() timed, with its lane fill, the garbage collector's pauses inside it
     (`gc`) and its wall-clock span (`span`, Unix seconds: to match against samples of the GPU's
     clock). collect=False: the cyclic collector paused for the pass (gc.disable). fused_head:
-    head.EVAL_FUSED for the pass; graph_max_rows, graph_min_chunks, lean_capture: evaluate's
-    GRAPH_MAX_ROWS, GRAPH_MIN_CHUNKS and LEAN_CAPTURE for the pass (None: as it is)."""
+    head.EVAL_FUSED for the pass; graph_max_rows, graph_min_chunks, lean_capture, side_share:
+    evaluate's GRAPH_MAX_ROWS, GRAPH_MIN_CHUNKS, LEAN_CAPTURE and SIDE_COMPACT_SHARE for the pass
+    (None: as it is)."""
     from elephant import evaluate as evaluate_module
     from elephant.evaluate import evaluate
     from elephant.layers import head
@@ -461,6 +464,7 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
                 setting(evaluate_module, "GRAPH_MAX_ROWS", graph_max_rows), \
                 setting(evaluate_module, "GRAPH_MIN_CHUNKS", graph_min_chunks), \
                 setting(evaluate_module, "LEAN_CAPTURE", lean_capture), \
+                setting(evaluate_module, "SIDE_COMPACT_SHARE", side_share), \
                 GCPauses() as pauses, Clock(device) as clock:
             result = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device=device,
                               autocast=autocast, cuda_graph=cuda_graph, compact=compact, side=side)
@@ -476,6 +480,7 @@ def time_eval(model, corpus, lanes: int, chunk_len: int, device, autocast, cuda_
     # batch kept them all (a compacted pass ends on fewer)
     rows = result["lane_chunks"] * chunk_len / clock.seconds
     return {"documents": result["documents"], "tokens": result["tokens"], "lanes": lanes,
+            "side_lane_chunks": result["side_lane_chunks"], "side_chunk_steps": result["side_chunk_steps"],
             "seconds": clock.seconds, "tokens_per_s": result["tokens"] / clock.seconds,
             "chunk_steps": result["chunk_steps"], "lane_chunks": result["lane_chunks"],
             "compact": compact, "side": side, "side_documents": result["side_documents"],
@@ -492,6 +497,7 @@ EVAL_MODES = {"plain": {}, "graph": dict(cuda_graph=True),
               "side_nogc": dict(cuda_graph=True, compact=True, side=True, collect=False),
               "side_fused": dict(cuda_graph=True, compact=True, side=True, fused_head=True),
               "side_blocked": dict(cuda_graph=True, compact=True, side=True, fused_head=False),
+              "side_fullside": dict(cuda_graph=True, compact=True, side=True, side_share=8),
               "side_allgraph": dict(cuda_graph=True, compact=True, side=True, graph_max_rows=1 << 30),
               "side_capped": dict(cuda_graph=True, compact=True, side=True, graph_min_chunks=1 << 30),
               "side_torchcapture": dict(cuda_graph=True, compact=True, side=True, lean_capture=False),

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .cudagraph import kept_stream
 from .metrics import BUCKET_EDGES, NLLMeter, PositionBuckets
 from .model import in_eval_mode
 
@@ -191,6 +192,10 @@ GRAPH_MIN_CHUNKS = 256
 # device synchronization and emptied caches of torch.cuda.graph's context (cudagraph.capture's
 # `lean`): the other batch's work goes on meanwhile, and its memory stays cached.
 LEAN_CAPTURE = True
+# The side batch's compacted_lanes share: 1, it shrinks each time its live lanes fit a smaller
+# power of two (its lanes hold the longest documents, so a lane whose document ended would carry
+# padding for hundreds of chunks); each shrink is one capture more
+SIDE_COMPACT_SHARE = 1
 # ... after one warm-up step on the capture's side stream: the batch's first chunk has already
 # run the same compiled step (every kernel compiled and loaded), so the warm-up is only there for
 # what is made per stream (the matmul library's workspace); each one more is a chunk's work thrown
@@ -208,11 +213,14 @@ def autocast_dtype(autocast, device) -> torch.dtype | None:
         return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-def compacted_lanes(live: list[int], lanes_now: int) -> list[int] | None:
+def compacted_lanes(live: list[int], lanes_now: int, share: int = 8) -> list[int] | None:
     """The lanes a batch of `lanes_now` shrinks to once no document is left to start, given the
-    lanes `live` still reading one (indices into the current batch): None while more than an
-    eighth of the batch is live, else the live lanes padded with idle ones to a power of two."""
-    if not live or len(live) * 8 > lanes_now:
+    lanes `live` still reading one (indices into the current batch): None while more than
+    1/`share` of the batch is live (an eighth: the main batch, whose tail is short next to its
+    pass, shrinks once, to few lanes; 1: the side batch, each of whose lanes holds a long
+    document, shrinks each time its live lanes fit a smaller power of two), else the live lanes
+    padded with idle ones to a power of two."""
+    if not live or len(live) * share > lanes_now:
         return None
     n = 1 << (len(live) - 1).bit_length()
     if n >= lanes_now:
@@ -245,8 +253,9 @@ class _Pass:
     whether there was one."""
 
     def __init__(self, model, corpus, lanes, chunk_len, device, autocast, rank, world, pack,
-                 order, cuda_graph, compact, is_long, prefix, stream=None):
+                 order, cuda_graph, compact, is_long, prefix, stream=None, compact_share=8):
         self.model, self.device, self.autocast = model, device, autocast
+        self.compact_share = compact_share   # compacted_lanes' share
         self.n_docs, self.chunk_len, self.pack = len(corpus), chunk_len, pack
         self.cuda_graph, self.compact, self.is_long, self.prefix = cuda_graph, compact, is_long, prefix
         self.stream = stream
@@ -332,7 +341,8 @@ class _Pass:
             # no document left to start: the lanes still reading one
             current = list(range(self.lanes)) if self.rows is None else self.rows
             reading = set(self.batcher.reading_lanes())
-            keep = compacted_lanes([i for i, b in enumerate(current) if b in reading], len(current))
+            keep = compacted_lanes([i for i, b in enumerate(current) if b in reading], len(current),
+                                   self.compact_share)
             if keep is not None:
                 index = torch.tensor(keep, device=device)
                 self.state = (self.static.state if self.static is not None else self.state).select(index)
@@ -366,7 +376,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     `side`: the documents that would outlast the batch (`side_documents`; longest first,
     unpacked) are read by a side batch of their own, on a high-priority CUDA stream beside the
     main batch of the other lanes, the two advanced in step (see the module doc);
-    `side_documents` counts them, `side_chunk_steps` the side batch's chunks.
+    `side_documents` counts them, `side_chunk_steps` the side batch's chunks, `side_lane_chunks`
+    its rows (with `compact`, the side batch shrinks as its documents end).
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
@@ -389,14 +400,15 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     if aside.size:
         stream = None
         if device.type == "cuda":   # high priority: its short kernels go first as the main batch's end
-            stream = torch.cuda.Stream(device=device, priority=-1)
+            stream = kept_stream(device, priority=-1)
             stream.wait_stream(torch.cuda.current_stream(device))   # is_long, prefix
         main = _Pass(lanes=lanes - aside.size, order=docs[aside.size:], **common)
         # its tensors made on its stream: their first use waits for their filling there, and the
         # allocator gives their memory back to that stream alone (the main batch's stream would
         # take a freed state while the side stream still reads it)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            beside = _Pass(lanes=int(aside.size), order=aside, stream=stream, **common)
+            beside = _Pass(lanes=int(aside.size), order=aside, stream=stream,
+                           compact_share=SIDE_COMPACT_SHARE, **common)
     else:
         main, beside = _Pass(lanes=lanes, order=docs, **common), None
     steps = math.ceil(corpus.n_tokens / (lanes * chunk_len * world)) if n_docs else 0
@@ -447,4 +459,5 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         "lane_chunks": sum(p.lane_chunks for p in passes),
         "position_buckets_long": long_buckets.to_dict(), "long_documents": int(is_long.sum()),
         "side_documents": int(aside.size),
-        "side_chunk_steps": 0 if beside is None else beside.chunk_steps}
+        "side_chunk_steps": 0 if beside is None else beside.chunk_steps,
+        "side_lane_chunks": 0 if beside is None else beside.lane_chunks}

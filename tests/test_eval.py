@@ -437,6 +437,9 @@ def test_compacted_evaluation_gives_the_same_sums_in_fewer_rows(cuda_graph, orde
     assert compacted_lanes([5, 6, 7], 16) is None                          # more than an eighth
     assert compacted_lanes([4], 8) == [4] and compacted_lanes([2], 4) is None
     assert compacted_lanes([1, 5, 6], 32) == [0, 1, 5, 6]                  # padded to a power of 2
+    assert compacted_lanes([0, 2], 3, share=1) == [0, 2]                   # the side batch's share
+    assert compacted_lanes([0, 1, 2], 3, share=1) is None                  # nothing ended
+    assert compacted_lanes([0, 1, 3], 4, share=1) is None                  # three live: four lanes
 
 
 def test_only_a_batch_of_at_most_graph_max_rows_gets_the_static_step(monkeypatch):
@@ -485,7 +488,9 @@ def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda
     two = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", cuda_graph=cuda_graph,
                    compact=compact, side=True)
     assert two["side_documents"] == 2 and two["side_chunk_steps"] == 88   # (700 - 1) / 8, rounded up
-    main_rows, main_steps = two["lane_chunks"] - 2 * 88, two["chunk_steps"] - 88
+    # compact: the side batch shrinks to one lane once the 600 is read ((600 - 1) / 8 -> 75 chunks)
+    assert two["side_lane_chunks"] == (2 * 75 + 13 if compact else 2 * 88)
+    main_rows, main_steps = two["lane_chunks"] - two["side_lane_chunks"], two["chunk_steps"] - 88
     assert main_rows == 14 * main_steps if not compact else main_rows < 14 * main_steps
     assert main_steps < 88 and two["lane_chunks"] < one["lane_chunks"]
     assert_same_sums(two, one, long=True)
