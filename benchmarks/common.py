@@ -232,7 +232,7 @@ KERNEL_KINDS = (  # (kind, pattern on the kernel's name), first match wins
     ("ssd scan", r"_chunk_scan|_states_|_segment_cumsum|_chunk_state|_state_pass"),
     ("conv", r"_conv_(fwd|bwd)_kernel"),
     ("elephant activation", r"^_(fwd|bwd)_kernel|^_glu_cat_(fwd|bwd)_kernel"),
-    ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy|^_ce_kernel"),
+    ("loss", r"logsumexp|log_softmax|nll_loss|cross_entropy|^_ce_kernel|^_lse_kernel|^_picked_kernel"),
     ("norm", r"rms_norm|layer_norm|_norm_|^_qkv_(fwd|bwd)_kernel"),   # _qkv_: q/k norm + rotary
     ("optimizer (foreach)", r"multi_tensor|foreach"),
     ("reduction", r"reduce_kernel|triton_red|triton_per"),

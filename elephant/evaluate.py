@@ -45,10 +45,15 @@ state, static step and sums, and the side batch runs on a high-priority CUDA str
 graph captured there), so that its small kernels run as the main batch's leave room, and the host
 queues its chunks in step with the main batch's (its longest document's chunks over the main
 batch's share). Its document is then read at about a single lane's pace beside the main batch,
-not after it. The sums are the one batch's, but for the same rounding as compaction's. On an
-H100, 64 lanes over 16M tokens of source files whose longest document is 806K tokens: 1.84M
-tokens/s compacted, 1.99-2.02M with the side batch (eval.py's default on a GPU; benchmarks/results/
-eval_graph_rows_*.json).
+not after it. With `compact`, the side batch shrinks each time the documents it still reads fit
+fewer lanes (a power of two; SIDE_COMPACT_SHARE), as the main batch does once at its end. The
+sums are the one batch's, but for the same rounding as compaction's. On an H100, 64 lanes over
+16M tokens of source files whose longest document is 806K tokens: 1.84M tokens/s compacted,
+1.99-2.02M with the side batch (session 35, eval_graph_rows_*.json), 2.06-2.07M since session 40
+(the window in bf16, the fused head, the side batch compacted; train_speed_session40_*.json).
+
+The state's attention window is kept in the dtype autocast computes in (`autocast_dtype`), where
+its keys and values are made: a float32 window holds the same values in twice the bytes.
 """
 from __future__ import annotations
 
