@@ -159,6 +159,18 @@ def test_static_step_evaluation_equals_the_plain_path(n_mem, kv_window, lanes, c
     assert_same_sums(static, plain)
 
 
+def spy_window_dtype(monkeypatch, model, force=None) -> list:
+    """Patch model.init_state to record the kv_dtype each call asks for (the list returned) and,
+    with `force`, to make the window in that dtype whatever was asked."""
+    made, kept = [], type(model).init_state.__get__(model)
+
+    def init_state(*args, **kwargs):
+        made.append(kwargs.get("kv_dtype"))
+        return kept(*args, **(kwargs | ({"kv_dtype": force} if force is not None else {})))
+    monkeypatch.setattr(model, "init_state", init_state)
+    return made
+
+
 @pytest.mark.parametrize("cuda_graph", [False, True])
 def test_evaluation_keeps_the_attention_window_in_the_autocast_dtype(monkeypatch, cuda_graph):
     # under bf16 autocast the keys and values are made in bf16, so the pass keeps its window in
@@ -167,22 +179,14 @@ def test_evaluation_keeps_the_attention_window_in_the_autocast_dtype(monkeypatch
     model = mama_model(n_mem=2, kv_window=16).float()
     corpus = corpus_of([50, 2, 113, 17, 64])
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)   # noqa: E731
-    kept, made = model.init_state, []
-
-    def init_state(*args, **kwargs):
-        made.append(kwargs.get("kv_dtype"))
-        return kept(*args, **kwargs)
-    monkeypatch.setattr(model, "init_state", init_state)
-    got = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", autocast=autocast,
-                   cuda_graph=cuda_graph)
-    assert made == [torch.bfloat16]
-    monkeypatch.setattr(model, "init_state", lambda *a, **k: kept(*a, **(k | {"kv_dtype": torch.float32})))
-    wide = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", autocast=autocast,
-                    cuda_graph=cuda_graph)
+    run = dict(lanes=2, chunk_len=16, device="cpu", cuda_graph=cuda_graph)
+    made = spy_window_dtype(monkeypatch, model)
+    got = evaluate(model, corpus, autocast=autocast, **run)
+    plain = evaluate(model, corpus, **run)
+    assert made == [torch.bfloat16, None] and abs(got["loss"] - plain["loss"]) < 0.05
+    spy_window_dtype(monkeypatch, model, force=torch.float32)
+    wide = evaluate(model, corpus, autocast=autocast, **run)
     assert got["nll_sum"] == wide["nll_sum"] and got["tokens"] == wide["tokens"]
-    monkeypatch.setattr(model, "init_state", init_state)
-    plain = evaluate(model, corpus, lanes=2, chunk_len=16, device="cpu", cuda_graph=cuda_graph)
-    assert made == [torch.bfloat16, None] and abs(got["loss"] - plain["loss"]) < 0.05   # float32 without autocast
 
 
 def test_static_step_keeps_its_buffers():

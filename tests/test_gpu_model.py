@@ -391,26 +391,34 @@ def test_evaluation_window_in_bf16_equals_a_float32_window_on_cuda(monkeypatch, 
     import numpy as np
     from data_packing import TokenizedCorpus
     from elephant.evaluate import evaluate
+    from test_eval import spy_window_dtype
     torch.manual_seed(0)
     model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
     model.set_fast_paths(True)
     rng = np.random.default_rng(2)
     corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in (700, 40, 333, 64, 900)])
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    kept, made = model.init_state, []
-
-    def init_state(*args, **kwargs):
-        made.append(kwargs.get("kv_dtype"))
-        return kept(*args, **kwargs)
-    monkeypatch.setattr(model, "init_state", init_state)
-    got = evaluate(model, corpus, lanes=3, chunk_len=64, device="cuda", autocast=autocast,
-                   cuda_graph=cuda_graph)
+    run = dict(lanes=3, chunk_len=64, device="cuda", autocast=autocast, cuda_graph=cuda_graph)
+    made = spy_window_dtype(monkeypatch, model)
+    got = evaluate(model, corpus, **run)
     assert made == [torch.bfloat16]
-    monkeypatch.setattr(model, "init_state", lambda *a, **k: kept(*a, **(k | {"kv_dtype": torch.float32})))
-    wide = evaluate(model, corpus, lanes=3, chunk_len=64, device="cuda", autocast=autocast,
-                    cuda_graph=cuda_graph)
+    spy_window_dtype(monkeypatch, model, force=torch.float32)
+    wide = evaluate(model, corpus, **run)
     assert got["tokens"] == wide["tokens"]
     assert abs(got["nll_sum"] - wide["nll_sum"]) <= 1e-6 * abs(wide["nll_sum"])
+
+
+def side_batch_case(seed: int, longest: list[int]):
+    """A small hybrid on CUDA (memory and window on, the fast paths) and a corpus of the `longest`
+    documents among 40 short ones (20-300 tokens): at 16 lanes of 64, the long ones go aside."""
+    import numpy as np
+    from data_packing import TokenizedCorpus
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
+    model.set_fast_paths(True)
+    rng = np.random.default_rng(seed)
+    lengths = longest + [int(n) for n in rng.integers(20, 300, 40)]
+    return model, TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in lengths])
 
 
 def test_evaluation_passes_leave_no_memory_behind_on_cuda():
@@ -419,15 +427,8 @@ def test_evaluation_passes_leave_no_memory_behind_on_cuda():
     once a process (cudagraph.kept_stream). A stream made anew per capture or pass kept its matmul
     workspace (32 MiB on an H100) to the process's end: 4-6 of them a pass."""
     import gc
-    import numpy as np
-    from data_packing import TokenizedCorpus
     from elephant.evaluate import evaluate
-    torch.manual_seed(0)
-    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
-    model.set_fast_paths(True)
-    rng = np.random.default_rng(4)
-    lengths = [3000, 2000] + [int(n) for n in rng.integers(20, 300, 40)]
-    corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in lengths])
+    model, corpus = side_batch_case(4, [3000, 2000])
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     held = []
     for _ in range(3):
@@ -445,15 +446,8 @@ def test_side_batch_evaluation_on_its_stream_equals_one_batch():
     high-priority stream (its CUDA graph captured there) while 14 lanes read the rest, queued in
     step from one host thread: every document's sum is the one batch's (float32 model; the
     kernels' batch-size rounding alone), the streams joined before the sums are read."""
-    import numpy as np
-    from data_packing import TokenizedCorpus
     from elephant.evaluate import evaluate
-    torch.manual_seed(0)
-    model = ElephantLM(cfg(n_mem=4, kv_window=64, bptt_chunks=2)).cuda()
-    model.set_fast_paths(True)
-    rng = np.random.default_rng(0)
-    lengths = [3000, 2500] + [int(n) for n in rng.integers(20, 300, 40)]
-    corpus = TokenizedCorpus.from_documents([rng.integers(0, 512, n) for n in lengths])
+    model, corpus = side_batch_case(0, [3000, 2500])
     one = evaluate(model, corpus, lanes=16, chunk_len=64, device="cuda", cuda_graph=True,
                    compact=True)
     two = evaluate(model, corpus, lanes=16, chunk_len=64, device="cuda", cuda_graph=True,

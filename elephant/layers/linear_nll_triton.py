@@ -78,8 +78,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _lse_kernel(h_ptr, w_ptr, m_ptr, s_ptr, N, V, s_h, s_w, TILES: tl.constexpr,
-                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         PREC: tl.constexpr, STAGES: tl.constexpr):
+                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PREC: tl.constexpr, STAGES: tl.constexpr):
         """One block of BM rows over the part's TILES tiles of BN columns (part = program 1): each
         row's maximum logit there and its sum of exp(z - maximum), written to (split, N) float32
         at [part, row] (a part past the vocabulary: -inf and 0). A tile's products over D in steps
@@ -105,7 +105,7 @@ if HAS_TRITON:
                             mask=cmask[:, None] & kmask[None, :], other=0.0)            # (BN, BK)
                 if PREC == "":
                     acc = tl.dot(a, tl.trans(b), acc)
-                else:
+                else:   # float32 operands, or 16-bit ones widened (exact) for the interpreter
                     acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc,
                                  input_precision=PREC)
             m, s = _lse_step(acc * 1.4426950408889634, cmask, m, s)   # log2(e)
