@@ -57,13 +57,14 @@ def main(path: str | None = None, quick: bool = False) -> dict:
         for launch in ((chosen,) if quick else ((2048, 4), (4096, 4), (8192, 8))):
             ce_triton.LAUNCH["nll"] = launch
             for rows in ((16384,) if quick else (16384, 4096, 1024, 512, 384, 256, 192, 128, 64)):
-                err = float((head._forward_nll(h, w, t, rows)[0] - want).abs().max())
+                got = head._forward_nll(h, w, t, rows)[0]
+                err = float((got - want).abs().max())
                 ms = median_ms(lambda: head._forward_nll(h, w, t, rows), dev, 20, 3, graph=True)
                 mm = median_ms(lambda: [h[s] @ w.t() for s in head._blocks(N, rows)], dev, 20, 3,
                                graph=True)
                 rows_out.append(dict(launch=launch, block_rows=rows, ms=ms, matmul_only_ms=mm,
-                                     maxerr=err, maxerr_vs_float32_logits=float(
-                                         (head._forward_nll(h, w, t, rows)[0] - exact).abs().max())))
+                                     maxerr=err,
+                                     maxerr_vs_float32_logits=float((got - exact).abs().max())))
                 print(json.dumps(rows_out[-1]), flush=True)
     finally:
         ce_triton.LAUNCH["nll"] = chosen

@@ -63,6 +63,7 @@ def main() -> dict:
     args = ap.parse_args()
     dev = cuda_or_exit("bench_eval_step")
     from elephant import evaluate
+    from elephant.cudagraph import kept_stream
     from elephant.layers import linear_nll_triton
     if args.fused_launch.endswith(".json"):
         fused = [r for r in json.loads(Path(args.fused_launch).read_text())["fused"] if "ms" in r]
@@ -86,6 +87,12 @@ def main() -> dict:
     reset = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = {}
 
+    def chunk(state, lanes: int = B):
+        """One plain chunk step of the first `lanes` lanes: (per-token NLL, the new state)."""
+        with autocast():
+            return model(tokens[:lanes, :-1], state, reset[:lanes], targets=tokens[:lanes, 1:],
+                         loss_mask=mask[:lanes], reduction="none")
+
     @in_eval_mode
     @torch.no_grad()
     def measure(model, fused: bool, kv: str) -> dict:
@@ -95,9 +102,7 @@ def main() -> dict:
 
         def plain():
             nonlocal state
-            with autocast():
-                nll, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
-                                   loss_mask=mask, reduction="none")
+            nll, state = chunk(state)
             return nll
         for _ in range(3):
             ref = plain()
@@ -132,10 +137,7 @@ def main() -> dict:
         def static(lanes: int, stream):
             tok, m, r = tokens[:lanes], mask[:lanes], reset[:lanes]
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                state = model.init_state(lanes, device=dev, kv_dtype=kv_dtype)
-                with autocast():
-                    _, state = model(tok[:, :-1], state, r, targets=tok[:, 1:], loss_mask=m,
-                                     reduction="none")
+                _, state = chunk(model.init_state(lanes, device=dev, kv_dtype=kv_dtype), lanes)
                 step = evaluate.StaticChunkStep(model, state, tok, m, autocast, graph=True,
                                                 stream=stream)
 
@@ -144,7 +146,7 @@ def main() -> dict:
                     step(tok, m, r)
             return run
         here = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=dev, priority=priority)
+        side = kept_stream(dev, priority)
         main_step, side_step = static(B - side_lanes, None), static(side_lanes, side)
         n_side = round(args.chunks * ratio)
         main_ms = events_ms(main_step, args.chunks) * args.chunks
@@ -177,9 +179,7 @@ def main() -> dict:
 
         def plain():
             nonlocal state
-            with autocast():
-                _, state = model(tokens[:, :-1], state, reset, targets=tokens[:, 1:],
-                                 loss_mask=mask, reduction="none")
+            _, state = chunk(state)
         for _ in range(3):
             plain()
         kernels, table, summary = profile(plain, args.profile, dev,

@@ -39,8 +39,9 @@ Python's cyclic garbage collector paused for the pass, side_fused with the head 
 its logits (head.EVAL_FUSED, the default since session 40), side_blocked with the blocked head
 (logits made in blocks and read back by the loss kernel), side_fullside with the side batch
 kept at its lane count to the end (evaluate.SIDE_COMPACT_SHARE 8: before session 40),
-side_allgraph with every batch's step a CUDA graph whatever the pass's length, side_capped with a batch over evaluate.GRAPH_MAX_ROWS plain however long the pass
-(evaluate.GRAPH_MIN_CHUNKS out of play: session 38's default), and the *_torchcapture modes capture
+side_allgraph with every batch's step a CUDA graph whatever the pass's length, side_capped with a
+batch over evaluate.GRAPH_MAX_ROWS plain however long the pass (evaluate.GRAPH_MIN_CHUNKS out of
+play: session 38's default), and the *_torchcapture modes capture
 through torch.cuda.graph's context (evaluate.LEAN_CAPTURE off: a device synchronization and
 emptied caches before each capture). Each pass records the collector's pauses inside it and its
 wall-clock span (to match against the GPU's clock sampled beside it).

@@ -55,15 +55,19 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _squarable(e: float) -> bool:
+    """Whether _pow takes z ** e by repeated squaring: a whole exponent up to 16 in size."""
+    return e == int(e) and 1 <= abs(e) <= 16
+
+
 def _pow(z: Tensor, e: float) -> Tensor:
     """z ** e; for a whole exponent up to 16 in size (the recipe's d = 8) by repeated squaring: on
     the CPU a general pow costs an exp and a log an element, and was the eager MLP's largest
     kernel in the CPU tests' training loops. Each squaring doubles the relative rounding error,
     so at most ~15 float32 ulps here. A negative exponent: the reciprocal."""
-    n = abs(e)
-    if n != int(n) or not 1 <= n <= 16:
+    if not _squarable(e):
         return z.pow(e)
-    n, out, base = int(n), None, z
+    n, out, base = int(abs(e)), None, z
     while True:
         if n & 1:
             out = base if out is None else out * base
@@ -85,7 +89,8 @@ def _f_df_eager(g: Tensor, a: float, d: float) -> tuple[Tensor, Tensor]:
     z = g.abs() / a
     small = z <= 1.0
     p = _pow(z, d)          # used only where z <= 1
-    q = _pow(z, -d)         # used only where z > 1
+    # used only where z > 1; by squaring, _pow(z, -d) is p's reciprocal: the same bits, once
+    q = p.reciprocal() if _squarable(d) else z.pow(-d)
     f = torch.where(small, 1.0 / (1.0 + p), q / (1.0 + q))
     w = torch.where(small, _pow(z, d - 1.0) * f * f, f / ((1.0 + q) * z))
     w = torch.where(g == 0, torch.zeros_like(w), w)
