@@ -216,6 +216,20 @@ def test_paths_match_naive_softmax():
     torch.testing.assert_close(attend(q, k, v), want, rtol=1e-12, atol=1e-12)
 
 
+def test_padding_keeps_the_value_head_dim_of_position_free_memory():
+    """With position-free memory (free_scores) queries and keys have twice the values' head dim;
+    padding the keys to an alignment pads the values in their own dim (it padded them like the
+    keys: "Sizes of tensors must match" on every unaligned CUDA call)."""
+    S, n = 5, 21
+    q, k = (garbage(B, H, S if s == 40 else n, 2 * HD, seed=s) for s in (40, 41))
+    v = garbage(B, H, n, HD, seed=42)
+    mask = torch.rand(B, 1, S, n, generator=torch.Generator().manual_seed(3)) < 0.5
+    mask[..., 0] = True
+    got = masked_sdpa(q, k, v, mask, align=16)
+    assert got.shape == (B, H, S, HD)
+    torch.testing.assert_close(got, masked_sdpa(q, k, v, mask, align=0), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("n", [7, 16, 21])
 def test_keys_padded_to_an_alignment_change_nothing(n):
     """masked_sdpa's padding (zero keys no query sees, what CUDA gets) gives the unpadded result,

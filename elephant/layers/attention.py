@@ -120,10 +120,9 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None
     n = k.shape[2]
     align = (KEY_ALIGN if q.is_cuda else 0) if align is None else align
     pad = -n % align if align else 0
-    if pad:
-        zeros = k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3])
-        k = torch.cat([k, zeros], dim=2)
-        v = torch.cat([v, zeros.to(v.dtype)], dim=2)
+    if pad:   # keys and values each padded in their own head dim (position-free memory doubles q/k's)
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], pad, k.shape[3])], dim=2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], pad, v.shape[3])], dim=2)
         mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], pad)], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
