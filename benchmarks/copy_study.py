@@ -1,0 +1,348 @@
+"""In-context copying under the LM loss: which part of the hybrid stops it, beside an all-attention
+control of the same code, trained in the same run for the same steps.
+
+    python benchmarks/copy_study.py --variants attn,hybrid,mamba,... --steps 800 --out DIR \
+        [--shape recall|wt103-70m] [--ckpt-every 200] [--deadline-s 420] [overrides ...]
+
+Every variant trains with the general trainer (`train.py`'s Trainer: the loss on every token) on
+the recall corpus (data_packing/recall.py: a 6-digit fact, filler, then the question), one process
+each, all at once on one GPU, so that they share its minutes. Then every saved checkpoint is scored
+by `elephant.recall.evaluate_recall`: digit accuracy of the answer 128 (and 512) tokens after the
+fact, carried state, teacher-forced; chance is 0.10. A variant is the shape's overrides plus its
+own (VARIANTS) and, for what no setting expresses (a frozen or zeroed mixer, Adam on the Mamba
+projections, a plain GLU), a hook applied to the model before its optimizers are built.
+
+Writes `<out>/<variant>.json` (the training log's losses, recall by step) and `<out>/summary.json`
+(device, versions, date, commit, command, and per variant the first step that reached 0.99 at 128
+tokens: `lm_recall_128`). `--cpu-smoke` runs a tiny version on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# The recall recipe's model without its carried parts (memory, window, kept tokens): what copies a
+# fact inside one chunk is the stack itself. 64 lanes of 512 bytes, every token in the loss.
+SHAPES = {
+    "recall": ["--config", "configs/recall.toml", "model.n_mem=0", "model.kv_window=0",
+               "model.kv_keep=0", "model.kv_keep_drop=0", "model.bptt_chunks=1",
+               "data.recall_max_gap=2048", "train.lanes=64", "train.chunk_len=512"],
+    # the recall recipe as users train it: memory, window, kept tokens, BPTT over 8 chunks
+    "recall-recipe": ["--config", "configs/recall.toml", "data.recall_max_gap=2048"],
+    # wt103-70m's model as its recipe sets it (memory, window, BPTT 2), on the same bytes
+    "wt103-70m-recipe": ["--config", "configs/wt103-70m.toml", "model.vocab_size=320",
+                         "data.source=recall", "data.tokenizer=bytes", "data.valid_split=",
+                         "data.recall_max_gap=2048", "optim.warmup_steps=50",
+                         "optim.schedule=cosine", "optim.cooldown_frac=1.0"],
+    # wt103-70m's model (d_model 512, 8 layers) on the same bytes
+    "wt103-70m": ["--config", "configs/recall.toml", "model.d_model=512", "model.n_heads=8",
+                  "model.d_mlp=1536", "model.layers=MAMMAMMA", "model.d_state=64",
+                  "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
+                  "model.kv_keep_drop=0", "model.bptt_chunks=1", "data.recall_max_gap=2048",
+                  "train.lanes=32", "train.chunk_len=512"],
+}
+SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state=16",
+         "model.mamba_head_dim=16", "model.ssd_chunk=16", "train.lanes=4", "train.chunk_len=64",
+         "data.recall_docs=200", "data.recall_max_gap=64", "train.compile=off", "train.device=cpu"]
+
+
+# the layer string of a variant from the shape's own (L)
+LAYERS = {
+    "attn": lambda L: "A" * len(L),                      # all attention, as many layers
+    "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
+    "mamba": lambda L: "M" * len(L),
+    "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
+}
+
+# name: (overrides, hook names); variants named in LAYERS also change model.layers
+VARIANTS = {
+    "attn": ([], []),
+    "attn-only-its": ([], []),
+    "hybrid": ([], []),
+    "mamba": ([], []),
+    "order": ([], []),
+    "mamba-zero": ([], ["zero_mamba"]),          # Mamba output zeroed and frozen: attention + MLPs
+    "mamba-frozen": ([], ["freeze_mamba"]),      # Mamba mixers frozen at their initialisation
+    "mamba-adam": ([], ["adam_mamba"]),          # Mamba projections on Adam, not Muon
+    "adam-lr-low": (["optim.adam_lr=0.001"], []),
+    "muon-lr-low": (["optim.muon_lr=0.005"], []),
+    "out-zero": ([], ["zero_out_init"]),         # every residual output projection starts at 0
+    "glu": ([], ["swiglu"]),                     # a plain SiLU GLU in place of the elephant GLU
+    "nope": (["model.rope_max_period=1"], []),   # attention without rotary positions
+    "eager": (["train.compile=off"], []),
+    "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
+}
+
+
+# ------------------------------------------------------------------ the copy corpus
+ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
+FILLER = ("the of and to in is was for on that with as by at from his her it an are were which "
+          "this be or has had not but their one also its first new after two may such").split()
+
+
+def copy_document(rng, length: int) -> tuple[str, list[tuple[int, int]]]:
+    """A document of about `length` bytes: filler words and random names in angle brackets
+    (6-16 letters and digits); a name stated once recurs later, after 0 to a few hundred bytes.
+    Returns the text and the byte spans of the recurrences whose bytes a copy predicts: each
+    recurrence from its third character to its closing bracket (its first two characters say
+    which name recurs)."""
+    parts, pending, spans, n = [], [], [], 0
+    while n < length:
+        r = rng.random()
+        if r < 0.3:
+            name = "".join(rng.choice(ALNUM) for _ in range(rng.randint(6, 16)))
+            piece = f"<{name}> "
+            pending.append(name)
+        elif r < 0.55 and pending:
+            name = pending.pop(rng.randrange(len(pending)))
+            piece = f"<{name}> "
+            spans.append((n + 3, n + len(name) + 2))
+        else:
+            piece = " ".join(rng.choice(FILLER) for _ in range(rng.randint(1, 8))) + ". "
+        parts.append(piece)
+        n += len(piece)
+    return "".join(parts), spans
+
+
+def write_copy_corpus(folder: Path, docs: int, length: int, seed: int = 0) -> None:
+    """train.jsonl and valid.jsonl of copy documents (the trainer's `text` source)."""
+    import random
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n, s in (("train", docs, seed), ("valid", max(docs // 20, 8), seed + 1)):
+        rng = random.Random(s)
+        with open(folder / f"{split}.jsonl", "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"text": copy_document(rng, length)[0]}) + "\n")
+
+
+def copy_accuracy(model, chunk_len: int, device: str, docs: int = 64, seed: int = 4321) -> float:
+    """Next-byte accuracy on the copyable bytes of held-out copy documents that fit one chunk."""
+    import random
+    import torch
+    rng = random.Random(seed)
+    texts = [copy_document(rng, chunk_len - 48) for _ in range(docs)]
+    hit = total = 0
+    model.eval()
+    with torch.no_grad(), (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
+                           else torch.autocast("cpu", enabled=False)):
+        for text, spans in texts:
+            ids = list(text.encode())[:chunk_len]
+            tokens = torch.tensor([ids], device=device)
+            logits, _ = model(tokens)
+            pred = logits[0].argmax(-1).tolist()      # pred[t] is the guess for byte t + 1
+            for a, b in spans:
+                for t in range(a, min(b, len(ids))):
+                    hit += int(pred[t - 1] == ids[t])
+                    total += 1
+    return hit / max(total, 1)
+
+
+# ------------------------------------------------------------------ hooks (run in the variant)
+def _mamba_mixers(model):
+    return [b.mixer for b in model.blocks if b.kind == "M"]
+
+
+def zero_mamba(model):
+    import torch
+    for m in _mamba_mixers(model):
+        with torch.no_grad():
+            m.out_proj.weight.zero_()
+        for p in m.parameters():
+            p.requires_grad_(False)
+
+
+def freeze_mamba(model):
+    for m in _mamba_mixers(model):
+        for p in m.parameters():
+            p.requires_grad_(False)
+
+
+def zero_out_init(model):
+    import torch
+    with torch.no_grad():
+        for b in model.blocks:
+            (b.mixer.out_proj if b.kind == "M" else b.mixer.o).weight.zero_()
+
+
+def swiglu(model):
+    import torch.nn.functional as F
+    for b in model.blocks:
+        mlp = b.mlp
+        mlp.forward = (lambda m: lambda h: m.down(m.up(h) * F.silu(m.gate(h))))(mlp)
+
+
+def reference(model):
+    model.set_fast_paths(False)
+
+
+HOOKS = {f.__name__: f for f in (zero_mamba, freeze_mamba, zero_out_init, swiglu, reference)}
+
+
+def run_variant(name: str, argv: list[str]) -> int:
+    """The variant's training, in this process (the parent starts one per variant)."""
+    import elephant.optim.build as build
+    import elephant.trainer as trainer_mod
+    from elephant.config import load_config
+    from elephant.model import ElephantLM
+
+    hooks = VARIANTS[name][1]
+    config, overrides = argv[0], argv[1:]
+
+    class Variant(ElephantLM):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            for h in hooks:
+                if h in HOOKS:
+                    HOOKS[h](self)
+
+    trainer_mod.ElephantLM = Variant
+    if "adam_mamba" in hooks:
+        assign = build.assign_parameters
+
+        def adam_for_mamba(model):
+            kinds = {f"blocks.{i}.mixer." for i, b in enumerate(model.blocks) if b.kind == "M"}
+            return [(n, p, "other" if role == "muon" and any(n.startswith(k) for k in kinds)
+                     else role, note) for n, p, role, note in assign(model)]
+        build.assign_parameters = adam_for_mamba
+    cfg = load_config(config, overrides)
+    trainer = trainer_mod.Trainer(cfg, progress=False)
+    trainer.fit()
+    del trainer
+    # scored here, in parallel with the other variants (the parent's SIGTERM ends training only)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import torch
+    run_dir = Path(cfg.train.run_dir)
+    device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+    distances = [int(d) for d in os.environ["COPY_DISTANCES"].split(",")]
+    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]))
+    result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
+              "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
+              "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
+              "lm_recall_128": rows[-1].get("128") if rows else None,
+              "copy": rows[-1].get("copy") if rows else None}
+    Path(os.environ["COPY_OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[dict]:
+    """Recall at `distances` of every checkpoint of a run, oldest first."""
+    import torch
+    from elephant.checkpoint import step_folders
+    from elephant.hub import from_pretrained
+    from elephant.recall import evaluate_recall
+
+    rows = []
+    for ckpt in step_folders(run_dir / "checkpoints"):
+        model, tokenizer, config = from_pretrained(ckpt, device=device)
+        autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else None
+        step = int(ckpt.name.split("_")[-1])
+        if os.environ.get("COPY_CORPUS") == "copy":
+            rows.append({"step": step, "copy": copy_accuracy(model, config["train"]["chunk_len"],
+                                                             device)})
+            continue
+        r = evaluate_recall(model, tokenizer, distances, lanes, config["train"]["chunk_len"],
+                            torch.device(device), 1, 1234, autocast, progress=False)
+        rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def losses(run_dir: Path) -> list[dict]:
+    path = run_dir / "log.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{"step": r["step"], "loss": r["loss"]} for r in rows if "loss" in r and "step" in r]
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--variant":
+        return run_variant(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="attn,hybrid")
+    p.add_argument("--shape", default="recall", choices=sorted(SHAPES))
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--ckpt-every", type=int, default=200)
+    p.add_argument("--deadline-s", type=float, default=0.0,
+                   help="stop (SIGTERM: a checkpoint, then exit) variants still training after this")
+    p.add_argument("--distances", default="128,512")
+    p.add_argument("--eval-lanes", type=int, default=64)
+    p.add_argument("--out", default="benchmarks/results/copy_study")
+    p.add_argument("--runs", default="runs/copy_study")
+    p.add_argument("--corpus", default="recall", choices=("recall", "copy"),
+                   help="recall: data_packing/recall.py's facts; copy: documents of recurring "
+                        "random names (write_copy_corpus), scored by copy accuracy")
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_intermixed_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = SHAPES[args.shape]
+    config, shape_overrides = shape[1], shape[2:]
+    from elephant.config import load_config
+    hybrid_layers = load_config(ROOT / config, shape_overrides).model.layers
+    extra = SMOKE if args.cpu_smoke else []
+    if args.corpus == "copy":
+        corpus = runs / "copy_corpus"
+        write_copy_corpus(corpus, 200 if args.cpu_smoke else 20000,
+                          460 if not args.cpu_smoke else 120)
+        extra = [*extra, "data.source=text", f"data.path={corpus}", "data.valid_split=valid"]
+    procs = {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COPY_OUT=str(out), COPY_DISTANCES=args.distances,
+               COPY_LANES=str(8 if args.cpu_smoke else args.eval_lanes),
+               COPY_CORPUS=args.corpus)
+    t0 = time.time()
+    for n in names:
+        run_dir = runs / n
+        cmd = [sys.executable, __file__, "--variant", n, config, *shape_overrides,
+               *VARIANTS[n][0], *extra, *args.overrides,
+               *([f"model.layers={LAYERS[n](hybrid_layers)}"] if n in LAYERS else []), f"train.max_steps={args.steps}",
+               f"train.ckpt_every={args.ckpt_every}", "train.keep_ckpts=100", "train.eval_every=0",
+               "train.log_every=25", "train.tensorboard=false", f"train.run_dir={run_dir}"]
+        log = open(out / f"{n}.log", "w")
+        procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=ROOT), log)
+    stopped = False
+    while any(pr.poll() is None for pr, _ in procs.values()):
+        if args.deadline_s and time.time() - t0 > args.deadline_s and not stopped:
+            for n, (pr, _) in procs.items():   # those still training: checkpoint, then score
+                if pr.poll() is None and not (out / f"{n}.json").exists():
+                    pr.send_signal(signal.SIGTERM)
+            stopped = True
+        time.sleep(2)
+    train_s = time.time() - t0
+    import torch
+    from benchmarks.common import environment
+    device = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
+    summary = {"command": " ".join(["python benchmarks/copy_study.py", *sys.argv[1:]]),
+               "shape": args.shape, "steps": args.steps, "train_seconds": train_s,
+               "variants": {}, **environment(torch.device(device))}
+    for n in names:
+        path = out / f"{n}.json"
+        result = json.loads(path.read_text()) if path.exists() else {"recall": [], "losses": []}
+        summary["variants"][n] = {"lm_recall_128": result.get("lm_recall_128"),
+                                  "copy": result.get("copy"),
+                                  "first_step_at_0.99": result.get("first_step_at_0.99"),
+                                  "returncode": procs[n][0].returncode, "layers": result.get("layers"),
+                                  "final_loss": result["losses"][-1]["loss"] if result["losses"] else None}
+        print(n, json.dumps(summary["variants"][n]),
+              [(r["step"], round(r.get("128", r.get("copy", -1)), 3)) for r in result["recall"]],
+              flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
