@@ -334,6 +334,24 @@ def test_eval_cli_compacts_its_lanes_and_reads_a_long_document_beside(trained_ru
     assert named["nll_sum"] == small["nll_sum"]
 
 
+def test_eval_cli_reads_data_overrides_among_its_flags(trained_run, tmp_path):
+    # another copy of the text corpus with one test document, named by data.path between the
+    # flags; data.cache_dir after them (a fresh cache, so the copy is tokenized, not the run's)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "test.jsonl").write_text(json.dumps({"text": "one document: " + "abc def " * 30}) + "\n")
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), f"data.path={corpus}", "--split", "test",
+                          "--json", str(out), "--no-progress", f"data.cache_dir={tmp_path / 'c'}"]) == 0
+    assert json.loads(out.read_text())["elephant"]["documents"] == 1
+
+
+def test_eval_cli_refuses_overrides_of_anything_but_the_data(trained_run, capsys):
+    assert eval_cli.main(["--checkpoint", str(trained_run), "model.d_model=8", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "only data.* overrides apply here" in err[0], err
+
+
 def test_eval_cli_errors_are_one_line(trained_run, tmp_path, capsys):
     cases = [
         (["--checkpoint", str(tmp_path / "missing")], "missing"),
