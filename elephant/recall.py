@@ -325,7 +325,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     intact checkpoint there (weights, optimizer and step; the lanes start new documents); without it,
     `train.init_from` starts from another run's weights.
     `stop_after_s` instead keeps the schedule of `train.max_steps` and stops (with a checkpoint)
-    once that many seconds have passed: a long run split over several sessions, each resumed.
+    once that many seconds have passed: a long run split over several calls, each resuming the last.
     Returns a summary (steps, seconds, curve)."""
     from data_packing.recall import RecallTask
     from data_packing.tokenizer import load_tokenizer

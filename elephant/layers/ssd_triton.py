@@ -445,7 +445,7 @@ if HAVE_TRITON:
             e_cs = tl.exp(cs)
         # The order below keeps few float32 tiles alive at once (registers are the limit of this
         # kernel): the Q x Q products first, then each gradient stored as soon as it is whole,
-        # dx's float32 tile last. Session 30, H100, the recipe's shape (bench_scan_launch.py,
+        # dx's float32 tile last. H100, 2026-11-26, the recipe's shape (bench_scan_launch.py,
         # `registers`): the earlier order (the state's gradients first, dx's tile alive throughout)
         # spilled 88 registers at 4 warps and this one none; the scan's backward ran 317 -> 276
         # us without boundaries and 371 -> 322 with them.
