@@ -320,10 +320,15 @@ def run_with_a_corrupt_newest_checkpoint(tmp_path) -> Path:
 
 
 def test_readers_of_a_run_fall_back_past_a_corrupt_newest_checkpoint(
-        run_with_a_corrupt_newest_checkpoint, tmp_path, capsys, fake_hub):
+        run_with_a_corrupt_newest_checkpoint, tmp_path, capsys, monkeypatch):
     # eval, generation, export and push (DESIGN: readers of a run take the newest checkpoint that
-    # verifies and say which they skipped); the run dir is left as it was
+    # verifies and say which they skipped); the run dir is left as it was. The upload itself is
+    # faked here (test_hub.py has the Hub's): a huggingface_hub client leaves threads behind, and
+    # the next tokenization's forked pool in this process could then hang
     from elephant import hub
+    pushed = []
+    monkeypatch.setattr(hub, "push_to_hub", lambda folder, repo_id, **kw: pushed.append(
+        sorted(p.name for p in Path(folder).iterdir())) or f"https://hub/{repo_id}")
     run = run_with_a_corrupt_newest_checkpoint
     skip = "skipped checkpoint step_0000002: "
 
@@ -346,7 +351,7 @@ def test_readers_of_a_run_fall_back_past_a_corrupt_newest_checkpoint(
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert hub.main(["push", str(run), "alice/tiny"]) == 0
     said_skip(capsys.readouterr().err)
-    assert "model.safetensors" in fake_hub.repos["alice/tiny"]["files"]
+    assert len(pushed) == 1 and "model.safetensors" in pushed[0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_0000001",
                                                                        "step_0000002"]
 
