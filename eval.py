@@ -67,8 +67,11 @@ def parse(argv):
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off (default)")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: random)")
     g.add_argument("--eager", action="store_true", help="no CUDA graph for the decoding step")
+    p.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE",
+                   help="overrides of the data evaluated (data.path=..., data.cache_dir=...), "
+                        "anywhere among the flags; applied after --data and --data-path")
     p.set_defaults(json_written=False)
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
@@ -102,7 +105,7 @@ def run(args) -> int:
 
     from data_packing import get_corpus, open_source
     from data_packing.sources import canonical_split
-    from elephant.config import DataConfig, load_config
+    from elephant.config import Config, DataConfig, apply_overrides, load_config
     from elephant.evaluate import evaluate
     from elephant.fsutil import atomic_write_json
     from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
@@ -123,6 +126,8 @@ def run(args) -> int:
             data.validate()
     if args.data_path:
         data.path = args.data_path
+    if args.overrides:
+        data = apply_overrides(Config(data=data), args.overrides, sections=("data",)).data
     if args.tokenizer:
         from data_packing import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer)

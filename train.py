@@ -4,9 +4,9 @@
     python train.py --config configs/default.toml [section.key=value ...] [--resume | --restart]
     torchrun --nproc_per_node=N train.py --config configs/wt103-70m.toml
 
-Overrides use the config's dotted names (model.d_model=768 train.max_steps=100). Errors in the
-recipe, the data, the run dir or a checkpoint are printed as one line (exit 2), never as a
-traceback. A run dir holds one run: it is locked while a process trains in it, a second start
+Overrides use the config's dotted names (model.d_model=768 train.max_steps=100), anywhere among
+the flags. Errors in the recipe, the data, the run dir or a checkpoint are printed as one line
+(exit 2), never as a traceback. A run dir holds one run: it is locked while a process trains in it, a second start
 there without --resume is refused, and --restart moves the earlier run aside (never deletes it).
 SIGTERM or SIGINT finishes the step, writes a checkpoint and exits with 128 + the signal's number
 (143, 130); a second signal stops at once.
@@ -15,7 +15,8 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The flags and the overrides in any order: `--config c.toml train.run_dir=x --resume train.max_steps=9`."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML recipe (configs/*.toml); defaults when omitted")
     again = parser.add_mutually_exclusive_group()
@@ -25,8 +26,11 @@ def main(argv=None) -> int:
                        help="move an earlier run in train.run_dir to RUN_DIR.old-<time>, start anew")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines, no progress bar")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse(argv)
     from data_packing import DataError
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError, load_config

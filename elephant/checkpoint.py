@@ -11,8 +11,9 @@ text file naming the folder) is replaced atomically: a killed writer leaves at m
 folder that nothing loads (the next save removes it), and a write that fails (a full disk) removes
 its temporary folder and leaves the earlier checkpoints and `latest` as they were. Only the newest
 `keep` checkpoints are kept. Loading verifies the hashes and the config, so a corrupt or foreign
-checkpoint is refused with a message instead of half-loaded; a resume starts from the newest
-checkpoint that verifies (`newest_intact_checkpoint`), whatever `latest` says.
+checkpoint is refused with a message instead of half-loaded; a resume, and every reader of a run
+dir (eval, generation, export: `checkpoint_to_read`), starts from the newest checkpoint that
+verifies (`newest_intact_checkpoint`), whatever `latest` says, and names those it skipped.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -183,15 +185,18 @@ def step_folders(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path, list[tuple[Path, str]]]:
-    """The newest checkpoint of a run whose every file matches its hash, and the newer ones that
-    did not (folder, why). `latest` is not consulted: a crash between the rename of a folder and
-    the update of `latest` leaves it one behind, and the newest complete folder is what counts."""
+def newest_intact_checkpoint(run_dir: str | Path, files: list[str] | None = None
+                             ) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint of a run whose `files` (default: every file it lists) match their
+    hashes, and the newer ones that did not (folder, why). `latest` is not consulted: a crash
+    between the rename of a folder and the update of `latest` leaves it one behind, and the newest
+    complete folder is what counts. Every reader of a run takes its checkpoint from here: resume
+    (every file), and through `checkpoint_to_read` eval, generation and export (the weights)."""
     root = Path(run_dir) / "checkpoints"
     skipped = []
     for ckpt in step_folders(root):
         try:
-            verify_checkpoint(ckpt)
+            verify_checkpoint(ckpt, files)
             return ckpt, skipped
         except CheckpointError as e:
             skipped.append((ckpt, str(e)))
@@ -199,6 +204,34 @@ def newest_intact_checkpoint(run_dir: str | Path) -> tuple[Path, list[tuple[Path
         raise CheckpointError(f"no checkpoint in {root} to resume from; start over with --restart, "
                               f"or set another train.run_dir")
     raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(why for _, why in skipped))
+
+
+def checkpoint_to_read(path: str | Path, files: tuple[str, ...] = ("model.safetensors",),
+                       log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint a reader (eval, generation, export) takes from `path`, its `files` verified.
+
+    A step folder given as itself is that checkpoint or an error (CheckpointError, one line). A
+    run dir (or its checkpoints dir) gives its newest checkpoint whose files verify
+    (`newest_intact_checkpoint`, as a resume does); each newer one skipped is reported through
+    `log` (default: a line on stderr) with the reason. Unlike a resume, a reader leaves a broken
+    checkpoint where it is (it holds no lock on the run)."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        verify_checkpoint(path, list(files))
+        return path
+    run_dir = path.parent if path.name == "checkpoints" and step_folders(path) else path
+    if not step_folders(run_dir / "checkpoints"):
+        ckpt = find_checkpoint(path)        # its message: not found, no checkpoint, `latest` broken
+        verify_checkpoint(ckpt, list(files))
+        return ckpt
+    ckpt, skipped = newest_intact_checkpoint(run_dir, list(files))
+    for bad, why in skipped:
+        line = f"skipped checkpoint {bad.name}: {why}; reading {ckpt.name}"
+        if log is None:
+            print(line, file=sys.stderr)
+        else:
+            log(line)
+    return ckpt
 
 
 def set_latest(ckpt: Path) -> None:

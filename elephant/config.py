@@ -304,20 +304,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         path = Path(path)
         raw = _read_recipe(path)
     for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot:
-            raise ConfigError(f"override {item!r}: expected section.key=value, "
-                              f"for example model.d_model=768")
-        if section not in SECTIONS:
-            raise ConfigError(f"override {item!r}: unknown section {section!r}"
-                              f"{_closest(section, SECTIONS)}")
-        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
-        if name not in fields:
-            raise ConfigError(f"unknown key {section}.{name}{_closest(name, fields, section + '.')}")
-        raw.setdefault(section, {})[name] = _parse(value.strip(), _hint(SECTIONS[section], name),
-                                                   f"{section}.{name}")
+        _override(raw, item)
     return Config.from_dict(raw, where=str(path) if path else "config")
+
+
+def apply_overrides(cfg: Config, overrides: list[str], sections: tuple[str, ...] = tuple(SECTIONS)) -> Config:
+    """A copy of cfg with `section.key=value` overrides applied and validated; an override of a
+    section not in `sections` is an error (eval.py: only [data] applies to a trained model)."""
+    raw = cfg.to_dict()
+    for item in overrides:
+        _override(raw, item, sections)
+    return Config.from_dict(raw)
+
+
+def _override(raw: dict, item: str, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """Set one `section.key=value` override in raw (a dict of sections), parsed by the field's type."""
+    key, sep, value = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot:
+        raise ConfigError(f"override {item!r}: expected section.key=value, "
+                          f"for example model.d_model=768")
+    if section not in SECTIONS:
+        raise ConfigError(f"override {item!r}: unknown section {section!r}"
+                          f"{_closest(section, SECTIONS)}")
+    if section not in sections:
+        raise ConfigError(f"override {item!r}: only {', '.join(s + '.*' for s in sections)} "
+                          f"overrides apply here")
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+    if name not in fields:
+        raise ConfigError(f"unknown key {section}.{name}{_closest(name, fields, section + '.')}")
+    raw.setdefault(section, {})[name] = _parse(value.strip(), _hint(SECTIONS[section], name),
+                                               f"{section}.{name}")
 
 
 def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:

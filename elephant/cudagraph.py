@@ -16,7 +16,7 @@ def kept_stream(device=None, priority: int = 0) -> torch.cuda.Stream:
     A stream that runs a matrix product gets a matmul-library workspace of its own that torch keeps
     until the process ends (32 MiB on an H100), so a stream made anew for each capture or pass
     leaks that much every time: evaluation passes made 4-6 and kept 128-192 MiB more each
-    (session 40, H100)."""
+    (H100, 2026-11-27)."""
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     key = (index, priority)

@@ -49,8 +49,8 @@ not after it. With `compact`, the side batch shrinks each time the documents it 
 fewer lanes (a power of two; SIDE_COMPACT_SHARE), as the main batch does once at its end. The
 sums are the one batch's, but for the same rounding as compaction's. On an H100, 64 lanes over
 16M tokens of source files whose longest document is 806K tokens: 1.84M tokens/s compacted,
-1.99-2.02M with the side batch (session 35, eval_graph_rows_*.json), 2.06-2.07M since session 40
-(the window in bf16, the fused head, the side batch compacted; train_speed_session40_*.json).
+1.99-2.02M with the side batch (2026-11-26), 2.06-2.07M since 2026-11-27 (the window in bf16,
+the fused head, the side batch compacted; docs/RESULTS.md, issue 12).
 
 The state's attention window is kept in the dtype autocast computes in (`autocast_dtype`), where
 its keys and values are made: a float32 window holds the same values in twice the bytes.
@@ -189,8 +189,8 @@ class StaticChunkStep:
 GRAPH_MAX_ROWS = 16 * 1024
 # ... and a larger batch is captured too when its pass has at least this many chunks ahead: the
 # plain step's ~7.6 ms of host time a chunk is half of its GPU time there, so any stall of the
-# host idles the GPU (session 39: passes over 16M tokens, ~530 chunks at 61 lanes, plain 1,517k-
-# 2,012k tokens/s, the GPU busy 81-100%; as a graph 1,929k-1,963k, busy 96-99%); the capture's
+# host idles the GPU (H100, 2026-11-27: passes over 16M tokens, ~530 chunks at 61 lanes, plain
+# 1,517k-2,012k tokens/s, the GPU busy 81-100%; as a graph 1,929k-1,963k, busy 96-99%); the capture's
 # warm-ups and host time, ~4-9 chunks' worth, are then under 4% of the pass
 GRAPH_MIN_CHUNKS = 256
 # Each capture of a pass's step (the side batch's, each compacted batch's) begins without the

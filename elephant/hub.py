@@ -356,12 +356,15 @@ def _resolve(source: str | Path, revision: str | None) -> Path:
 
 def _checkpoint_config(folder: Path) -> tuple[dict, Path]:
     """(config dict in export form, weights path) of a run dir or checkpoint folder."""
-    from .checkpoint import CheckpointError, find_checkpoint, read_meta
+    from .checkpoint import CheckpointError, checkpoint_to_read, read_meta, step_folders
 
-    try:
-        ckpt = find_checkpoint(folder)
+    try:   # a run dir: its newest checkpoint whose weights verify (newer broken ones named on stderr)
+        ckpt = checkpoint_to_read(folder, (WEIGHTS,))
         meta = read_meta(ckpt)
     except CheckpointError as e:
+        if ((folder / "meta.json").is_file() or step_folders(folder / "checkpoints")
+                or step_folders(folder)):
+            raise HubError(str(e)) from None      # a checkpoint, but a broken one
         raise HubError(f"{folder}: neither an export folder ({CONFIG} missing) nor a checkpoint: {e}") from None
     full = meta.get("config")
     if not isinstance(full, dict) or not isinstance(full.get("model"), dict):
@@ -372,13 +375,7 @@ def _checkpoint_config(folder: Path) -> tuple[dict, Path]:
         raise HubError(f"{ckpt / 'meta.json'}: {e}") from None
     config = {"format": FORMAT, "elephant_version": elephant_version(), "model": full["model"]}
     config.update({s: full[s] for s in RECIPE_SECTIONS if s in full})
-    weights = ckpt / WEIGHTS
-    digest = meta.get("sha256", {}).get(WEIGHTS)
-    if digest is not None and weights.is_file():
-        from .checkpoint import _sha256
-        if _sha256(weights) != digest:
-            raise HubError(f"{weights}: corrupt (SHA-256 does not match meta.json)")
-    return config, weights
+    return config, ckpt / WEIGHTS
 
 
 def _tokenizer_loader():
@@ -418,9 +415,10 @@ def _first_line(e: BaseException) -> str:
 # run dir -> export folder, and the Hub
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
                metrics: dict | None = None, name: str | None = None) -> Path:
-    """Export a training run's checkpoint (the latest, or `step`) as an export folder: the model
-    is rebuilt from the checkpoint's config and loaded (so a mismatch fails here, not on the Hub),
-    and the tokenizer named by the run's data.tokenizer is saved beside it."""
+    """Export a training run's checkpoint (the newest whose weights verify, or `step`, which must
+    verify) as an export folder: the model is rebuilt from the checkpoint's config and loaded (so
+    a mismatch fails here, not on the Hub), and the tokenizer named by the run's data.tokenizer is
+    saved beside it."""
     run_dir = Path(run_dir)
     source = run_dir / "checkpoints" / f"step_{step:07d}" if step is not None else run_dir
     if not source.is_dir():
@@ -468,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="export a run's checkpoint as a folder for from_pretrained")
     ex.add_argument("run_dir")
     ex.add_argument("out_dir")
-    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    ex.add_argument("--step", type=int, default=None,
+                    help="checkpoint step (default: the newest whose weights verify)")
     pu = sub.add_parser("push", help="upload an export folder (or export a run dir first) to the Hub")
     pu.add_argument("source", help="an export folder, a run dir or a checkpoint folder")
     pu.add_argument("repo_id", help="user/name")

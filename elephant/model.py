@@ -23,6 +23,10 @@ one. With memory-only backpropagation (`RecurrentState.track_memory_path`) the c
 updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on
 to every earlier gate (and through each shut gate unchanged), at the cost of a few (B, n_mem, D)
 tensors per chunk, not of the chunks' activations.
+
+Beside this file: memory.py (the memory's positions, gated update, write cost, initial prefix),
+window.py (a BPTT window's chunks in one call), compile.py (what each compile mode compiles) and
+state.py (`fresh_state`); the model's methods of those names hand over to them.
 """
 from __future__ import annotations
 
@@ -32,12 +36,15 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .compile import compile_chunk_steps
 from .config import ModelConfig
 from .layers.attention import Attention, segment_room
 from .layers.elephant import ElephantMLP
 from .layers.head import cross_entropy_reference, linear_cross_entropy
 from .layers.mamba import Mamba2
-from .state import KVCache, RecurrentState
+from .memory import free_tokens, initial_prefix, memory_positions, memory_update, write_cost
+from .state import KVCache, RecurrentState, fresh_state
+from .window import forward_window, window_chunks
 
 
 class Block(nn.Module):
@@ -94,8 +101,7 @@ class Block(nn.Module):
         return x, new_state
 
 
-COMPILE_BACKEND = "inductor"
-COMPILE_VARIANTS = 64   # graphs a compiled function may hold (see ElephantLM.compile_for)
+COMPILE_BACKEND = "inductor"   # (elephant/compile.py: which functions each mode compiles)
 # inductor's options for the chunk step. Comprehensive padding off: it pads the rows of a matrix
 # product's output to 128 bytes (the Mamba in-projection's 2,192 columns become 2,240), but the
 # Triton kernels that read slices of that output in place (the conv) are traced with the unpadded
@@ -124,12 +130,6 @@ def compile_kwargs(backend: str, graphs: bool = False) -> dict:
     return dict(dynamic=False, backend=backend, options=options)
 
 
-def _limit_name(config) -> str:
-    """dynamo's limit of graphs per function: recompile_limit (cache_size_limit, its older name, is
-    an alias where both exist)."""
-    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-
-
 def in_eval_mode(fn):
     """Decorate `fn(model, ...)` to run with the model in evaluation mode and give its mode back
     after, also on an error: evaluation and generation are inference, so no training-only
@@ -145,21 +145,6 @@ def in_eval_mode(fn):
         finally:
             module.train(was_training)
     return run
-
-
-class TrainingGraphs:
-    """A compiled function in two forms: `graphs` (CUDA graphs, torch.compile's reduce-overhead)
-    for training steps with gradients, `plain` (compiled without graphs) for everything else. An
-    evaluation or generation pass feeds each chunk the state the last one returned, which a CUDA
-    graph's next replay would overwrite, and it runs between training steps: kept out of the
-    training graphs, it neither needs that bookkeeping nor adds graphs of its own to their pool."""
-
-    def __init__(self, model: nn.Module, graphs, plain):
-        self.model, self.graphs, self.plain = model, graphs, plain
-
-    def __call__(self, *args, **kwargs):
-        training = self.model.training and torch.is_grad_enabled()
-        return (self.graphs if training else self.plain)(*args, **kwargs)
 
 
 class ElephantLM(nn.Module):
@@ -249,41 +234,13 @@ class ElephantLM(nn.Module):
         included; the caller marks each step with torch.compiler.cudagraph_mark_step_begin() and
         copies the state it carries past a step out of the graphs' memory, whose tensors the next
         replay may overwrite: `state.StaticCarry` (the trainer's way) or `RecurrentState.clone`),
-        compiled without graphs in evaluation and without gradients (`TrainingGraphs`); "window",
-        as "graphs", and a BPTT window's chunks given to `forward_window` as one graph (one
-        backward graph for the window); "off" leaves it eager. Static shapes.
-        `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager)."""
+        compiled without graphs in evaluation and without gradients (`compile.TrainingGraphs`);
+        "window", as "graphs", and a BPTT window's chunks given to `forward_window` as one graph
+        (one backward graph for the window); "off" leaves it eager. Static shapes.
+        `backend`: torch.compile's (default COMPILE_BACKEND; the CPU tests trace with aot_eager).
+        The work is compile.compile_chunk_steps'."""
         backend = backend or COMPILE_BACKEND
-        if how != "off":
-            # static shapes: a graph per state structure, packed form (starts, the initial memory's
-            # prefix, the varlen layout's room) and lane count (training, evaluation), more than
-            # dynamo's default of 8 per function, past which it would run the rest uncompiled
-            import torch._dynamo
-            config = torch._dynamo.config
-            name = _limit_name(config)
-            setattr(config, name, max(COMPILE_VARIANTS, getattr(config, name)))
-        # the varlen layout is shared between the chunk's attention layers by a dict they fill
-        # (`_chunk`); a block compiled on its own would take it as an input and hold a graph for
-        # it empty and one for it filled, so blocks each make their own
-        self.share_layouts = how != "blocks"
-        if how == "blocks":
-            for block in self.blocks:
-                block.compile(**compile_kwargs(backend))
-        elif how in ("model", "graphs", "window"):
-            # `_chunk`, not forward: forward keeps the detach and the memory-only path outside
-            # the graph (see forward); the initial memory's prefix (packed documents) runs the
-            # blocks outside forward
-            names = ("_chunk", "init_prefix") + (("_window_chunks",) if how == "window" else ())
-            for name in names:
-                fn = getattr(self, name)
-                plain = torch.compile(fn, **compile_kwargs(backend))
-                if how in ("graphs", "window"):
-                    plain = TrainingGraphs(self, torch.compile(fn, **compile_kwargs(backend, True)),
-                                           plain)
-                setattr(self, name, plain)
-        elif how != "off":
-            raise ValueError(f"compile_for: expected blocks, model, graphs, window or off, "
-                             f"got {how!r}")
+        compile_chunk_steps(self, how, functools.partial(compile_kwargs, backend))
 
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD and conv on CUDA, SDPA and the fused q/k/v kernel, fused elephant
@@ -310,39 +267,11 @@ class ElephantLM(nn.Module):
         attention window's keys and values (default `dtype`), best the dtype attention computes in
         (bf16 under autocast, where the keys are made in bf16: a float32 window would hold the same
         values in twice the bytes, written, read and carried every chunk)."""
-        cfg = self.cfg
         device = device if device is not None else self.embed.weight.device
         dtype = dtype if dtype is not None else self.embed.weight.dtype
         kv_dtype = kv_dtype if kv_dtype is not None else dtype
-        state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
-        for block in self.blocks:
-            if block.kind == "M":
-                conv, ssm = block.mixer.init_state(batch, device, dtype)
-                state.kv.append(None)
-                state.conv.append(conv)
-                state.ssm.append(ssm)
-            else:
-                state.conv.append(None)
-                state.ssm.append(None)
-                if cfg.kv_window:
-                    H, hd, K = cfg.n_heads, cfg.head_dim, cfg.kv_keep
-                    kept = {} if not K else dict(
-                        keep_k=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
-                        keep_v=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
-                        keep_x=torch.zeros(batch, K, cfg.d_model, device=device, dtype=dtype),
-                        keep_pos=torch.zeros(batch, K, dtype=torch.long, device=device),
-                        keep_valid=torch.zeros(batch, K, dtype=torch.bool, device=device))
-                    state.kv.append(KVCache(
-                        k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
-                        v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
-                        valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device),
-                        **kept))
-                else:
-                    state.kv.append(None)
-        if cfg.n_mem:
-            state.memory = self.mem_init.detach().to(device, dtype).unsqueeze(0).expand(
-                batch, -1, -1).clone()
-        return state
+        return fresh_state(self.cfg, self.blocks, batch, device, dtype, kv_dtype,
+                           self.mem_init if self.cfg.n_mem else None)
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, state: RecurrentState | None = None, reset: Tensor | None = None,
@@ -428,92 +357,15 @@ class ElephantLM(nn.Module):
 
     def forward_window(self, chunks: list[dict], state: RecurrentState | None = None,
                        reduction: str = "sum") -> tuple[Tensor, RecurrentState]:
-        """The chunks of one BPTT window in one call: for each in turn what `forward(**chunk,
-        reduction=reduction)` does, with the state carried from one to the next; returns the sum
-        of their losses and the state after the last. Each chunk is a dict of forward's
-        arguments: tokens, targets (both required), reset, loss_mask, starts, inner_starts.
-
-        compile_for("window") compiles the chunks' steps (`_window_chunks`) as one graph, so that
-        the window's backward is one graph too: each weight's gradient is summed over the
-        chunks inside it, not by an addition of its own after them. The losses run after it, as
-        in `forward`: a summed loss as one pass of the head over the chunks stacked as lanes, a
-        mean chunk by chunk. A state that tracks the memory-only path goes chunk by chunk
-        through `forward`."""
-        if not chunks:
-            raise ValueError("forward_window: no chunk given")
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"forward_window: reduction must be sum or mean, got {reduction!r}")
-        if state is not None and state.memory_path is not None:
-            loss = 0.0
-            for chunk in chunks:
-                nll, state = self(state=state, reduction=reduction, **chunk)
-                loss = loss + nll
-            return loss, state
-        tokens, resets, starts, rooms = [], [], [], []
-        for chunk in chunks:
-            if "tokens" in chunk and chunk["tokens"].shape != chunks[0]["tokens"].shape:
-                raise ValueError(f"forward_window: every chunk of a window has the same (lanes, "
-                                 f"length): {tuple(chunks[0]['tokens'].shape)} then "
-                                 f"{tuple(chunk['tokens'].shape)}")
-            extra = set(chunk) - {"tokens", "targets", "reset", "loss_mask", "starts", "inner_starts"}
-            missing = {"tokens", "targets"} - set(chunk)
-            if extra or missing:
-                raise ValueError(f"forward_window: a chunk needs tokens and targets, and takes "
-                                 f"reset, loss_mask, starts and inner_starts; got unknown keys "
-                                 f"{sorted(extra)}, missing {sorted(missing)}")
-            # (a fresh state for the first chunk when none is given, the same one after it)
-            state, reset, start, room = self._prepare(chunk["tokens"], state, chunk.get("reset"),
-                                                      chunk.get("starts"), chunk.get("inner_starts"))
-            tokens.append(chunk["tokens"])
-            resets.append(reset)
-            starts.append(start)
-            rooms.append(room)
-        (h, gates), state = self._window_chunks(tokens, state, resets, starts, rooms)
-        T = h.shape[1]
-        if reduction == "mean":
-            loss = 0.0
-            for h_c, gate, chunk in zip(h.chunk(len(chunks)), gates, chunks):
-                loss = loss + self._output(h_c, gate, chunk["targets"], chunk.get("loss_mask"),
-                                           reduction)
-            return loss, state
-        # the summed loss as one head pass over the window's chunks stacked as lanes (the sum over
-        # all their tokens is the sum of the chunks' sums): the head's work on its whole (V, D)
-        # weight (the cast to the matmul dtype, the scaling of the float32 gradient, the sum of
-        # the chunks' gradients) is done once a window, not once a chunk
-        masks = [chunk.get("loss_mask") for chunk in chunks]
-        mask = None
-        if any(m is not None for m in masks):
-            mask = torch.cat([torch.ones(chunk["targets"].shape, dtype=torch.bool, device=h.device)
-                              if m is None else m for m, chunk in zip(masks, chunks)])
-        loss = self.head_loss(h, torch.cat([chunk["targets"] for chunk in chunks]), mask, reduction)
-        for gate in gates:
-            cost = self._write_cost(gate, T, reduction)
-            loss = loss if cost is None else loss + cost
-        return loss, state
+        """The chunks of one BPTT window in one call, each a dict of forward's arguments (tokens,
+        targets, reset, loss_mask, starts, inner_starts): the sum of their losses and the state
+        after the last (window.forward_window; compile_for("window") makes their steps one graph)."""
+        return forward_window(self, chunks, state, reduction)
 
     def _window_chunks(self, tokens: list, state: RecurrentState, resets: list, starts: list,
                        rooms: list) -> tuple[tuple, RecurrentState]:
-        """forward_window's chunks after its checks: for each, forward's detach and `_chunk`
-        (the class's own, never a compiled one), the initial memory's prefix computed by the
-        first chunk that needs it and handed to the later ones. Returns ((the chunks' final
-        normalized hidden states stacked as lanes (k B, T, D), [the memory gates or None a chunk]),
-        the state after the last). What compile_for("window") compiles (inside its graph the
-        stacking is where the final norm writes)."""
-        hs, gates = [], []
-        # the window's tokens embedded by one lookup: its backward is one scatter of every
-        # chunk's gradient into one (V, D) buffer, where a lookup a chunk made a buffer each and
-        # then summed them (passes over the whole embedding's size)
-        embedded = self.embed(torch.cat(tokens)).chunk(len(tokens))
-        for tok, reset, start, room, emb in zip(tokens, resets, starts, rooms, embedded):
-            state, core = self._carried(state)
-            h, new, _, _, gate, used = ElephantLM._chunk(self, tok, core, reset, start,
-                                                         state.prefix, False, room, emb)
-            new.links = state.links
-            new.prefix = used if used is not None else state.prefix
-            hs.append(h)
-            gates.append(gate)
-            state = new
-        return (hs[0] if len(hs) == 1 else torch.cat(hs), gates), state
+        """window.window_chunks: what compile_for("window") compiles."""
+        return window_chunks(self, tokens, state, resets, starts, rooms)
 
     def _output(self, h: Tensor, gate: Tensor | None, targets: Tensor | None,
                 loss_mask: Tensor | None, reduction: str) -> Tensor:
@@ -527,14 +379,8 @@ class ElephantLM(nn.Module):
         return loss if cost is None else loss + cost
 
     def _write_cost(self, gate: Tensor | None, T: int, reduction: str) -> Tensor | None:
-        """The price of writing memory (mem_write_cost, training only: evaluation reports the
-        cross-entropy alone): the mean gate per lane, charged for each of the chunk's T tokens;
-        None without it."""
-        if gate is None or not self.cfg.mem_write_cost or not self.training or reduction == "none":
-            return None
-        per_lane = gate.mean(-1)                                          # (B,)
-        return self.cfg.mem_write_cost * (per_lane.sum() * T if reduction == "sum"
-                                          else per_lane.mean())
+        """The price of writing memory (memory.write_cost), or None."""
+        return write_cost(self, gate, T, reduction)
 
     def _chunk(self, tokens: Tensor, state: RecurrentState, reset: Tensor | None,
                starts: Tensor | None, prefix: list[tuple] | None, want_written: bool,
@@ -644,27 +490,12 @@ class ElephantLM(nn.Module):
         return h, new, written, started, gate, prefix
 
     def _memory_positions(self, start: Tensor, end: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotary positions (B, n_mem) of the read memory and of the write slots of a chunk whose
-        tokens run from `start` to `end` - 1 (B,): -1 (not rotated) with mem_rotary "none"; the
-        first and the last position with "chunk" and "free" (at a document's start: 0, the same
-        as not rotated, so the initial memory's prefix holds for documents that start inside a
-        chunk; with "free" only the memory's queries use them, see `_free_tokens`)."""
-        M = self.cfg.n_mem
-        if self.cfg.mem_rotary == "none":
-            none = torch.full((start.shape[0], M), -1, dtype=torch.long, device=start.device)
-            return none, none
-        return start[:, None].expand(-1, M), (end - 1)[:, None].expand(-1, M)
+        """Rotary positions (B, n_mem) of the read memory and the write slots (memory.memory_positions)."""
+        return memory_positions(self.cfg, start, end)
 
     def _free_tokens(self, M: int, T: int, device) -> Tensor | None:
-        """With mem_rotary "free": which of [read memory (M) | tokens (T) | write slots (M)] are
-        memory, the keys attention scores without rotary (Attention.forward's `free`); else None.
-        The memory tokens keep the chunk's positions as queries (`_memory_positions`): the
-        write slots read the chunk from its last position."""
-        if self.cfg.mem_rotary != "free" or not M:
-            return None
-        free = torch.ones(2 * M + T, dtype=torch.bool, device=device)
-        free[M:M + T] = False
-        return free
+        """Which positions of the framed chunk attention scores position-free (memory.free_tokens)."""
+        return free_tokens(self.cfg, M, T, device)
 
     def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
                      x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None,
@@ -695,21 +526,7 @@ class ElephantLM(nn.Module):
     def _prefix(self, dtype=None) -> list[tuple]:
         """init_prefix itself: never compiled on its own, so that a compiled chunk step that needs
         the prefix traces it into its own graph."""
-        cfg = self.cfg
-        x = self.mem_init.to(dtype or self.mem_init.dtype).unsqueeze(0)  # (1, M, D)
-        pos = torch.full((1, cfg.n_mem), -1, dtype=torch.long, device=x.device)
-        fresh = self.init_state(1, device=x.device, dtype=x.dtype)
-        free = (torch.ones(cfg.n_mem, dtype=torch.bool, device=x.device)
-                if cfg.mem_rotary == "free" else None)     # all memory
-        out = []
-        for i, block in enumerate(self.blocks):
-            if block.kind == "M":
-                x, (conv, ssm) = block(x, pos, (fresh.conv[i], fresh.ssm[i]))
-                out.append((conv[0], ssm[0]))
-            else:   # k: at position -1, i.e. before rotary, what `free` memory keys are too
-                x, (k, v) = block(x, pos, None, free=free)
-                out.append((k, v))
-        return out
+        return initial_prefix(self, dtype)
 
     def update_memory(self, read: Tensor, written: Tensor) -> Tensor:
         """The next chunk's read memory from this chunk's `read` memory and the write slots'
@@ -726,19 +543,7 @@ class ElephantLM(nn.Module):
     def _memory_update(self, read: Tensor, written: Tensor) -> tuple[Tensor, Tensor | None]:
         """update_memory, and the gates before the floor (B, n_mem) with their gradient (None
         for `replace`): mem_write_cost charges them."""
-        if self.cfg.mem_update == "replace":   # in the carried memory's dtype (residual "autocast")
-            return written.to(read.dtype), None
-        dtype = torch.promote_types(read.dtype, torch.float32)
-        u = self.mem_norm(written.to(dtype))                               # (B, M, D)
-        logit = (u * self.mem_gate.to(dtype)).sum(-1) + self.mem_gate_bias.to(dtype)  # (B, M)
-        soft = torch.sigmoid(logit)
-        g = soft
-        floor = self.cfg.mem_gate_min
-        if floor > 0:  # exact zero forward, sigmoid gradient (straight-through)
-            g = soft + (torch.where(soft < floor, torch.zeros_like(soft), soft) - soft).detach()
-        self.last_mem_gate = g.detach()
-        read = read.to(dtype)
-        return read + g.unsqueeze(-1) * (u - read), soft
+        return memory_update(self, read, written)
 
     def head_loss(self, h: Tensor, targets: Tensor, loss_mask: Tensor | None = None,
                   reduction: str = "mean") -> Tensor:

@@ -1,6 +1,6 @@
 """Long-range recall: train on, or evaluate with, `data_packing/recall.py`'s synthetic facts.
 
-    python -m elephant.recall train --config configs/recall.toml [section.key=value ...]
+    python -m elephant.recall train --config configs/recall.toml [section.key=value ...]   # any order
     python -m elephant.recall eval --checkpoint runs/recall [--distances 128,4K,64K,1M] [--json F]
 
 `train` trains on the loss of the answer digits alone (`train_recall`: rolling lanes of
@@ -325,7 +325,7 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
     intact checkpoint there (weights, optimizer and step; the lanes start new documents); without it,
     `train.init_from` starts from another run's weights.
     `stop_after_s` instead keeps the schedule of `train.max_steps` and stops (with a checkpoint)
-    once that many seconds have passed: a long run split over several sessions, each resumed.
+    once that many seconds have passed: a long run split over several calls, each resuming the last.
     Returns a summary (steps, seconds, curve)."""
     from data_packing.recall import RecallTask
     from data_packing.tokenizer import load_tokenizer
@@ -479,11 +479,14 @@ def _train(args) -> int:
     return _eval(args)
 
 
-def main(argv=None) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The subcommand, then its flags and (train) its overrides in any order. argparse cannot
+    intermix the arguments of a subcommand, so the subcommand's own parser reads what follows it."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    parsers = {}
     for name in ("train", "eval"):
-        s = sub.add_parser(name)
+        s = parsers[name] = sub.add_parser(name)
         if name == "train":
             s.add_argument("--config", default="configs/recall.toml")
             s.add_argument("--resume", action="store_true")
@@ -513,8 +516,17 @@ def main(argv=None) -> int:
                            help="start every document at this rotary position (e.g. 1M)")
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    if argv and argv[0] in parsers:
+        args = parsers[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return p.parse_args(argv)   # help, or the error that names the subcommands
+
+
+def main(argv=None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = parse(argv)
+    args.argv = argv
     from data_packing import DataError
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError

@@ -273,6 +273,42 @@ class RecurrentState:
             self.chunks = int(tensors["chunks"])
 
 
+def fresh_state(cfg, blocks, batch: int, device, dtype, kv_dtype,
+                mem_init: Tensor | None = None) -> RecurrentState:
+    """ElephantLM.init_state's work (the arguments are told there): every lane at a document's
+    start, in the layout of `blocks` (each Mamba block's mixer makes its zero conv and SSM
+    state, each attention layer an empty window of kv_window slots and kv_keep kept tokens) and
+    the read memory `mem_init` (n_mem, D) in every lane."""
+    state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
+    for block in blocks:
+        if block.kind == "M":
+            conv, ssm = block.mixer.init_state(batch, device, dtype)
+            state.kv.append(None)
+            state.conv.append(conv)
+            state.ssm.append(ssm)
+        else:
+            state.conv.append(None)
+            state.ssm.append(None)
+            if cfg.kv_window:
+                H, hd, K = cfg.n_heads, cfg.head_dim, cfg.kv_keep
+                kept = {} if not K else dict(
+                    keep_k=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
+                    keep_v=torch.zeros(batch, H, K, hd, device=device, dtype=dtype),
+                    keep_x=torch.zeros(batch, K, cfg.d_model, device=device, dtype=dtype),
+                    keep_pos=torch.zeros(batch, K, dtype=torch.long, device=device),
+                    keep_valid=torch.zeros(batch, K, dtype=torch.bool, device=device))
+                state.kv.append(KVCache(
+                    k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
+                    v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
+                    valid=torch.zeros(batch, cfg.kv_window, dtype=torch.bool, device=device),
+                    **kept))
+            else:
+                state.kv.append(None)
+    if mem_init is not None:
+        state.memory = mem_init.detach().to(device, dtype).unsqueeze(0).expand(batch, -1, -1).clone()
+    return state
+
+
 class StaticCarry:
     """The state that one CUDA-graph training step hands to the next, kept in buffers whose
     addresses never change.

@@ -36,9 +36,9 @@ def pytest_configure(config):
 
 # Inductor's compile processes under pytest-xdist on a GPU host: the workers already fill its
 # cores, and a pool in each of them (a torch import each) was work on top (GPU suite 134.5 s with
-# them, 114.1 s without; session 28). The tests marked heavy, the long compiles that end the
+# them, 114.1 s without; 2026-11-26). The tests marked heavy, the long compiles that end the
 # suite, get a pool of HEAVY_COMPILE_THREADS: their kernels compile while inductor writes the
-# rest (the trainer's test 94.5 -> 78.8 s, the suite 138.3 -> 127.5 s; session 37).
+# rest (the trainer's test 94.5 -> 78.8 s, the suite 138.3 -> 127.5 s; 2026-11-27).
 # TORCHINDUCTOR_COMPILE_THREADS sets the workers' own, ELEPHANT_HEAVY_COMPILE_THREADS the heavy
 # tests' (1: none).
 HEAVY_COMPILE_THREADS = 4

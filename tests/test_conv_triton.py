@@ -50,7 +50,7 @@ def conv_cases():
     form with segments (SEGMENT_FORM's alternative, kept for the benchmarks) at width 4 with a tail
     over 37 tokens, and over 2 at widths 4 and 6: its boundary tiles are held case by case by
     test_tiles_inside_one_document_take_the_plain_form_and_the_others_do_not (its other widths and
-    cases cost ~50 s of the CPU suite; they passed in session 38 before they were cut)."""
+    cases cost ~50 s of the CPU suite; they passed on 2026-11-27 before they were cut)."""
     for L in (37, 2):
         for seg in SEGMENTS:
             for silu, form in FORMS:

@@ -63,7 +63,7 @@ def test_triton_conv_equals_the_reference_on_cuda(with_seg, form, dtype, compile
     # kernel; the kernels' float32 numerics are the eager runs' (a compiled float32 run added
     # 6-33 s of compile each and no path). form: segments mended at each start (the default,
     # conv_triton.SEGMENT_FORM), or by the boundary tiles recomputed: that form, an alternative
-    # since session 30, is held to the reference in float32 here and on the CPU (its backward
+    # since 2026-11-26, is held to the reference in float32 here and on the CPU (its backward
     # kernel with segments takes ~24 s to compile, each run of it 20-33 s of the GPU suite)
     from elephant.layers.conv_triton import depthwise_conv
     silu = compiled

@@ -402,7 +402,7 @@ def test_compile_for_leaves_room_for_every_graph_variant():
     # window, with or without starts, prefix computed or carried, varlen room or not), evaluation
     # more: past dynamo's limit the rest would run uncompiled, silently
     import torch._dynamo
-    from elephant.model import COMPILE_VARIANTS, _limit_name
+    from elephant.compile import COMPILE_VARIANTS, _limit_name
     config = torch._dynamo.config
     name = _limit_name(config)
     saved = getattr(config, name)

@@ -17,7 +17,7 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     # chunks later) the memory is the only path. Chance is 0.1 per digit. The gates start half
     # open (the recipe's start shut): in 600 steps this tiny model then learns in each of seeds
     # 0, 1, 2 (0.72 / 0.70, 0.91 / 0.63, 0.79 / 0.69 at 64 / 96 tokens); with shut gates only
-    # seed 0 did, at 0.84 / 0.65, and a change of rounding took it to 0.70 / 0.59 (LOG, session 39)
+    # seed 0 did, at 0.84 / 0.65, and a change of rounding took it to 0.70 / 0.59 (LOG, 2026-11-27)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
                       kv_window=0, bptt_chunks=8, mem_gate_init=0.0)

@@ -558,7 +558,7 @@ def test_cuda_graph_training_refuses_memory_only_backpropagation():
 def test_training_graphs_serve_training_with_gradients_only():
     # compile_for("graphs"): the CUDA-graph form for a training step with gradients, the plain
     # compiled form for evaluation, generation and no-grad calls
-    from elephant.model import TrainingGraphs
+    from elephant.compile import TrainingGraphs
     calls = []
     model = torch.nn.Linear(2, 2)
     fn = TrainingGraphs(model, lambda: calls.append("graphs"), lambda: calls.append("plain"))

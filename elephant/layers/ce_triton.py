@@ -42,9 +42,9 @@ LAUNCH = {"nll": (2048, 4), "grad": (8192, 8)}
 # the gradient's walk over a row runs from its end, whose blocks the first walk read last: 3-10%
 # faster than from its start at every launch of the sweep (8192 x 8: 406 us against 421)
 GRAD_REVERSED = True
-# L2 eviction hints on the gradient's walks (see the module doc): in session 38's sweep of the
-# recipe's block, 12% faster at this launch (8192 x 8, reversed), up to 21% at others, and within
-# 2% either way at the two launches of 16,384 x 16 warps
+# L2 eviction hints on the gradient's walks (see the module doc): in a sweep of the recipe's
+# block (H100, 2026-11-27), 12% faster at this launch (8192 x 8, reversed), up to 21% at others,
+# and within 2% either way at the two launches of 16,384 x 16 warps
 L2_HINTS = True
 
 

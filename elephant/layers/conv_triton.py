@@ -553,9 +553,9 @@ if HAS_TRITON:
 # tile; its channels and warps are its own). Set from benchmarks/bench_conv_launch.py [--segments].
 # One launch for both forms (a branch per tile) cost every tile the boundary form's registers
 # (backward, 32 tokens: 255 against 134), and so did a launch of the plain tiles alone that checked
-# each tile's segments (session 21). H100, a boundary every ~1,000 tokens (packed log-normal
+# each tile's segments (2026-11-25). H100, a boundary every ~1,000 tokens (packed log-normal
 # documents of median 600): backward 287 -> 234 us, forward 58 -> 56; every ~150 tokens it is
-# slower, 311 -> 322 and 63 -> 71 (bench_conv_launch.py --segments --every N --before, session 24).
+# slower, 311 -> 322 and 63 -> 71 (bench_conv_launch.py --segments --every N --before, 2026-11-25).
 # Looking at several tiles a program in the second launch was slower still (279 and 384 us).
 LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bwd_seg": (32, 128, 4)}
 
@@ -602,10 +602,10 @@ def _launches(backward: bool, has_seg: bool) -> list[tuple[bool, int, int, int, 
 # every tile): "tiles", a second launch recomputes the tiles that hold a boundary; "starts", a
 # program a lane finds the lane's starts in its segment ids and mends only what a start changes
 # (the K-1 outputs after it, the K-1 inputs' gradients before it, the weight and tail gradients
-# through those outputs). Measured by benchmarks/gpu.sh conv-forms (H100, session 30, the
+# through those outputs). Measured by benchmarks/gpu.sh conv-forms (H100, 2026-11-26, the
 # recipe's chunk, three turns): the op, a boundary every ~1,000 tokens, forward 73 -> 67 us and
 # backward 179 -> 154; every ~150, 92 -> 83 and 271 -> 210; the packed training step 49.47 ->
-# 49.14 ms (two rounds each, in turns). (Session 29's form with the starts in a list made on the
+# 49.14 ms (two rounds each, in turns). (An earlier form with the starts in a list made on the
 # device, one program a start, was a faster op still but no faster step: the list was made in
 # the graph for every layer.)
 SEGMENT_FORM = "starts"

@@ -43,7 +43,7 @@ IGNORE_INDEX = ce_triton.IGNORE_INDEX   # the targets every path skips (the loss
 # logits and their gradient in bf16, 4 GiB together). A window's 32,768 rows at the recipe's shape
 # are two blocks: against 1 GiB's eight, six fewer passes of the weight gradient's float32
 # accumulation (V x D, read and written) and wider products, +1.3% tokens/s for +3.3 GB of peak
-# memory (H100, docs/RESULTS.md session 34)
+# memory (H100, 2026-11-26, docs/RESULTS.md)
 BLOCK_BYTES = 4 << 30
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -145,7 +145,7 @@ if CE_KERNEL not in ("triton", "inductor"):
 
 # Evaluation's per-row NLL (no gradient) as one kernel that never writes the logits
 # (linear_nll_triton): 3.30 against 3.74 ms a 32,768-row pass on an H100, 1-2% of the 64-lane
-# chunk step (session 40; session 38's unflattened form lost, 4.59 ms). ELEPHANT_EVAL_FUSED=0: the
+# chunk step (2026-11-27; the earlier unflattened form lost, 4.59 ms). ELEPHANT_EVAL_FUSED=0: the
 # blocked path (the A/B)
 EVAL_FUSED = os.environ.get("ELEPHANT_EVAL_FUSED", "1") == "1"
 

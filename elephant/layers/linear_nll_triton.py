@@ -10,14 +10,14 @@ Why: in evaluation the blocked head makes each block's logits in bf16 (3.3 GB fo
 chunk step of the 70M recipe) and ce_triton's NLL kernel reads them back once. On an H100 that is
 ~3.7 ms of a ~14.5 ms step: the product ~2.8 ms, the NLL's read ~0.9 ms, and the product's write of
 the logits inside the first. The 64-lane pass runs at the GPU's power limit, so bytes not moved
-are time saved (docs/RESULTS.md, issue 12, sessions 38 and 40).
+are time saved (docs/RESULTS.md, issue 12, 2026-11-27).
 
 How: a program holds BM rows of h and walks its part of the vocabulary in tiles of BN columns.
 For each tile it forms the logits in registers (products over D in steps of BK, float32
 accumulation) and folds them into an online log-sum-exp in base 2 (running maximum, rescaled
 sum). The two loops (tiles, and D within a tile) are flattened into one (`tl.range(flatten=
 True)`), so the compiler keeps the next tile's loads in flight while a tile's sums are made: with
-the tile loop outside the pipelined D loop (session 38's form) every tile drained and refilled the
+the tile loop outside the pipelined D loop (the first form) every tile drained and refilled the
 pipeline, 4.59 ms a pass against 3.30 flattened. The vocabulary is split over `split` programs a
 row block, so that enough programs are in flight for a short batch; their partial (maximum, sum)
 are combined by a few small torch ops. The target's logit is one dot product a row
@@ -28,7 +28,7 @@ rounding, and this one is the closer to the float32 logits (4e-6 against 1.5e-2 
 Status: on by default on CUDA (head.EVAL_FUSED): 3.30 ms a 32,768-row pass at its best launch
 (128 x 128 tiles, products of 64, 8 warps, 3 stages) against the blocked path's 3.74, on the 64-
 lane chunk step 1-2% of its time (`benchmarks/bench_eval_head.py`, `bench_eval_step.py`). Tried
-and dropped (session 40): the row block's h kept on chip and the weight streamed in (BN, D)
+and dropped (2026-11-27): the row block's h kept on chip and the weight streamed in (BN, D)
 tiles, 4.1-8.5 ms (the shared memory it takes leaves one program an SM and few stages). What
 would make it GEMM-grade: TMA loads and warp specialization (loads, products and the
 log-sum-exp step in warps of their own), beyond what Triton's loops give.

@@ -42,6 +42,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+# the kernel file holds the input checks both paths share (it never imports this module)
+from elephant.layers import inline_in_graph, ssd_triton
+from elephant.layers.ssd_triton import check_joint, check_shapes
+
 BACKENDS = ("auto", "ref", "triton")
 _backend = os.environ.get("ELEPHANT_SSD", "auto")
 
@@ -87,49 +91,9 @@ def takes_triton(x, B, chunk_size: int) -> bool:
             and not inline_in_graph(x, x.shape[0] * x.shape[1]))
 
 
-def check_joint(joint, x, B) -> None:
-    """joint (see ssd_scan) must be (b, l, h p + 2 g n) in x's dtype."""
-    if joint is None:
-        return
-    b, l, h, p = x.shape
-    shape = (b, l, h * p + 2 * B.shape[2] * B.shape[3])
-    if tuple(joint.shape) != shape or joint.dtype != x.dtype:
-        raise ValueError(f"ssd: joint must be {shape} in x's dtype {x.dtype} (the tensor whose "
-                         f"column blocks [x | B | C] are x, B and C), got {tuple(joint.shape)} "
-                         f"{joint.dtype}")
-
-
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 stays float64; every other dtype is computed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def check_shapes(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None) -> None:
-    if x.dim() != 4:
-        raise ValueError(f"ssd: x must be (batch, length, heads, head_dim), got shape {tuple(x.shape)}")
-    b, l, h, p = x.shape
-    if dt.shape != (b, l, h):
-        raise ValueError(f"ssd: dt must be {(b, l, h)}, got {tuple(dt.shape)}")
-    if A.shape != (h,):
-        raise ValueError(f"ssd: A must be ({h},), got {tuple(A.shape)}")
-    if B.dim() != 4 or B.shape[:2] != (b, l) or C.shape != B.shape or h % B.shape[2]:
-        raise ValueError(f"ssd: B and C must be ({b}, {l}, groups, d_state) with groups dividing "
-                         f"{h} heads, got {tuple(B.shape)} and {tuple(C.shape)}")
-    if D is not None and D.shape != (h,):
-        raise ValueError(f"ssd: D must be ({h},) or None, got {tuple(D.shape)}")
-    n = B.shape[3]
-    if initial_state is not None and initial_state.shape != (b, h, p, n):
-        raise ValueError(f"ssd: initial_state must be {(b, h, p, n)} or None, "
-                         f"got {tuple(initial_state.shape)}")
-    if seg is not None and (seg.shape != (b, l) or seg.is_floating_point()):
-        raise ValueError(f"ssd: seg must be ({b}, {l}) integer segment ids or None, got "
-                         f"{tuple(seg.shape)} {seg.dtype}")
-    if segment_init is not None:
-        if seg is None:
-            raise ValueError("ssd: segment_init is the state of segments after the first: it needs seg")
-        if segment_init.shape != (h, p, n):
-            raise ValueError(f"ssd: segment_init must be {(h, p, n)} (one state for every segment "
-                             f"after the first), got {tuple(segment_init.shape)}")
 
 
 def ssd_recurrent_ref(x, dt, A, B, C, D=None, initial_state=None, seg=None, segment_init=None):
@@ -322,6 +286,3 @@ def add_segment_init(y, final, dt, A, C, seg, segment_init, chunk_size: int = 64
     final = final + (decay[:, -1, :, None, None] * init).to(final.dtype)
     return y, final
 
-
-# at the end: ssd_triton imports check_shapes from this module (and imports without Triton or CUDA)
-from elephant.layers import inline_in_graph, ssd_triton  # noqa: E402

@@ -60,12 +60,52 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from elephant.layers.ssd import check_joint, check_shapes
-
 # the reference path runs everywhere; this one needs Triton
 from elephant.layers.triton_env import FLOAT_DTYPES
 from elephant.layers.triton_env import HAS_TRITON as HAVE_TRITON
 from elephant.layers.triton_env import tl, triton
+
+
+def check_shapes(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None) -> None:
+    """The inputs of every SSD scan (see ssd.py's docstring for the shapes); here, not in ssd.py,
+    so that this kernel file never imports the module that dispatches to it."""
+    if x.dim() != 4:
+        raise ValueError(f"ssd: x must be (batch, length, heads, head_dim), got shape {tuple(x.shape)}")
+    b, l, h, p = x.shape
+    if dt.shape != (b, l, h):
+        raise ValueError(f"ssd: dt must be {(b, l, h)}, got {tuple(dt.shape)}")
+    if A.shape != (h,):
+        raise ValueError(f"ssd: A must be ({h},), got {tuple(A.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (b, l) or C.shape != B.shape or h % B.shape[2]:
+        raise ValueError(f"ssd: B and C must be ({b}, {l}, groups, d_state) with groups dividing "
+                         f"{h} heads, got {tuple(B.shape)} and {tuple(C.shape)}")
+    if D is not None and D.shape != (h,):
+        raise ValueError(f"ssd: D must be ({h},) or None, got {tuple(D.shape)}")
+    n = B.shape[3]
+    if initial_state is not None and initial_state.shape != (b, h, p, n):
+        raise ValueError(f"ssd: initial_state must be {(b, h, p, n)} or None, "
+                         f"got {tuple(initial_state.shape)}")
+    if seg is not None and (seg.shape != (b, l) or seg.is_floating_point()):
+        raise ValueError(f"ssd: seg must be ({b}, {l}) integer segment ids or None, got "
+                         f"{tuple(seg.shape)} {seg.dtype}")
+    if segment_init is not None:
+        if seg is None:
+            raise ValueError("ssd: segment_init is the state of segments after the first: it needs seg")
+        if segment_init.shape != (h, p, n):
+            raise ValueError(f"ssd: segment_init must be {(h, p, n)} (one state for every segment "
+                             f"after the first), got {tuple(segment_init.shape)}")
+
+
+def check_joint(joint, x, B) -> None:
+    """joint (see ssd.ssd_scan) must be (b, l, h p + 2 g n) in x's dtype."""
+    if joint is None:
+        return
+    b, l, h, p = x.shape
+    shape = (b, l, h * p + 2 * B.shape[2] * B.shape[3])
+    if tuple(joint.shape) != shape or joint.dtype != x.dtype:
+        raise ValueError(f"ssd: joint must be {shape} in x's dtype {x.dtype} (the tensor whose "
+                         f"column blocks [x | B | C] are x, B and C), got {tuple(joint.shape)} "
+                         f"{joint.dtype}")
 
 
 def supports(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> bool:
@@ -405,7 +445,7 @@ if HAVE_TRITON:
             e_cs = tl.exp(cs)
         # The order below keeps few float32 tiles alive at once (registers are the limit of this
         # kernel): the Q x Q products first, then each gradient stored as soon as it is whole,
-        # dx's float32 tile last. Session 30, H100, the recipe's shape (bench_scan_launch.py,
+        # dx's float32 tile last. H100, 2026-11-26, the recipe's shape (bench_scan_launch.py,
         # `registers`): the earlier order (the state's gradients first, dx's tile alive throughout)
         # spilled 88 registers at 4 warps and this one none; the scan's backward ran 317 -> 276
         # us without boundaries and 371 -> 322 with them.
