@@ -22,7 +22,8 @@ transformer  AAAAAAAA, no memory, no window, chunks of 2048 (its context), 8 lan
 Both train one after the other on the same GPU for `--budget-s` seconds each (the schedule is fit
 to the budget: benchmarks/common.train_for_budget; the first 10 steps, compilation, are not
 counted) and are saved (`<runs>/<variant>/checkpoints/`; `--runs`, by default
-`<cache>/lm_study_runs`, beside the data cache: not in the results), then each is loaded back and
+`<cache>/lm_study_runs`, beside the data cache: not in the results; an earlier run there is moved
+aside to `<variant>.old-<date>`, never deleted), then each is loaded back and
 streams the same test documents with carried state as eval.py reads them (elephant.evaluate: no
 context limit for the hybrid; the transformer restarts its context every 2048 tokens, as when it
 was trained).
@@ -39,6 +40,10 @@ hybrid at the top of summary.json, of each variant under `context_ablation`): co
 transformer's 2048 tokens cannot hold. `--score-only` loads `<runs>/<variant>` (a training run
 dir; its newest checkpoint that verifies) and scores it without training, into `<out>`'s summary
 (keeping the training figures a summary already there holds).
+
+`--cpu-smoke` runs every part on the CPU in about a minute: a 32-wide model, an eighth of the
+lanes, 15 s of training, 4 documents, and the ablation over the shortest test document of over
+16K tokens (its 16K-32K band partly filled).
 
 Written: `<out>/summary.json` (device, versions, date, commit, command, loss and bits per byte,
 loss by position, also over the documents of over 32K tokens alone, the context ablation) and
@@ -197,7 +202,7 @@ def score(name: str, run_dir: Path, args, test, long_test) -> dict:
                           "loss_by_position": {k: v["loss"] for k, v in ev["position_buckets"].items()},
                           "tokens_by_position": {k: v["tokens"]
                                                  for k, v in ev["position_buckets"].items()}}
-        print(f"[{name}] {len(long_test)} documents over {args.long_tokens // 1024}K tokens, "
+        print(f"[{name}] {len(long_test)} document(s) over {args.long_tokens // 1024}K tokens, "
               f"{kind}{f' every {every}' if every else ''}: loss {ev['loss']:.4f}", flush=True)
     if "reset" in ablation:
         carried, reset = ablation["carried"], ablation["reset"]

@@ -252,15 +252,14 @@ def parse_reset_every(text: str, chunk_len: int, flag: str = "--reset-every") ->
     length: a ConfigError naming `flag` unless it is 0 or a positive multiple of `chunk_len`."""
     from .config import ConfigError
     from .recall import parse_count
-    expected = (f"expected 0 (off) or a positive multiple of the chunk length {chunk_len}, "
-                f"e.g. {4 * chunk_len}, 2K, 1M")
+    expected = (f"0 (off) or a positive multiple of the chunk length {chunk_len} (e.g. "
+                f"{4 * chunk_len}{', 2K' if 2048 % chunk_len == 0 else ''})")
     try:
         n = parse_count(str(text))
     except ConfigError:
-        raise ConfigError(f"{flag} {text}: not a token count; {expected}") from None
+        raise ConfigError(f"{flag} {text}: not a token count; expected {expected}") from None
     if n % chunk_len:
-        raise ConfigError(f"{flag} {text}: {n} tokens is not a multiple of the chunk length "
-                          f"{chunk_len}; {expected}")
+        raise ConfigError(f"{flag} {text}: not {expected}")
     return n
 
 

@@ -613,7 +613,7 @@ def test_reset_every_must_be_a_multiple_of_the_chunk_length():
         with pytest.raises(ValueError, match="reset_every must be 0"):
             evaluate(model, corpus, lanes=1, chunk_len=8, device="cpu", reset_every=bad)
     assert [parse_reset_every(t, 512) for t in ("0", "2048", "2K", "1M")] == [0, 2048, 2048, 1 << 20]
-    with pytest.raises(ConfigError, match="--reset-every 1000: 1000 tokens is not a multiple"):
+    with pytest.raises(ConfigError, match=r"--reset-every 1000: not 0 \(off\) or a positive multiple of the chunk length 512"):
         parse_reset_every("1000", 512)
 
 
@@ -629,7 +629,7 @@ def test_eval_cli_resets_every_n_tokens_and_says_so(trained_run, tmp_path, capsy
     carried = json.loads(out.read_text())["elephant"]
     assert carried["reset_every"] == 0 and carried["tokens"] == r["tokens"]
     assert carried["nll_sum"] != r["nll_sum"]
-    for bad, needle in (("100", "--reset-every 100: 100 tokens is not a multiple of the chunk length"),
+    for bad, needle in (("100", "--reset-every 100: not 0 (off) or a positive multiple of the chunk length 64"),
                         ("-64", "--reset-every -64: not a token count"),
                         ("2X", "--reset-every 2X: not a token count")):
         capsys.readouterr()
