@@ -47,6 +47,11 @@ def parse(argv):
                         "tokens of source files 1.84M -> 1.99-2.02M tokens/s)")
     p.add_argument("--side", dest="side", action="store_true", default=None,
                    help="the side batch on the CPU too (where the two batches take turns, no faster)")
+    p.add_argument("--reset-every", default="0", metavar="N",
+                   help="the context ablation: reset each document's state every N tokens (e.g. "
+                        "2048, 2K; a multiple of the chunk length), as if a new document started "
+                        "there; the loss by position stays by the position in the document "
+                        "(default 0: carried to the end)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -106,7 +111,7 @@ def run(args) -> int:
     from data_packing import get_corpus, open_source
     from data_packing.sources import canonical_split
     from elephant.config import Config, DataConfig, apply_overrides, load_config
-    from elephant.evaluate import evaluate
+    from elephant.evaluate import evaluate, parse_reset_every
     from elephant.fsutil import atomic_write_json
     from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
     from elephant.metrics import plot_position_loss
@@ -151,13 +156,16 @@ def run(args) -> int:
                        f"tokenizer than the checkpoint's")
 
     chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
+    reset_every = parse_reset_every(args.reset_every, chunk_len)
     use_bf16 = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
                     cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact,
-                    side=device.type == "cuda" if args.side is None else args.side)
-    ours.update(parameters=model.num_params(), context="unlimited (recurrent)", chunk_len=chunk_len,
+                    side=device.type == "cuda" if args.side is None else args.side,
+                    reset_every=reset_every)
+    ours.update(parameters=model.num_params(), chunk_len=chunk_len, reset_every=reset_every,
+                context=f"reset every {reset_every} tokens" if reset_every else "unlimited (recurrent)",
                 source=data.source, split=split)
     results = {"elephant": ours}
 

@@ -54,6 +54,18 @@ the fused head, the side batch compacted; docs/RESULTS.md, issue 12).
 
 The state's attention window is kept in the dtype autocast computes in (`autocast_dtype`), where
 its keys and values are made: a float32 window holds the same values in twice the bytes.
+
+The context ablation (`reset_every=N`, eval.py --reset-every): each lane's state is reset at
+positions N, 2N, ... of its document, as if a new document started there (the model's own reset:
+window emptied, kept tokens dropped, SSM/conv state zeroed, the initial memory, rotary positions
+from 0), so a document is scored as its pieces of N predicted tokens each would be alone (input
+N opens a piece without context and predicts N + 1; target N is still predicted from the piece
+before). N is a multiple of the chunk length, so unpacked a reset falls on a chunk's first token:
+it is one more reset flag, computed on the device from the lane's position, which the static
+step (CUDA graph) and the side batch take as they take a new document's. Packed, where documents
+start inside chunks, the pieces are marked in the chunk's `starts` (counted on the host). The loss
+by position stays by the position in the whole document, so the curve compares band by band with
+the carried one: the difference is what carried context buys.
 """
 from __future__ import annotations
 
@@ -235,6 +247,22 @@ def compacted_lanes(live: list[int], lanes_now: int, share: int = 8) -> list[int
     return sorted(live + idle[:n - len(live)])
 
 
+def parse_reset_every(text: str, chunk_len: int, flag: str = "--reset-every") -> int:
+    """A user's reset interval ('2048', '2K', '1M'; 0: off) as tokens, checked against the chunk
+    length: a ConfigError naming `flag` unless it is 0 or a positive multiple of `chunk_len`."""
+    from .config import ConfigError
+    from .recall import parse_count
+    expected = (f"0 (off) or a positive multiple of the chunk length {chunk_len} (e.g. "
+                f"{4 * chunk_len}{', 2K' if 2048 % chunk_len == 0 else ''})")
+    try:
+        n = parse_count(str(text))
+    except ConfigError:
+        raise ConfigError(f"{flag} {text}: not a token count; expected {expected}") from None
+    if n % chunk_len:
+        raise ConfigError(f"{flag} {text}: not {expected}")
+    return n
+
+
 def document_chunks(n_tokens, chunk_len: int):
     """The chunks a document of n_tokens takes unpacked (an int, or an array of counts: each
     document's): its n_tokens - 1 predicted tokens over chunk_len, rounded up."""
@@ -258,8 +286,10 @@ class _Pass:
     whether there was one."""
 
     def __init__(self, model, corpus, lanes, chunk_len, device, autocast, rank, world, pack,
-                 order, cuda_graph, compact, is_long, prefix, stream=None, compact_share=8):
+                 order, cuda_graph, compact, is_long, prefix, stream=None, compact_share=8,
+                 reset_every=0):
         self.model, self.device, self.autocast = model, device, autocast
+        self.reset_every = reset_every   # the context ablation's interval (tokens), 0: off
         self.compact_share = compact_share   # compacted_lanes' share
         self.n_docs, self.chunk_len, self.pack = len(corpus), chunk_len, pack
         self.cuda_graph, self.compact, self.is_long, self.prefix = cuda_graph, compact, is_long, prefix
@@ -278,6 +308,7 @@ class _Pass:
         self.state = model.init_state(lanes, device=device, kv_dtype=autocast_dtype(autocast, device))
         self.lane_pos = torch.zeros(lanes, dtype=torch.long, device=device)
         self.idx = torch.arange(chunk_len, device=device)
+        self.host_pos = torch.zeros(lanes, dtype=torch.long)   # packed resets: lane_pos on the host
         self.static = None
         # the chunks this batch will run, at full lanes (its documents' chunks over its lanes)
         chunks = document_chunks(corpus.doc_lengths, chunk_len)
@@ -309,15 +340,24 @@ class _Pass:
         mask = to_device(batch.loss_mask, device)
         starts = to_device(batch.starts, device)
         ids = to_device(batch.token_doc_ids, device)                   # (B, T) document of each input
+        # what the model is told starts a document: the batch's starts, with reset_every the
+        # pieces' too (`starts` itself keeps the true documents, for the positions below)
+        reset, cuts, n_inner = starts[:, 0], starts, batch.inner_starts
+        if self.reset_every and not pack:   # a piece starts at the chunk's first token
+            due = (self.lane_pos > 0) & (self.lane_pos % self.reset_every == 0)
+            reset = reset | due
+        elif self.reset_every:
+            cuts = to_device(self._piece_starts(batch), device)
+            reset, n_inner = cuts[:, 0], self._inner
         if self.static is not None:
-            nll = self.static(tokens, mask, starts[:, 0])
+            nll = self.static(tokens, mask, reset)
         else:
             with autocast() if autocast else nullcontext():
                 # the boundary path only for chunks where a document starts inside (a host count)
-                inner = starts if pack and batch.inner_starts else None
-                nll, self.state = model(tokens[:, :-1], self.state, starts[:, 0], targets=tokens[:, 1:],
+                inner = cuts if pack and n_inner else None
+                nll, self.state = model(tokens[:, :-1], self.state, reset, targets=tokens[:, 1:],
                                         loss_mask=mask, reduction="none", starts=inner,
-                                        prefix=self.prefix, inner_starts=batch.inner_starts)
+                                        prefix=self.prefix, inner_starts=n_inner)
             rows = batch.tokens.shape[0] * self.chunk_len
             ahead = self.expected_chunks - self.chunk_steps
             if self.cuda_graph and not pack and (rows <= GRAPH_MAX_ROWS or ahead >= GRAPH_MIN_CHUNKS):
@@ -355,6 +395,19 @@ class _Pass:
                 self.rows = [current[i] for i in keep]
                 self.static = None   # made again, for the new lane count, after its first chunk
 
+    def _piece_starts(self, batch) -> torch.Tensor:
+        """Packed, with reset_every: the batch's starts (B, T) on the host with the pieces' first
+        tokens added (a real token at a positive multiple of reset_every in its document); their
+        count inside the chunk (t > 0) goes to `_inner`."""
+        T = self.chunk_len
+        idx = torch.arange(T)
+        last = torch.where(batch.starts, idx, -1).cummax(1).values          # (B, T) latest start
+        pos = torch.where(last >= 0, idx - last, self.host_pos[:, None] + idx)
+        self.host_pos = torch.where(last[:, -1] >= 0, T - last[:, -1], self.host_pos + T)
+        cuts = batch.starts | ((pos > 0) & (pos % self.reset_every == 0) & (batch.token_doc_ids >= 0))
+        self._inner = int(cuts[:, 1:].sum())
+        return cuts
+
     def sums(self) -> list[torch.Tensor]:
         return [self.doc_nll, self.doc_tok, self.pos_nll, self.pos_tok, self.long_nll, self.long_tok]
 
@@ -364,7 +417,8 @@ class _Pass:
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False,
-             long_docs: int = BUCKET_EDGES[-1], compact: bool = False, side: bool = False) -> dict:
+             long_docs: int = BUCKET_EDGES[-1], compact: bool = False, side: bool = False,
+             reset_every: int = 0) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
     `chunk_steps`: the chunks this rank ran (both batches' with a side batch; a pass's lane fill
     is the tokens over lane_chunks x chunk_len), and `position_buckets_long`: the loss by position over
@@ -383,9 +437,15 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     main batch of the other lanes, the two advanced in step (see the module doc);
     `side_documents` counts them, `side_chunk_steps` the side batch's chunks, `side_lane_chunks`
     its rows (with `compact`, the side batch shrinks as its documents end).
+    `reset_every`: the context ablation (see the module doc): every lane's state reset at
+    positions reset_every, 2 x reset_every, ... of its document (0: off; else a positive multiple
+    of chunk_len); the loss by position stays by the position in the whole document.
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
+    if reset_every < 0 or reset_every % chunk_len:
+        raise ValueError(f"evaluate: reset_every must be 0 (off) or a positive multiple of "
+                         f"chunk_len={chunk_len}, got {reset_every}")
     corpus = subset(corpus, max_docs)
     n_docs = len(corpus)
     device = torch.device(device)
@@ -401,7 +461,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
              else np.zeros(0, dtype=np.int64))
     common = dict(model=model, corpus=corpus, chunk_len=chunk_len, device=device,
                   autocast=autocast, rank=rank, world=world, pack=pack, cuda_graph=cuda_graph,
-                  compact=compact, is_long=is_long, prefix=prefix)
+                  compact=compact, is_long=is_long, prefix=prefix, reset_every=reset_every)
     if aside.size:
         stream = None
         if device.type == "cuda":   # high priority: its short kernels go first as the main batch's end

@@ -597,3 +597,134 @@ def test_side_batch_gives_the_same_sums_and_reads_the_long_documents_beside(cuda
     assert side_documents(corpus, docs, 16, 700).size == 0                # one chunk each
     even = corpus_of([50] * 40)
     assert side_documents(even, longest_first(even), 16, 8).size == 0
+
+
+def recorded_chunk_nll(model) -> tuple[list, object]:
+    """A list that each forward of `model` appends its per-token NLL (B, T) to, and the hook's
+    handle (remove it after)."""
+    seen = []
+    handle = model.register_forward_hook(lambda module, args, out: seen.append(out[0].clone()))
+    return seen, handle
+
+
+def pieces_of(corpus, n: int) -> TokenizedCorpus:
+    """Every document cut into pieces of n predicted tokens: tokens [j n, (j + 1) n] (the last
+    token of a piece is the next one's first), as documents of their own."""
+    docs = []
+    for i in range(len(corpus)):
+        doc = corpus.doc(i)
+        docs += [doc[j: j + n + 1] for j in range(0, len(doc) - 1, n)]
+    return TokenizedCorpus.from_documents(docs)
+
+
+@pytest.mark.parametrize("n_mem, extra", [(0, {}), (2, {}), (2, {"kv_keep": 5, "mem_rotary": "free"})])
+def test_reset_every_scores_a_document_as_its_pieces_alone(n_mem, extra):
+    # reset_every=N (the context ablation): the state is reset at positions N, 2N, ... of the
+    # document, as if a new document started there (window, kept tokens, Mamba state, memory,
+    # rotary positions), so every chunk's per-token NLL is bitwise that of the document's
+    # N-token pieces read as documents of their own (float64; one lane, chunks of 32, N = 256);
+    # the loss by position stays by the position in the whole document
+    from elephant.metrics import PositionBuckets
+    model = mama_model(n_mem=n_mem, kv_window=16, **extra)
+    N, T, L = 256, 32, 1100
+    corpus = corpus_of([L])
+    seen, handle = recorded_chunk_nll(model)
+    reset = evaluate(model, corpus, lanes=1, chunk_len=T, device="cpu", reset_every=N)
+    by_reset, seen[:] = list(seen), []
+    alone = evaluate(model, pieces_of(corpus, N), lanes=1, chunk_len=T, device="cpu", order="corpus")
+    by_piece, seen[:] = list(seen), []
+    carried = evaluate(model, corpus, lanes=1, chunk_len=T, device="cpu")
+    handle.remove()
+    assert len(by_reset) == len(by_piece) == 35                      # (1100 - 1) / 32, rounded up
+    assert all(torch.equal(a, b) for a, b in zip(by_reset, by_piece))
+    assert reset["tokens"] == alone["tokens"] == carried["tokens"] == L - 1
+    assert math.isclose(reset["nll_sum"], alone["nll_sum"], rel_tol=1e-12)
+    assert reset["documents"] == 1 and alone["documents"] == 5
+    assert reset["nll_sum"] != carried["nll_sum"]                    # it did reset
+    # by the position in the document: the carried pass's bands, the pieces' losses
+    want = PositionBuckets()
+    want.add(torch.cat(by_reset, 1)[0, :L - 1], torch.arange(1, L))
+    assert [b["tokens"] for b in reset["position_buckets"].values()] == \
+        [b["tokens"] for b in carried["position_buckets"].values()] == [511, 512, 76]
+    for label, bucket in want.to_dict().items():
+        assert math.isclose(reset["position_buckets"][label]["nll_sum"], bucket["nll_sum"],
+                            rel_tol=1e-12), label
+
+
+def test_reset_every_zero_or_past_every_document_changes_nothing():
+    # reset_every=0 (off, the default) is today's evaluation bit for bit; an interval no document
+    # reaches takes the reset path and resets nothing: the same bits
+    model = mama_model(n_mem=2, kv_window=16)
+    corpus = corpus_of(LONG_TAIL)
+    for kwargs in ({}, {"cuda_graph": True, "compact": True}, {"pack": True}):
+        default = evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", **kwargs)
+        assert evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", reset_every=0,
+                        **kwargs) == default
+        assert evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", reset_every=704,
+                        **kwargs) == default
+
+
+@pytest.mark.parametrize("kwargs", [{"cuda_graph": True, "compact": True}, {"side": True},
+                                    {"side": True, "cuda_graph": True, "compact": True}])
+def test_reset_every_is_honoured_by_the_static_step_compaction_and_the_side_batch(kwargs):
+    # the resets are inputs of each chunk step: the static step (a CUDA graph on a GPU), the
+    # compacted batch and the side batch give the plain pass's sums (float64), and those are
+    # the pieces' read alone, in total
+    model = mama_model(n_mem=2, kv_window=16, kv_keep=5)
+    corpus = corpus_of(LONG_TAIL)
+    plain = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", reset_every=64)
+    got = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", reset_every=64, **kwargs)
+    assert_same_sums(got, plain, long=True)
+    alone = evaluate(model, pieces_of(corpus, 64), lanes=16, chunk_len=8, device="cpu")
+    assert alone["tokens"] == plain["tokens"]
+    assert math.isclose(alone["nll_sum"], plain["nll_sum"], rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("lanes, chunk_len", [(1, 8), (3, 16)])
+def test_packed_evaluation_resets_inside_its_chunks(lanes, chunk_len):
+    # packed, documents start anywhere in a chunk, so the pieces do too (marked in `starts`):
+    # memory off and a window covering the documents, the unpacked ablation's sums
+    model = mama_model()
+    corpus = corpus_of([50, 2, 113, 17, 64, 90, 3, 9])
+    unpacked = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", reset_every=32)
+    packed = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", reset_every=32,
+                      pack=True)
+    assert_same_sums(packed, unpacked)
+    alone = evaluate(model, pieces_of(corpus, 32), lanes=lanes, chunk_len=chunk_len, device="cpu")
+    assert math.isclose(alone["nll_sum"], packed["nll_sum"], rel_tol=1e-10)
+    carried = evaluate(model, corpus, lanes=lanes, chunk_len=chunk_len, device="cpu", pack=True)
+    assert carried["nll_sum"] != packed["nll_sum"]
+
+
+def test_reset_every_must_be_a_multiple_of_the_chunk_length():
+    from elephant.config import ConfigError
+    from elephant.evaluate import parse_reset_every
+    model, corpus = mama_model(), corpus_of([50, 20])
+    for bad in (-8, 12):
+        with pytest.raises(ValueError, match="reset_every must be 0"):
+            evaluate(model, corpus, lanes=1, chunk_len=8, device="cpu", reset_every=bad)
+    assert [parse_reset_every(t, 512) for t in ("0", "2048", "2K", "1M")] == [0, 2048, 2048, 1 << 20]
+    with pytest.raises(ConfigError, match=r"--reset-every 1000: not 0 \(off\) or a positive multiple of the chunk length 512"):
+        parse_reset_every("1000", 512)
+
+
+def test_eval_cli_resets_every_n_tokens_and_says_so(trained_run, tmp_path, capsys):
+    # the tiny recipe's chunks are 64 tokens; the test documents reach 350
+    out = tmp_path / "r.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--json", str(out),
+                          "--no-progress", "--reset-every", "128"]) == 0
+    r = json.loads(out.read_text())["elephant"]
+    assert r["reset_every"] == 128 and r["context"] == "reset every 128 tokens"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--json", str(out),
+                          "--no-progress"]) == 0
+    carried = json.loads(out.read_text())["elephant"]
+    assert carried["reset_every"] == 0 and carried["tokens"] == r["tokens"]
+    assert carried["nll_sum"] != r["nll_sum"]
+    for bad, needle in (("100", "--reset-every 100: not 0 (off) or a positive multiple of the chunk length 64"),
+                        ("-64", "--reset-every -64: not a token count"),
+                        ("2X", "--reset-every 2X: not a token count")):
+        capsys.readouterr()
+        assert eval_cli.main(["--checkpoint", str(trained_run), "--reset-every", bad,
+                              "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
