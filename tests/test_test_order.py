@@ -75,16 +75,3 @@ def test_the_test_after_each_long_one_is_the_quickest_measured():
     # without seconds the collected order, as before
     plain = worksteal_shares(spread_heavy(items, 4, lambda item: item.startswith("h")), 4)
     assert [share[:2] for share in plain[:3]] == [["h0", "t0"], ["h1", "t7"], ["h2", "t14"]]
-
-
-def test_worksteal_simulation_never_steals_the_test_a_worker_runs_next():
-    # benchmarks/test_order_sim.py's model: a 10 s test holds the quick one dealt after it, the
-    # other worker takes the back half of a longer queue
-    from benchmarks.test_order_sim import simulate
-    secs = {"a": 10, "b": 1, "c": 1, "d": 1}
-    assert simulate(["a", "b", "c", "d"], secs, 2) == 11      # shares [a, b] [c, d]: b after a
-    assert simulate(["a", "c", "b", "d"], secs, 2) == 11
-    secs.update(e=1, f=1, g=1, h=1)
-    # shares [a b c d] [e f g h]: the second worker ends its own at 4 s, then takes c, d from the back
-    assert simulate(list("abcdefgh"), secs, 2) == 11
-    assert simulate(list("abcdefgh"), {**secs, "b": 5}, 2) == 15  # b is never taken
