@@ -58,11 +58,24 @@ def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float
     return statistics.median(times)
 
 
-def sweep_parser(iters: int, warmup: int, segments_help: str | None = None):
-    """The launch sweeps' shared arguments: --iters, --warmup, and --segments when the sweep has
-    a form with document boundaries (segments_help; add their own after)."""
-    import argparse
-    ap = argparse.ArgumentParser()
+def queued_ms(fn, calls: int, warmup: int = 0) -> float:
+    """Mean ms a call of `fn()` over `calls` calls queued back to back after `warmup` (one CUDA
+    event pair around them all: the GPU's pace when the host keeps ahead of it)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def sweep_arguments(ap, iters: int, warmup: int, segments_help: str | None = None):
+    """The launch sweeps' shared arguments on `ap`: --iters, --warmup, and --segments when the
+    sweep has a form with document boundaries (segments_help; add their own after)."""
     ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument("--warmup", type=int, default=warmup)
     if segments_help is not None:
@@ -71,7 +84,7 @@ def sweep_parser(iters: int, warmup: int, segments_help: str | None = None):
 
 
 def cuda_or_exit(name: str) -> torch.device:
-    """The CUDA device, or exit with an error naming the script that needs it."""
+    """The CUDA device, or exit with an error naming the benchmark that needs it."""
     if not torch.cuda.is_available():
         import sys
         sys.exit(f"error: {name} needs CUDA")

@@ -7,8 +7,9 @@
 #   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS processes with pytest-xdist
 #           (default: one per CPU core); where the wall time went: gpu_tests_timeline.txt
 #           (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
-#   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
-#           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
+#   bench   kernels.py ssd, kernels.py layers, bench_optim.py, kernels.py model, bench_packing.py,
+#           bench_generate.py -> benchmarks/results/*.json (BENCHES="model ssd" for a subset, by
+#           those names; generate: decoding speed and memory, ~3 min)
 #   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
 #   speed   benchmarks/train_speed.py: plain GPT vs attention-only vs hybrid through Trainer.train_step
 #           at equal tokens per step, and streaming evaluation speed (~5 min; SPEED_ARGS passed on)
@@ -95,8 +96,12 @@ for stage in $stages; do
       unset ELEPHANT_TEST_TIMELINE ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
-        echo "--- bench_$b"
-        timeout $([ "$b" = generate ] && echo 420 || echo 300) python benchmarks/bench_$b.py 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
+        echo "--- $b"
+        case $b in   # the kernel benchmarks are subcommands of kernels.py, the others scripts
+          ssd|layers|model) cmd="benchmarks/kernels.py $b" ;;
+          *) cmd="benchmarks/bench_$b.py" ;;
+        esac
+        timeout $([ "$b" = generate ] && echo 420 || echo 300) python $cmd 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
       done ;;
     train)
       timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -8
@@ -284,7 +289,7 @@ for stage in $stages; do
       # start every ~1,000 and ~150 tokens, the GPU tests of the conv and the packed model in
       # both forms, then the packed step in each form in turns with the unpacked one (~8 min)
       for every in 1000 150; do
-        timeout 90 python benchmarks/bench_conv_launch.py --segments --starts --silu --every $every \
+        timeout 90 python benchmarks/kernels.py conv-launch --segments --starts --silu --every $every \
           --tokens 64 --channels 128 --warps 4 2>&1 | tee "$LOGS/conv_forms_every$every.log" | grep "^a/b" | cut -c1-400
         cp $RES/conv_launch_segments_silu_*.json "$LOGS/conv_forms_every$every.json" 2>/dev/null
       done

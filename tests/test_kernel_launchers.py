@@ -27,7 +27,7 @@ def test_kernels_are_counted_by_the_op_that_queued_them():
 
 
 def test_compiled_registers_reads_every_compiled_variant_and_nothing_else():
-    # benchmarks.common.compiled_registers (bench_scan_launch's `registers`): one row per compiled
+    # benchmarks.common.compiled_registers (`kernels.py scan-launch`'s `registers`): one row per compiled
     # variant in a Triton kernel's per-device caches, handles loaded first (where the counts come
     # from); a kernel never compiled (or an interpreted one) has none
     from benchmarks.common import compiled_registers
