@@ -1,9 +1,10 @@
-"""benchmarks/kernel_launchers.py's counting on the CPU: each kernel counted under the op the
-profiler links it to, by the op's name and the project's frames of its stack (the GPU run
-profiles a real step; this holds the counting it feeds)."""
+"""train_speed.py --launchers' counting (benchmarks.common.count_launches) on the CPU: each
+kernel counted under the op the profiler links it to, by the op's name and the project's frames
+of its stack (the GPU run profiles a real step; this holds the counting it feeds)."""
 from types import SimpleNamespace as NS
 
-from benchmarks.kernel_launchers import PATTERNS, count_launches
+from benchmarks.common import LAUNCHER_PATTERNS as PATTERNS
+from benchmarks.common import count_launches
 
 
 def op(name, stack, *kernels):
