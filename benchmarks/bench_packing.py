@@ -18,7 +18,7 @@ computes the initial-memory prefix once per step (in the step of its first chunk
               (pack=True): predicted (unmasked) tokens per second; packing should raise it by the
               fill gained, less its own overhead. lognormal_packed_conv_tiles: the packed path
               with the Mamba conv's other form with segments (conv_triton.SEGMENT_FORM "tiles",
-              the default until session 30), in turns with the others (its own compiled graph).
+              the default until 2026-11-26), in turns with the others (its own compiled graph).
   breakdown   each cost of the boundary path alone, forward+backward ms on the model's shapes
               (one layer, lanes x (n_mem + T + n_mem)), eager and compiled: the conv (the conv
               kernel, alone and with the model's transpose and concatenation / the Triton conv

@@ -58,11 +58,24 @@ def median_ms(fn, device, iters: int, warmup: int, graph: bool = False) -> float
     return statistics.median(times)
 
 
-def sweep_parser(iters: int, warmup: int, segments_help: str | None = None):
-    """The launch sweeps' shared arguments: --iters, --warmup, and --segments when the sweep has
-    a form with document boundaries (segments_help; add their own after)."""
-    import argparse
-    ap = argparse.ArgumentParser()
+def queued_ms(fn, calls: int, warmup: int = 0) -> float:
+    """Mean ms a call of `fn()` over `calls` calls queued back to back after `warmup` (one CUDA
+    event pair around them all: the GPU's pace when the host keeps ahead of it)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def sweep_arguments(ap, iters: int, warmup: int, segments_help: str | None = None):
+    """The launch sweeps' shared arguments on `ap`: --iters, --warmup, and --segments when the
+    sweep has a form with document boundaries (segments_help; add their own after)."""
     ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument("--warmup", type=int, default=warmup)
     if segments_help is not None:
@@ -71,7 +84,7 @@ def sweep_parser(iters: int, warmup: int, segments_help: str | None = None):
 
 
 def cuda_or_exit(name: str) -> torch.device:
-    """The CUDA device, or exit with an error naming the script that needs it."""
+    """The CUDA device, or exit with an error naming the benchmark that needs it."""
     if not torch.cuda.is_available():
         import sys
         sys.exit(f"error: {name} needs CUDA")
@@ -360,3 +373,55 @@ def compiled_registers(kernel) -> list[dict]:
                         "stages": getattr(meta, "num_stages", None),
                         "shared_bytes": getattr(meta, "shared", None)})
     return out
+
+
+# Which host op queued a step's kernels of a given name (train_speed.py --launchers): the small
+# float32 and bf16 reductions, device-to-device copies (a memcpy node or the driver's copy kernel)
+# and memsets by default
+LAUNCHER_PATTERNS = {
+    "reduction_f32": r"reduce_kernel<.*ReduceOp<float",
+    "reduction_bf16": r"reduce_kernel<.*ReduceOp<c10::BFloat16",
+    "copy": r"Memcpy DtoD|memcpy\d+",
+    "memset": r"Memset",
+}
+
+
+def project_frames(stack) -> str:
+    """The frames of a Python stack in this project's files, innermost first."""
+    keep = [f for f in (stack or []) if "elephant/" in f or "benchmarks/" in f or "train.py" in f]
+    return " <- ".join(keep)[:400]
+
+
+def count_launches(ops, patterns: dict[str, str]) -> dict[str, list[tuple[int, str, str]]]:
+    """Each op's kernels (`.kernels`, the device events the profiler links to it by correlation
+    id: the innermost op around the launch, an aten op, a custom op or a compiled graph's
+    record_function) matched by name, counted by the op and its project frames, most first:
+    for each pattern, [(kernels, the op that queued them, its project frames)]."""
+    import collections
+    out = {}
+    for kind, pattern in patterns.items():
+        counts = collections.Counter()
+        for o in ops:
+            n = sum(1 for k in o.kernels if re.search(pattern, k.name))
+            if n:
+                counts[(o.name, project_frames(o.stack))] += n
+        out[kind] = [(n, who, where) for (who, where), n in counts.most_common()]
+    return out
+
+
+def print_launchers(step, patterns: dict[str, str], title: str, top: int = 15) -> None:
+    """Run `step()` once under the profiler with stacks (CUDA) and print, for each pattern, the
+    ops that queued its kernels (`count_launches`). Inside a CUDA graph every kernel is queued by
+    the graph's launch: profile a step without graphs (train.compile=on) to see the ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    cpu = torch.autograd.DeviceType.CPU
+    found = count_launches([e for e in prof.events() if e.device_type == cpu], patterns)
+    for kind, rows in found.items():
+        print(f"==== {title}: {kind} ({sum(n for n, _, _ in rows)} kernels, one step)")
+        for n, who, where in rows[:top]:
+            print(f"  {n:4d}  {who}  ::  {where}")

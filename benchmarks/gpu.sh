@@ -7,9 +7,11 @@
 #   tests   python -m pytest -m gpu tests/, over GPU_TEST_WORKERS processes with pytest-xdist
 #           (default: one per CPU core); where the wall time went: gpu_tests_timeline.txt
 #           (ELEPHANT_GPU_SLOW=1 adds the slow opt-in FlexAttention tests)
-#   bench   benchmarks/bench_{ssd,layers,optim,model,packing,generate}.py -> benchmarks/results/*.json
-#           (BENCHES="model ssd" for a subset; generate: decoding speed and memory, ~3 min)
-#   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU
+#   bench   kernels.py ssd, kernels.py layers, bench_optim.py, kernels.py model, bench_packing.py,
+#           bench_generate.py -> benchmarks/results/*.json (BENCHES="model ssd" for a subset, by
+#           those names; generate: decoding speed and memory, ~3 min)
+#   train   train.py on the wt103-70m model shape (pycode text, bytes), 1 GPU; its log summed up by
+#           `summarize.py train-run` into benchmarks/results/train_<gpu>_1gpu.json
 #   speed   benchmarks/train_speed.py: plain GPT vs attention-only vs hybrid through Trainer.train_step
 #           at equal tokens per step, and streaming evaluation speed (~5 min; SPEED_ARGS passed on)
 #   train2  the same on 1 GPU and on 2 GPUs with torchrun (for the 2-GPU speed-up; TRAIN2_GPUS=4: on 4; TRAIN_EXTRA: more
@@ -85,22 +87,26 @@ for stage in $stages; do
       # HEAVY_COMPILE_THREADS set them otherwise
       [ -n "$par" ] && export TORCHINDUCTOR_COMPILE_THREADS=${TEST_COMPILE_THREADS:-1}
       [ -n "${HEAVY_COMPILE_THREADS:-}" ] && export ELEPHANT_HEAVY_COMPILE_THREADS=$HEAVY_COMPILE_THREADS
-      # each test's start and end on its worker (tests/conftest.py), summed up by test_timeline.py
+      # each test's start and end on its worker (tests/conftest.py), summed up by summarize.py
       export ELEPHANT_TEST_TIMELINE=$LOGS/gpu_tests_timeline.jsonl
       python -c "import json, time; print(json.dumps({'event': 'launch', 'at': time.time()}))" > "$ELEPHANT_TEST_TIMELINE"
       timeout ${TEST_TIMEOUT:-500} python -m pytest -m gpu -q -p no:cacheprovider --durations=30 $par tests/ 2>&1 | tee "$LOGS/gpu_tests.log" | tail -40
       # (gpu_seconds.json: each test's seconds; copied to tests/, the quickest follow the long ones)
-      python benchmarks/test_timeline.py "$ELEPHANT_TEST_TIMELINE" --json "$LOGS/gpu_tests_timeline.json" \
+      python benchmarks/summarize.py test-timeline "$ELEPHANT_TEST_TIMELINE" --json "$LOGS/gpu_tests_timeline.json" \
         --seconds "$LOGS/gpu_seconds.json" | tee "$LOGS/gpu_tests_timeline.txt"
       unset ELEPHANT_TEST_TIMELINE ;;
     bench)
       for b in ${BENCHES:-ssd layers optim model packing generate}; do
-        echo "--- bench_$b"
-        timeout $([ "$b" = generate ] && echo 420 || echo 300) python benchmarks/bench_$b.py 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
+        echo "--- $b"
+        case $b in   # the kernel benchmarks are subcommands of kernels.py, the others scripts
+          ssd|layers|model) cmd="benchmarks/kernels.py $b" ;;
+          *) cmd="benchmarks/bench_$b.py" ;;
+        esac
+        timeout $([ "$b" = generate ] && echo 420 || echo 300) python $cmd 2>&1 | tee "$LOGS/bench_$b.log" | tail -25
       done ;;
     train)
       timeout 900 python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -8
-      python benchmarks/train_summary.py /tmp/run-1gpu 1 ;;
+      python benchmarks/summarize.py train-run /tmp/run-1gpu 1 ;;
     speed)
       timeout ${SPEED_TIMEOUT:-540} python benchmarks/train_speed.py --cache /tmp/elephant-cache ${SPEED_ARGS:-} 2>&1 \
         | tee "$LOGS/train_speed.log" | grep -v "profiler_st" | tail -25
@@ -108,12 +114,12 @@ for stage in $stages; do
     train2)
       rm -rf /tmp/run-1gpu /tmp/run-2gpu /tmp/run-2gpu-before
       CUDA_VISIBLE_DEVICES=0 timeout ${TRAIN2_TIMEOUT:-900} python train.py $TRAIN_ARGS train.run_dir=/tmp/run-1gpu 2>&1 | tee "$LOGS/train_1gpu.log" | tail -5
-      python benchmarks/train_summary.py /tmp/run-1gpu 1
+      python benchmarks/summarize.py train-run /tmp/run-1gpu 1
       timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu 2>&1 | tee "$LOGS/train_${TRAIN2_GPUS:-2}gpu.log" | tail -5
-      python benchmarks/train_summary.py /tmp/run-2gpu ${TRAIN2_GPUS:-2} /tmp/run-1gpu
+      python benchmarks/summarize.py train-run /tmp/run-2gpu ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       if [ -n "${TRAIN2_BEFORE:-}" ]; then
         timeout ${TRAIN2_TIMEOUT:-900} torchrun --standalone --nproc_per_node=${TRAIN2_GPUS:-2} $TRAIN2_BEFORE/train.py $TRAIN_ARGS train.run_dir=/tmp/run-2gpu-before 2>&1 | tee "$LOGS/train_${TRAIN2_GPUS:-2}gpu_before.log" | tail -5
-        SUMMARY_TAG=before python benchmarks/train_summary.py /tmp/run-2gpu-before ${TRAIN2_GPUS:-2} /tmp/run-1gpu
+        SUMMARY_TAG=before python benchmarks/summarize.py train-run /tmp/run-2gpu-before ${TRAIN2_GPUS:-2} /tmp/run-1gpu
       fi ;;
     recall)
       timeout 580 python benchmarks/recall_study.py --variants ${RECALL_VARIANTS:-hybrid,attention,replace,nomem} \
@@ -252,7 +258,7 @@ for stage in $stages; do
       # process of its own, in turns over SPEED_AB_ROUNDS rounds (default 2), so that a drift of
       # the GPU's clock falls on both; SPEED_ARGS passed on (~7 min on a cold H100, each tree
       # compiling once). The order alternates (before, after; then after, before; ...): the first
-      # run on a fresh machine ran slower in session 38's one-round A/Bs
+      # run on a fresh machine ran slower in the one-round A/Bs of 2026-11-27
       abs_res=$(pwd)/$RES
       for round in $(seq ${SPEED_AB_ROUNDS:-2}); do
         order="before after"
@@ -284,7 +290,7 @@ for stage in $stages; do
       # start every ~1,000 and ~150 tokens, the GPU tests of the conv and the packed model in
       # both forms, then the packed step in each form in turns with the unpacked one (~8 min)
       for every in 1000 150; do
-        timeout 90 python benchmarks/bench_conv_launch.py --segments --starts --silu --every $every \
+        timeout 90 python benchmarks/kernels.py conv-launch --segments --starts --silu --every $every \
           --tokens 64 --channels 128 --warps 4 2>&1 | tee "$LOGS/conv_forms_every$every.log" | grep "^a/b" | cut -c1-400
         cp $RES/conv_launch_segments_silu_*.json "$LOGS/conv_forms_every$every.json" 2>/dev/null
       done
@@ -297,7 +303,8 @@ for stage in $stages; do
         | tee "$LOGS/conv_forms_packing.log" | grep -E "^summary|^lognormal|Error" | cut -c1-300 ;;
     packing-shapes)
       # the GPU's clock and power every 200 ms beside the runs (the results' `spans` say when each
-      # path ran): is the padded step faster because the GPU clocks higher on padding?
+      # path ran; `summarize.py clocks` reads both): is the padded step faster because the GPU
+      # clocks higher on padding?
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
         --format=csv -lms 200 > "$LOGS/packing_shapes_clocks.csv" 2>&1 &
       smi=$!

@@ -27,7 +27,9 @@ the host-queued phases (clipping, the optimizer, its graphed form), and on the G
 time the GPU idled between kernels, by gap length, and the longest gaps with the kernels around
 them (`benchmarks.common.device_gaps`; a step's wall is its kernels plus these); the full tables into
 ..._profile.txt (with --shapes also the operators by input shape). --phases adds each phase's
-host and wall time.
+host and wall time. --launchers [NAME=REGEX ...] prints, after each trainer step's profile, which
+host op queued the kernels of each name (one more profiled step, CUDA; with --set
+train.compile=on, as inside a CUDA graph every kernel is queued by the graph's launch).
 
 Evaluation (the hybrid's model, compiled blocks, bf16): `elephant.evaluate` with 64 lanes over the
 first documents of the corpus up to --eval-tokens tokens (longest first), and with one lane over
@@ -36,12 +38,12 @@ tokens and the peak memory, beside the peak of a short one-lane document (memory
 --eval-modes plain,compact,side (say) times instead the 64-lane pass in each mode, in turns over
 --eval-rounds rounds (eval_<mode>_tokens_per_s: each mode's median); side_nogc is side with
 Python's cyclic garbage collector paused for the pass, side_fused with the head that never writes
-its logits (head.EVAL_FUSED, the default since session 40), side_blocked with the blocked head
+its logits (head.EVAL_FUSED, the default since 2026-11-27), side_blocked with the blocked head
 (logits made in blocks and read back by the loss kernel), side_fullside with the side batch
-kept at its lane count to the end (evaluate.SIDE_COMPACT_SHARE 8: before session 40),
+kept at its lane count to the end (evaluate.SIDE_COMPACT_SHARE 8: before 2026-11-27),
 side_allgraph with every batch's step a CUDA graph whatever the pass's length, side_capped with a
 batch over evaluate.GRAPH_MAX_ROWS plain however long the pass (evaluate.GRAPH_MIN_CHUNKS out of
-play: session 38's default), and the *_torchcapture modes capture
+play: the default before commit 6386d05), and the *_torchcapture modes capture
 through torch.cuda.graph's context (evaluate.LEAN_CAPTURE off: a device synchronization and
 emptied caches before each capture). Each pass records the collector's pauses inside it and its
 wall-clock span (to match against the GPU's clock sampled beside it).
@@ -81,8 +83,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import baseline_gpt  # noqa: E402
-from benchmarks.common import (add_inductor_argument, environment, inductor_options,  # noqa: E402
-                               profile, result_path, use_inductor_options)
+from benchmarks.common import (LAUNCHER_PATTERNS, add_inductor_argument, environment,  # noqa: E402
+                               inductor_options, print_launchers, profile, result_path,
+                               use_inductor_options)
 
 RECIPES = {"attention": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0"],
            "hybrid": []}
@@ -302,6 +305,8 @@ def extras(out: dict, step, args, device, title: str, trainer=None) -> str:
         with phase_marks(trainer) if trainer is not None else contextlib.nullcontext():
             out["top_kernels"], table, out["profile_summary"] = profile(
                 step, args.profile_steps, device, title, ranges=ranges, shapes=args.shapes)
+            if args.launchers and trainer is not None and torch.device(device).type == "cuda":
+                print_launchers(step, args.launchers, title)
     except Exception as e:
         out["top_kernels"], table = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, f"== {title}: {e}"
     return table
@@ -343,7 +348,7 @@ def run_baseline(args, tokens_per_step: int, target_params: int, device, compile
            "dynamo": timed,
            "failures": compile_failures("baseline", warm, timed, compiled)}
     table = extras(out, step, args, device, "baseline GPT")
-    del stepper, batches
+    stepper = batches = None   # freed (step() above holds them)
     return out, table
 
 
@@ -625,6 +630,12 @@ def parse(argv):
                          "the blocked linear + cross-entropy")
     ap.add_argument("--shapes", action="store_true",
                     help="profile with the operators' input shapes (a second table, by shape)")
+    ap.add_argument("--launchers", nargs="*", default=None, metavar="NAME=REGEX",
+                    help="after the trainer's profile, one more profiled step (CUDA): the kernels "
+                         "whose name matches each REGEX counted by the op (and our frames of its "
+                         "Python stack) that queued them; no pattern: small reductions, copies and "
+                         "memsets. Give --set train.compile=on to see the ops (a CUDA graph's "
+                         "kernels are all queued by its launch)")
     ap.add_argument("--phases", action="store_true",
                     help="also time the trainer's step by phase (windows, clipping, optimizer, "
                          "rest): host time to queue each, and wall time with waits around each")
@@ -655,6 +666,11 @@ def parse(argv):
     if "eval" in args.parts and "hybrid" not in args.parts:
         ap.error("--only: eval times the hybrid's model, so it needs hybrid too")
     args.inductor_options = inductor_options(args.inductor, ap.error)
+    if args.launchers is not None:
+        patterns = [item.partition("=") for item in args.launchers]
+        if any(not name or not regex for name, _, regex in patterns):
+            ap.error("--launchers takes NAME=REGEX patterns")
+        args.launchers = {name: regex for name, _, regex in patterns} or LAUNCHER_PATTERNS
     args.world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.world > 1 and not set(args.parts) <= {"attention", "hybrid"}:
         ap.error(f"under torchrun (WORLD_SIZE={args.world}) only the trainer's steps run: "

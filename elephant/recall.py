@@ -235,7 +235,7 @@ def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: t
                      before_step=None, memory_path: bool = False, window: int = 0,
                      log_gaps: bool = False) -> list[dict]:
     """A short training loop with the loss on the answer digits only: the signal a CPU can afford
-    (the CPU test and benchmarks/recall_cpu_study.py). Each step is one batch of one-fact
+    (the CPU test; the CPU recall studies of docs/RESULTS.md). Each step is one batch of one-fact
     documents (distances uniform, or log-uniform with `log_gaps`), each a fresh lane state;
     `window` and `memory_path` as in `answer_step`. With
     `start_max_gap`, a curriculum: the largest distance grows geometrically from it to gaps[1]

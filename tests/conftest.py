@@ -113,7 +113,7 @@ GPU_SECONDS = Path(__file__).with_name("gpu_seconds.json")
 
 def _gpu_seconds() -> dict:
     """Each GPU test's seconds in the last measured run (tests/gpu_seconds.json, written by
-    `benchmarks/test_timeline.py --seconds` from a run's timeline), {} without it."""
+    `benchmarks/summarize.py test-timeline --seconds` from a run's timeline), {} without it."""
     try:
         return json.loads(GPU_SECONDS.read_text())
     except (OSError, ValueError):
@@ -168,8 +168,9 @@ def spread_heavy(items: list, workers: int, heavy, seconds=None) -> list:
 
 
 if os.environ.get("ELEPHANT_TEST_TIMELINE"):
-    # Where a parallel run's wall time goes (benchmarks/test_timeline.py reads it): each test's
-    # start and end on its worker, one JSON line each, and when the worker finished importing
+    # Where a parallel run's wall time goes (`benchmarks/summarize.py test-timeline` reads it):
+    # each test's start and end on its worker, one JSON line each, and when the worker finished
+    # importing
     _CONFTEST_IMPORTED = time.time()
 
     def _timeline(**record):

@@ -1,9 +1,10 @@
-"""benchmarks/kernel_launchers.py's counting on the CPU: each kernel counted under the op the
-profiler links it to, by the op's name and the project's frames of its stack (the GPU run
-profiles a real step; this holds the counting it feeds)."""
+"""train_speed.py --launchers' counting (benchmarks.common.count_launches) on the CPU: each
+kernel counted under the op the profiler links it to, by the op's name and the project's frames
+of its stack (the GPU run profiles a real step; this holds the counting it feeds)."""
 from types import SimpleNamespace as NS
 
-from benchmarks.kernel_launchers import PATTERNS, count_launches
+from benchmarks.common import LAUNCHER_PATTERNS as PATTERNS
+from benchmarks.common import count_launches
 
 
 def op(name, stack, *kernels):
@@ -27,7 +28,7 @@ def test_kernels_are_counted_by_the_op_that_queued_them():
 
 
 def test_compiled_registers_reads_every_compiled_variant_and_nothing_else():
-    # benchmarks.common.compiled_registers (bench_scan_launch's `registers`): one row per compiled
+    # benchmarks.common.compiled_registers (`kernels.py scan-launch`'s `registers`): one row per compiled
     # variant in a Triton kernel's per-device caches, handles loaded first (where the counts come
     # from); a kernel never compiled (or an interpreted one) has none
     from benchmarks.common import compiled_registers

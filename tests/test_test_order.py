@@ -36,8 +36,9 @@ def test_long_tests_head_the_shares_in_turn(n, heavy_at, workers):
 
 
 def test_timeline_summary_names_the_worker_that_ended_last():
-    # benchmarks/test_timeline.py on a timeline as tests/conftest.py writes it: times from launch
-    from benchmarks.test_timeline import seconds_by_test, summarize
+    # `benchmarks/summarize.py test-timeline` on a timeline as tests/conftest.py writes it: times
+    # from launch
+    from benchmarks.summarize import seconds_by_test, summarize_timeline
     t0 = 1000.0
     lines = [dict(event="launch", at=t0),
              dict(event="imported", worker="gw0", at=t0 + 9), dict(event="imported", worker="gw1", at=t0 + 11),
@@ -45,7 +46,7 @@ def test_timeline_summary_names_the_worker_that_ended_last():
              dict(event="test", worker="gw0", test="a2", start=t0 + 40, stop=t0 + 50),
              dict(event="test", worker="gw0", test="a1", start=t0 + 10, stop=t0 + 40),
              dict(event="test", worker="gw1", test="c", start=t0 + 90, stop=t0 + 101)]
-    s = summarize(lines)
+    s = summarize_timeline(lines)
     assert s["wall_s"] == 101 and s["last_worker"] == "gw1"
     assert s["workers"]["gw0"]["runs"] == [(10, 30, "a1"), (40, 10, "a2")]   # in start order
     assert (s["workers"]["gw1"]["imported_s"], s["workers"]["gw1"]["busy_s"]) == (11, 89)
@@ -75,16 +76,3 @@ def test_the_test_after_each_long_one_is_the_quickest_measured():
     # without seconds the collected order, as before
     plain = worksteal_shares(spread_heavy(items, 4, lambda item: item.startswith("h")), 4)
     assert [share[:2] for share in plain[:3]] == [["h0", "t0"], ["h1", "t7"], ["h2", "t14"]]
-
-
-def test_worksteal_simulation_never_steals_the_test_a_worker_runs_next():
-    # benchmarks/test_order_sim.py's model: a 10 s test holds the quick one dealt after it, the
-    # other worker takes the back half of a longer queue
-    from benchmarks.test_order_sim import simulate
-    secs = {"a": 10, "b": 1, "c": 1, "d": 1}
-    assert simulate(["a", "b", "c", "d"], secs, 2) == 11      # shares [a, b] [c, d]: b after a
-    assert simulate(["a", "c", "b", "d"], secs, 2) == 11
-    secs.update(e=1, f=1, g=1, h=1)
-    # shares [a b c d] [e f g h]: the second worker ends its own at 4 s, then takes c, d from the back
-    assert simulate(list("abcdefgh"), secs, 2) == 11
-    assert simulate(list("abcdefgh"), {**secs, "b": 5}, 2) == 15  # b is never taken

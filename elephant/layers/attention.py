@@ -32,7 +32,7 @@ i.e. a document that started inside the chunk (`attend_segments`): on CUDA in 16
 knows that few enough documents start inside the chunk (`room`, see SEGMENT_ROOM), FlashAttention-2's
 variable-length kernel over a sequence per document (`attend_segments_varlen`); otherwise one
 explicit boolean mask over [prefix | cache | chunk] through SDPA, whatever the backend.
-`benchmarks/bench_layers.py` times the two cache paths; the default is `ELEPHANT_ATTN` from the
+`benchmarks/kernels.py layers` times the two cache paths; the default is `ELEPHANT_ATTN` from the
 environment (sdpa | flex | reference), else sdpa.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None
 # over [valid slots | chunk], whose causal form is aligned to the last key (lower right), i.e.
 # every valid slot and the chunk's keys j <= i. The masked SDPA it replaces reads a (B, S, W + S)
 # mask and computes every masked tile (1.01 ms against 0.61 forward and backward at the recipe's
-# shape, benchmarks/bench_attention_paths.py). ELEPHANT_ATTN_VARLEN=0: the masked path (A/B).
+# shape, benchmarks/kernels.py attention-paths). ELEPHANT_ATTN_VARLEN=0: the masked path (A/B).
 VARLEN = os.environ.get("ELEPHANT_ATTN_VARLEN", "1") != "0"
 
 

@@ -20,7 +20,7 @@ The second read is meant to come from L2 (50 MB on an H100), so the gradient's l
 carry eviction hints (`L2_HINTS`): the first walk asks L2 to keep the row (evict_last), the second
 reads it and writes dz as data not to be kept (evict_first), so the gradient's writes do not push
 out rows still to be read. On an H100 the recipe's block (16,384 x 50,304 bf16) ran 1,561 -> 1,335
-us, a plain copy of the same bytes 1,135 (benchmarks/bench_ce.py, docs/RESULTS.md).
+us, a plain copy of the same bytes 1,135 (benchmarks/kernels.py ce, docs/RESULTS.md).
 
 Registered with torch.library.triton_op (inductor launches the kernel from its own code inside a
 compiled chunk). Runs on CUDA, and on CPU tensors under TRITON_INTERPRET=1 (the tests).
@@ -36,7 +36,7 @@ from .triton_env import INTERPRET as _INTERPRET
 
 IGNORE_INDEX = -100
 # (vocabulary elements per step of a row's walk, warps): among the fastest of the sweep of
-# benchmarks/bench_ce.py on an H100 (4,096 x 50,304 bf16; grad 406 us against inductor's 575,
+# benchmarks/kernels.py ce on an H100 (4,096 x 50,304 bf16; grad 406 us against inductor's 575,
 # nll 146 against 301; neighbouring launches within a few percent)
 LAUNCH = {"nll": (2048, 4), "grad": (8192, 8)}
 # the gradient's walk over a row runs from its end, whose blocks the first walk read last: 3-10%

@@ -550,12 +550,13 @@ if HAS_TRITON:
 # takes two launches: the kernel without segments over every tile (exactly the unpacked path's
 # kernel), then one over the same tiles that recomputes, over the first one's output, only the few
 # tiles that hold a boundary, by sub-tiles of "fwd_seg" / "bwd_seg" tokens (a divisor of the plain
-# tile; its channels and warps are its own). Set from benchmarks/bench_conv_launch.py [--segments].
+# tile; its channels and warps are its own). Set from `kernels.py conv-launch [--segments]`.
 # One launch for both forms (a branch per tile) cost every tile the boundary form's registers
 # (backward, 32 tokens: 255 against 134), and so did a launch of the plain tiles alone that checked
 # each tile's segments (2026-11-25). H100, a boundary every ~1,000 tokens (packed log-normal
 # documents of median 600): backward 287 -> 234 us, forward 58 -> 56; every ~150 tokens it is
-# slower, 311 -> 322 and 63 -> 71 (bench_conv_launch.py --segments --every N --before, 2026-11-25).
+# slower, 311 -> 322 and 63 -> 71 (kernels.py conv-launch --segments --every N --before,
+# 2026-11-25).
 # Looking at several tiles a program in the second launch was slower still (279 and 384 us).
 LAUNCH = {"fwd": (32, 128, 4), "bwd": (64, 128, 4), "fwd_seg": (32, 128, 4), "bwd_seg": (32, 128, 4)}
 

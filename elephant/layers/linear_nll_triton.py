@@ -27,7 +27,7 @@ rounding, and this one is the closer to the float32 logits (4e-6 against 1.5e-2 
 
 Status: on by default on CUDA (head.EVAL_FUSED): 3.30 ms a 32,768-row pass at its best launch
 (128 x 128 tiles, products of 64, 8 warps, 3 stages) against the blocked path's 3.74, on the 64-
-lane chunk step 1-2% of its time (`benchmarks/bench_eval_head.py`, `bench_eval_step.py`). Tried
+lane chunk step 1-2% of its time (`benchmarks/kernels.py eval-head`, `eval-step`). Tried
 and dropped (2026-11-27): the row block's h kept on chip and the weight streamed in (BN, D)
 tiles, 4.1-8.5 ms (the shared memory it takes leaves one program an SM and few stages). What
 would make it GEMM-grade: TMA loads and warp specialization (loads, products and the
@@ -47,7 +47,7 @@ from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
 
 # (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
-# launches benchmarks/bench_eval_head.py sweeps on an H100 (3.30 ms a 32,768-row pass; the
+# launches `benchmarks/kernels.py eval-head` sweeps on an H100 (3.30 ms a 32,768-row pass; the
 # others 3.40-5.07); the interpreter takes the smallest tiles tl.dot allows
 LAUNCH = {"BM": 128, "BN": 128, "BK": 64, "warps": 8, "stages": 3}
 # programs in flight to aim for when splitting the vocabulary (about two per SM of an H100; 132

@@ -36,7 +36,7 @@ from .triton_env import unit_stride_rows
 
 # (rows a program takes at once, warps, programs per SM) of the backward on the GPU: a (ROWS, D)
 # tile of each tensor at a time, the programs walking the row blocks in turn. Set from
-# benchmarks/bench_gated_norm.py (H100, the recipe's 32 x 528 x 1,024 bf16 rows, 2026-11-26):
+# benchmarks/kernels.py gated-norm (H100, the recipe's 32 x 528 x 1,024 bf16 rows, 2026-11-26):
 # 87.2 us at (2, 4, 4), 92.2 at (4, 4, 4), the 18 launches swept all within 87-98 us. Alone, with
 # nothing after it, inductor's compiled backward of the same ops is faster (82.6 us, one kernel);
 # what this kernel wins is in the training step, where inductor split that backward in three

@@ -445,7 +445,7 @@ if HAVE_TRITON:
             e_cs = tl.exp(cs)
         # The order below keeps few float32 tiles alive at once (registers are the limit of this
         # kernel): the Q x Q products first, then each gradient stored as soon as it is whole,
-        # dx's float32 tile last. H100, 2026-11-26, the recipe's shape (bench_scan_launch.py,
+        # dx's float32 tile last. H100, 2026-11-26, the recipe's shape (kernels.py scan-launch,
         # `registers`): the earlier order (the state's gradients first, dx's tile alive throughout)
         # spilled 88 registers at 4 warps and this one none; the scan's backward ran 317 -> 276
         # us without boundaries and 371 -> 322 with them.
@@ -542,7 +542,7 @@ def group_sum(src: torch.Tensor, groups: int, out: torch.Tensor | None = None) -
         out = torch.empty(*lead, groups, W, device=src.device, dtype=torch.float32)
     BW = triton.next_power_of_2(W)
     # 8 tokens and 8 warps a program at the recipe's width (2 x 64): on an H100 28.8 us against 32.8
-    # for 32 tokens and 4 warps (benchmarks/bench_group_sum.py; ~2.4 TB/s)
+    # for 32 tokens and 4 warps (benchmarks/kernels.py group-sum; ~2.4 TB/s)
     BT = max(1, 1024 // BW)
     _group_sum_kernel[(triton.cdiv(T, BT), groups)](
         src, out, T, H, W, out.stride(0) if joint else 0, H // groups, BT=BT, BW=BW, JOINT=joint,
@@ -564,7 +564,7 @@ def _blocks(p: int, n: int) -> tuple[int, int]:
 
 
 # (rows of P per program, warps, pipeline stages) of the two state kernels, forward and backward;
-# set from benchmarks/bench_state_pass.py
+# set from benchmarks/kernels.py state-pass
 STATES_LAUNCH = {"fwd": (32, 2, 2), "bwd": (32, 4, 2)}
 
 
@@ -578,7 +578,7 @@ def _states_launch(p: int, backward: bool) -> tuple[int, int, int]:
 
 def _scan_launch(backward: bool, has_seg: bool, big: bool) -> dict:
     """Launch options of a chunk-scan kernel (one program per chunk and head). Measured by
-    benchmarks/bench_scan_launch.py on an H100 at the recipe's shape (bf16, chunks of 64, P = N =
+    benchmarks/kernels.py scan-launch on an H100 at the recipe's shape (bf16, chunks of 64, P = N =
     64), the whole forward and backward of the scan timed: the backward ran 608 us at 4 warps
     against 711 at 8 (the launch before), with segments 725 at 4 warps and one stage against 905;
     the forward is fastest at 4, and 2 warps is several times slower. Tiles of 128 take 8 warps."""

@@ -1,25 +1,9 @@
-"""GPU benchmark of the SSD scan and the Mamba-2 mixer: forward and forward+backward, every path.
-
-    python benchmarks/bench_ssd.py                 # CUDA: writes benchmarks/results/ssd_<gpu>.json
-    python benchmarks/bench_ssd.py --cpu-smoke     # tiny shapes on CPU (Triton in the interpreter)
-
-Scan at B16 T2048 H16 P64 N64 (--lanes, --tokens), chunk 64 (--chunks: others beside it), bf16
-x/B/C (dt, A, D, initial state in float32):
-ssd_chunked eager, torch.compile(ssd_chunked), the Triton kernels; causal SDPA at the same shape
-(B16, 16 heads x 64, T2048) for scale. Mixer: Mamba2(d_model 512, expand 2, head 64, d_state 64) on
-(16, 2048, 512) under bf16 autocast, with the reference (eager and compiled) and the Triton path.
-Times are medians over --iters iterations after --warmup, by CUDA events, in ms; peak memory in MiB;
-compiled paths are timed forward+backward only (one compile each). `checks` holds the relative error
-of the Triton path against ssd_chunked at the benchmark shape.
-A path that fails records its error and the script goes on; once --budget seconds have passed the
-remaining paths are skipped (compiles are the slow part), so the whole run stays under 2 minutes.
-"""
+"""The SSD scan and the Mamba-2 mixer: every path timed forward and backward (`ssd`), and the
+Mamba block's scan and conv backward against an older checkout's (`mamba-bwd`)."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import os
 import platform
 import re
 import statistics
@@ -28,22 +12,19 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.nn.functional as F
 
-if "--cpu-smoke" in sys.argv:  # must precede the first Triton import
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from benchmarks.common import compiled_registers, cuda_or_exit, load_before, median_ms, timer
+from elephant.config import ModelConfig
+from elephant.layers import conv_triton, ssd, ssd_triton
+from elephant.layers.mamba import Mamba2
+from elephant.layers.ssd import ssd_chunked
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from elephant.config import ModelConfig  # noqa: E402
-from elephant.layers import ssd, ssd_triton  # noqa: E402
-from elephant.layers.mamba import Mamba2  # noqa: E402
-from elephant.layers.ssd import ssd_chunked  # noqa: E402
-from benchmarks.common import timer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
+# --------------------------------------------------------------------------------------- ssd
 def measure(step, device, warmup, iters):
     start, stop = timer(device)
     for _ in range(warmup):
@@ -90,8 +71,7 @@ def rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ssd_bench_arguments(ap) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks that it runs")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -103,12 +83,28 @@ def main() -> None:
                     "recipe's chunk step: --lanes 32 --tokens 528)")
     ap.add_argument("--chunks", default="", help="comma-separated other chunk lengths of the "
                     "Triton scan, timed beside 64 (the same scan, other blocks)")
-    args = ap.parse_args()
 
+
+def ssd_bench(args) -> None:
+    """GPU benchmark of the SSD scan and the Mamba-2 mixer: forward and forward+backward, every path.
+
+        python benchmarks/kernels.py ssd                 # CUDA: writes benchmarks/results/ssd_<gpu>.json
+        python benchmarks/kernels.py ssd --cpu-smoke     # tiny shapes on CPU (Triton in the interpreter)
+
+    Scan at B16 T2048 H16 P64 N64 (--lanes, --tokens), chunk 64 (--chunks: others beside it), bf16
+    x/B/C (dt, A, D, initial state in float32):
+    ssd_chunked eager, torch.compile(ssd_chunked), the Triton kernels; causal SDPA at the same shape
+    (B16, 16 heads x 64, T2048) for scale. Mixer: Mamba2(d_model 512, expand 2, head 64, d_state 64) on
+    (16, 2048, 512) under bf16 autocast, with the reference (eager and compiled) and the Triton path.
+    Times are medians over --iters iterations after --warmup, by CUDA events, in ms; peak memory in MiB;
+    compiled paths are timed forward+backward only (one compile each). `checks` holds the relative error
+    of the Triton path against ssd_chunked at the benchmark shape.
+    A path that fails records its error and the script goes on; once --budget seconds have passed the
+    remaining paths are skipped (compiles are the slow part), so the whole run stays under 2 minutes."""
     t_begin = time.perf_counter()
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
-        sys.exit("bench_ssd: no CUDA device; use --cpu-smoke to check the script on CPU")
+        sys.exit("kernels.py ssd: no CUDA device; use --cpu-smoke to check it on CPU")
     device = torch.device("cpu" if smoke else "cuda")
     if smoke:
         b, l, h, p, n, chunk, d_model, head, iters, warmup = 1, 40, 2, 16, 16, 16, 32, 16, 2, 1
@@ -187,7 +183,7 @@ def main() -> None:
             **{"d" + k: rel_err(a, r) for k, a, r in zip(["x", "dt", "A", "B", "C", "D", "s0"], g_t, g_r)}}
     except Exception as e:
         checks["triton_vs_chunked_rel_err"] = {"error": f"{type(e).__name__}: {e}"[:1000]}
-    del inputs, grads
+    inputs = grads = None   # freed (the closures above hold them)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -258,5 +254,91 @@ def main() -> None:
     print(f"wrote {out} in {report['total_s']} s")
 
 
-if __name__ == "__main__":
-    main()
+# --------------------------------------------------------------------------------- mamba-bwd
+def mamba_bwd_arguments(ap) -> None:
+    ap.add_argument("before_ssd", help="an older ssd_triton.py (git show REV:elephant/layers/ssd_triton.py)")
+    ap.add_argument("before_conv", help="an older conv_triton.py")
+    ap.add_argument("out", nargs="?", help="result file (none: not written)")
+
+
+def mamba_bwd(args) -> None:
+    """The Mamba block's scan and conv backward at the recipe's chunk, before and after the scan's joint
+    gradient: the older modules (the scan's three gradients, the compiled concatenation and SiLU' pass,
+    the conv's backward) against this checkout's (the scan writing the three into one tensor, SiLU'
+    taken by the conv's kernels as they read it).
+
+        git show 5fc47ff:elephant/layers/ssd_triton.py > /tmp/ssd_before.py
+        git show 5fc47ff:elephant/layers/conv_triton.py > /tmp/conv_before.py
+        python benchmarks/kernels.py mamba-bwd /tmp/ssd_before.py /tmp/conv_before.py [OUT.json]
+
+    Shape: 32 lanes x 528 tokens, 16 heads of 64, d_state 64, one B/C group, bf16; each form captured
+    as a CUDA graph and timed by CUDA events (median of 50 replays after 10), whole and by part; the
+    outputs compared (dx, dstate, dw, db, dtail, relative to the older form)."""
+    dev = cuda_or_exit("kernels.py mamba-bwd")
+    b, l, h, p, g, n, Q, K = 32, 528, 16, 64, 1, 64, 64, 4
+    hp, gn = h * p, g * n
+    cd = hp + 2 * gn
+    torch.manual_seed(0)
+    xin = torch.randn(b, l, cd, device=dev, dtype=torch.bfloat16)
+    state = torch.randn(b, cd, K - 1, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(cd, 1, K, device=dev) * 0.3
+    bias = torch.randn(cd, device=dev) * 0.1
+    v = conv_triton._conv_silu_op(xin, state, w, bias, None, None, None, False)[0]
+    act = F.silu(v)
+    x = act[..., :hp].view(b, l, h, p)
+    B = act[..., hp:hp + gn].view(b, l, g, n)
+    C = act[..., hp + gn:].view(b, l, g, n)
+    dt = F.softplus(torch.randn(b, l, h, device=dev) - 3)
+    A = -torch.rand(h, device=dev) * 4 - 0.5
+    D = torch.randn(h, device=dev)
+    init = torch.randn(b, h, p, n, device=dev)
+    nc = -(-l // Q)
+    cs = F.pad(dt * A, (0, 0, 0, nc * Q - l)).view(b, nc, Q, h).cumsum(2).permute(0, 3, 1, 2).contiguous()
+    _, _, states = ssd_triton._fwd(x, dt, cs, None, B, C, D, init, None, Q)
+    dy = torch.randn(b, l, h, p, device=dev, dtype=torch.bfloat16)
+    dfinal = torch.randn(b, h, p, n, device=dev)
+    scan_args = (x, dt, cs, None, B, C, D, init, None, states, dy, dfinal, Q)
+    ssd_before = load_before(args.before_ssd, "ssd_triton_before")
+    conv_before = load_before(args.before_conv, "conv_triton_before")
+
+    @torch.compile
+    def cat_silu(dx, dBC, v):
+        gr = torch.cat([dx.view(b, l, hp), dBC[..., 0, :].reshape(b, l, gn).to(torch.bfloat16),
+                        dBC[..., 1, :].reshape(b, l, gn).to(torch.bfloat16)], -1).float()
+        vf = v.float()
+        s = torch.sigmoid(vf)
+        return (gr * s * (1 + vf * (1 - s))).to(torch.bfloat16)
+
+    def before():
+        o = ssd_before._bwd(*scan_args, summed=False)
+        gg = cat_silu(o[0], o[3], v)
+        return conv_before._conv_bwd_op(gg, xin, state, w, None, None, None)
+
+    def after():
+        o = ssd_triton._bwd(*scan_args, summed=False, joint=True)
+        return conv_triton._conv_bwd_op(o[0], xin, state, w, None, None, None, False, v)
+
+    def after_scan():
+        return ssd_triton._bwd(*scan_args, summed=False, joint=True)
+
+    def before_scan():
+        return ssd_before._bwd(*scan_args, summed=False)
+
+    def after_conv(gj=ssd_triton._bwd(*scan_args, summed=False, joint=True)[0]):
+        return conv_triton._conv_bwd_op(gj, xin, state, w, None, None, None, False, v)
+
+    def before_conv(gg=cat_silu(*(lambda o: (o[0], o[3]))(ssd_before._bwd(*scan_args, summed=False)), v)):
+        return conv_before._conv_bwd_op(gg, xin, state, w, None, None, None)
+
+    res = {}
+    r0, r1 = before(), after()
+    res["rel_err"] = [((a.float() - c.float()).abs().max() / c.float().abs().max()).item() for a, c in zip(r1, r0)]
+    for name, fn in (("before", before), ("after", after), ("before_scan", before_scan), ("after_scan", after_scan),
+                     ("before_conv", before_conv), ("after_conv", after_conv)):
+        res[name + "_us"] = median_ms(fn, dev, 50, 10, graph=True) * 1e3
+        print(name, round(res[name + "_us"], 1), flush=True)
+    res["walk_registers_after"] = compiled_registers(conv_triton._conv_bwd_walk_kernel)
+    res["walk_registers_before"] = compiled_registers(conv_before._conv_bwd_walk_kernel)
+    print(res)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))

@@ -1,7 +1,7 @@
-"""benchmarks/clocks_by_span.py: nvidia-smi samples averaged over the spans a benchmark records."""
+"""benchmarks/summarize.py clocks: nvidia-smi samples averaged over the spans a benchmark records."""
 import json
 
-from benchmarks import clocks_by_span
+from benchmarks import summarize
 
 
 def test_samples_are_averaged_over_each_span_in_utc(tmp_path, capsys):
@@ -15,13 +15,13 @@ def test_samples_are_averaged_over_each_span_in_utc(tmp_path, capsys):
     t0 = 1795690800.0   # 2026-11-26 11:00:00 UTC
     spans = [{"path": "a", "round": 0, "start": t0 + 0.2, "end": t0 + 1.2},
              {"path": "b", "round": 0, "start": t0 + 1.5, "end": t0 + 1.9}]
-    rows = clocks_by_span.by_span(clocks_by_span.read_samples(str(csv)), spans)
+    rows = summarize.by_span(summarize.read_samples(str(csv)), spans)
     assert rows[0]["samples"] == 2 and rows[0]["sm_mhz"] == 1850 and rows[0]["power_w"] == 650
     assert (rows[0]["sm_min"], rows[0]["sm_max"], rows[0]["temp_c"]) == (1800, 1900, 55)
     assert rows[1]["samples"] == 0 and "sm_mhz" not in rows[1]
     result = tmp_path / "r.json"
     result.write_text(json.dumps({"spans": spans}))
-    assert clocks_by_span.main([str(csv), str(result)]) == 0
+    assert summarize.main(["clocks", str(csv), str(result)]) == 0
     out = capsys.readouterr().out
     assert "1850 MHz (1800-1900)" in out and "no samples" in out
 
@@ -36,9 +36,9 @@ def test_utilization_column_and_train_speed_evaluation_passes(tmp_path, capsys):
     turns = {"side": [{"tokens_per_s": 2e6, "span": [t0 + 0.2, t0 + 1.2]}],
              "graph": [{"tokens_per_s": 1.5e6, "span": [t0 + 2.0, t0 + 3.0]}]}
     result.write_text(json.dumps({"eval": {"modes_in_turns": turns}}))
-    spans = clocks_by_span.eval_spans(json.loads(result.read_text()))
+    spans = summarize.eval_spans(json.loads(result.read_text()))
     assert [s["path"] for s in spans] == ["side 2,000k/s", "graph 1,500k/s"]
-    rows = clocks_by_span.by_span(clocks_by_span.read_samples(str(csv)), spans)
+    rows = summarize.by_span(summarize.read_samples(str(csv)), spans)
     assert rows[0]["util"] == 90 and rows[1]["util"] == 10 and rows[1]["power_w"] == 300
-    assert clocks_by_span.main([str(csv), str(result)]) == 0
+    assert summarize.main(["clocks", str(csv), str(result)]) == 0
     assert "busy  90.0%" in capsys.readouterr().out

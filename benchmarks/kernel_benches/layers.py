@@ -1,26 +1,9 @@
-"""Benchmark of the layer kernels: attention paths and the fused elephant MLP (forward + backward).
-
-    python benchmarks/bench_layers.py               # on a GPU, ~1-2 minutes; writes
-                                                    # benchmarks/results/layers_<gpu>.json
-    python benchmarks/bench_layers.py --cpu-smoke   # tiny shapes on CPU: checks that it runs
-
-What it measures (bf16, median of timed iterations, CUDA events; peak = max_memory_allocated
-during the timed iterations above what was allocated before them):
-  attention_causal  B16 T2048 H16 hd64, no cache: SDPA is_causal (auto / flash / cuDNN) and the
-                    explicit-mask reference, for scale.
-  attention_cache   B32 S528 (512 tokens + 16 memory) H8 hd64 over a W512 cache, some lanes
-                    partly filled: SDPA with the boolean mask (auto / efficient / cuDNN) vs
-                    FlexAttention with a block mask (compiled; block-mask build included).
-  mlp               ElephantMLP d_model 512, d_mlp 1536, 32 x 512 tokens under bf16 autocast:
-                    reference vs fused (glu_down), eager and torch.compile'd; also the bytes
-                    autograd saves per forward (saved_tensors_hooks).
-A variant that fails records its error string; a variant that would start after the time budget
-is recorded as skipped.
-"""
+"""The layers' kernels: attention's paths and the fused elephant MLP (`layers`), and the Mamba
+block's gated RMSNorm backward over its launch (`gated-norm`)."""
 from __future__ import annotations
 
-import argparse
 import datetime
+import itertools
 import json
 import platform
 import re
@@ -33,14 +16,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import (cuda_or_exit, environment, median_ms, rel_error, result_path,
+                               saved_bytes)
+from elephant.config import ModelConfig
+from elephant.layers import norm_triton
+from elephant.layers.attention import attend, attend_flex, attend_reference
+from elephant.layers.elephant import ElephantMLP, elephant_glu, elephant_glu_ref
 
-from elephant.config import ModelConfig  # noqa: E402
-from elephant.layers.attention import attend, attend_flex, attend_reference  # noqa: E402
-from elephant.layers.elephant import ElephantMLP, elephant_glu, elephant_glu_ref  # noqa: E402
-from benchmarks.common import saved_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
+
+# ------------------------------------------------------------------------------------ layers
 SDPB = torch.nn.attention.SDPBackend
 
 
@@ -215,20 +201,11 @@ def bench_mlp(bench: Bench, dev: str, smoke: bool):
         bench.run("glu_elementwise", name, build, shape=[tokens, d_mlp], dtype="bf16")
 
 
-# ------------------------------------------------------------------------------- main
-def environment(dev: str) -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "platform": platform.platform()}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
+def layers_environment(dev: str) -> dict:
+    """common.environment with the platform, cuDNN's version and the commit."""
+    env = {**environment(dev), "platform": platform.platform()}
     if dev == "cuda":
-        env.update(device=torch.cuda.get_device_name(), cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version())
-    else:
-        env["device"] = "cpu"
+        env["cudnn"] = torch.backends.cudnn.version()
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                                            text=True, timeout=10).stdout.strip()
@@ -237,20 +214,39 @@ def environment(dev: str) -> dict:
     return env
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layers_arguments(ap) -> None:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, to check that it runs")
     ap.add_argument("--budget-s", type=float, default=80.0, help="start no variant after this many s")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", type=str, default=None, help="result file (default: results/layers_<gpu>.json)")
-    args = ap.parse_args()
+
+
+def layers(args) -> None:
+    """Benchmark of the layer kernels: attention paths and the fused elephant MLP (forward + backward).
+
+        python benchmarks/kernels.py layers               # on a GPU, ~1-2 minutes; writes
+                                                        # benchmarks/results/layers_<gpu>.json
+        python benchmarks/kernels.py layers --cpu-smoke   # tiny shapes on CPU: checks that it runs
+
+    What it measures (bf16, median of timed iterations, CUDA events; peak = max_memory_allocated
+    during the timed iterations above what was allocated before them):
+      attention_causal  B16 T2048 H16 hd64, no cache: SDPA is_causal (auto / flash / cuDNN) and the
+                        explicit-mask reference, for scale.
+      attention_cache   B32 S528 (512 tokens + 16 memory) H8 hd64 over a W512 cache, some lanes
+                        partly filled: SDPA with the boolean mask (auto / efficient / cuDNN) vs
+                        FlexAttention with a block mask (compiled; block-mask build included).
+      mlp               ElephantMLP d_model 512, d_mlp 1536, 32 x 512 tokens under bf16 autocast:
+                        reference vs fused (glu_down), eager and torch.compile'd; also the bytes
+                        autograd saves per forward (saved_tensors_hooks).
+    A variant that fails records its error string; a variant that would start after the time budget
+    is recorded as skipped."""
     if not args.cpu_smoke and not torch.cuda.is_available():
-        sys.exit("bench_layers.py: no CUDA device; use --cpu-smoke to check the script on CPU")
+        sys.exit("kernels.py layers: no CUDA device; use --cpu-smoke to check it on CPU")
     dev = "cpu" if args.cpu_smoke else "cuda"
     torch.manual_seed(0)
     bench = Bench(dev, args.budget_s, iters=2 if args.cpu_smoke else args.iters,
                   warmup=1 if args.cpu_smoke else 3)
-    env = environment(dev)
+    env = layers_environment(dev)
     for part in (bench_attention, bench_mlp):
         try:
             part(bench, dev, args.cpu_smoke)
@@ -267,5 +263,80 @@ def main():
     print(f"wrote {out} in {report['total_s']} s")
 
 
-if __name__ == "__main__":
-    main()
+# -------------------------------------------------------------------------------- gated-norm
+def gated_norm_arguments(ap) -> None:
+    ap.add_argument("--rows", default="4,2,8")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--per-sm", default="4,2,8")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+
+
+def gated_norm(args) -> None:
+    """The Mamba block's gated RMSNorm backward (layers/norm_triton.py) over its launch, against what
+    it replaced: inductor's compiled backward of the same PyTorch ops.
+
+        python benchmarks/kernels.py gated-norm      # CUDA: benchmarks/results/gated_norm_<gpu>.json
+
+    Shape: one chunk step of the wt103-70m recipe, 32 lanes x 528 tokens, 1,024 channels (d_inner),
+    bfloat16; z a slice of the in-projection's output (2,192 columns), as the block passes it. Each
+    form's forward + backward is captured as a CUDA graph and timed by CUDA events (median of --iters
+    replays); the backward alone is the difference from the forward alone. Given as GB/s of the bytes
+    the backward must move (read dout, y, z; write dy, dz: 5 x 34.6 MB), and every launch's gradients
+    checked against the compiled reference's. The sweep: rows a program takes at once, warps, programs
+    per SM (norm_triton.LAUNCH)."""
+    device = cuda_or_exit("kernels.py gated-norm")
+    B, L, D, width = 32, 528, 1024, 2192
+    gen = torch.Generator(device=device).manual_seed(0)
+    proj = torch.randn(B, L, width, device=device, generator=gen).to(torch.bfloat16)
+    z = proj[..., :D].detach().requires_grad_()
+    y = torch.randn(B, L, D, device=device, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(D, device=device, generator=gen) * 0.2 + 1).requires_grad_()
+    dout = torch.randn(B, L, D, device=device, generator=gen).to(torch.bfloat16)
+    eps = 1e-5
+    moved = 5 * B * L * D * 2
+
+    def timed(fn) -> tuple[float, list]:
+        def fwd():
+            with torch.no_grad():
+                fn(y, z, w, eps)
+
+        def fwd_bwd():   # the gradients returned, not accumulated into .grad (no extra adds)
+            return torch.autograd.grad(fn(y, z, w, eps), (y, z, w), dout)
+        t_f = median_ms(fwd, device, args.iters, args.warmup, graph=True)
+        t_fb = median_ms(fwd_bwd, device, args.iters, args.warmup, graph=True)
+        return t_fb - t_f, [g.clone() for g in fwd_bwd()]
+
+    reference = torch.compile(norm_triton.reference, dynamic=False)
+    rows_out = []
+    ref_ms, want = timed(reference)
+    rows_out.append({"form": "inductor (reference ops)", "bwd_ms": ref_ms,
+                     "bwd_gb_s": moved / ref_ms / 1e6})
+    print(f"inductor's backward of the reference ops: {ref_ms * 1e3:.1f} us "
+          f"({moved / ref_ms / 1e6:.0f} GB/s)", flush=True)
+    before = norm_triton.LAUNCH
+    for rows, warps, per_sm in itertools.product(*(map(int, a.split(",")) for a in
+                                                   (args.rows, args.warps, args.per_sm))):
+        norm_triton.LAUNCH = (rows, warps, per_sm)
+        torch._dynamo.reset()
+        kernel = torch.compile(norm_triton.gated_rmsnorm, dynamic=False)
+        row = {"form": "kernel", "rows": rows, "warps": warps, "per_sm": per_sm}
+        try:
+            ms, got = timed(kernel)
+            row.update(bwd_ms=ms, bwd_gb_s=moved / ms / 1e6,
+                       rel_error=max(rel_error(a, b) for a, b in zip(got, want)))
+        except Exception as e:   # noqa: BLE001 (a launch that does not compile is recorded)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    norm_triton.LAUNCH = before
+    best = min((r for r in rows_out if r["form"] == "kernel" and "bwd_ms" in r),
+               key=lambda r: r["bwd_ms"], default=None)
+    out = {**environment(device),
+           "shape": {"lanes": B, "tokens": L, "channels": D, "dtype": "bfloat16"},
+           "launch_in_use": list(before), "rows": rows_out, "fastest": best,
+           "inductor_bwd_ms": ref_ms}
+    path = result_path("gated_norm", False)
+    path.write_text(json.dumps(out, indent=1))
+    print("fastest:", json.dumps(best), "\nwrote", path)
+
