@@ -31,7 +31,7 @@ from elephant.layers import ce_triton, head, linear_nll_triton  # noqa: E402
 
 # the fused head's launches: (rows BM and columns BN a tile, BK of D a product step, warps,
 # pipeline stages); session 40 also swept two forms since dropped (the tile loop unflattened:
-# 4.59-4.73 ms; the row block's h kept on chip: 4.11-8.47 ms), results/eval_head_session40_*
+# 4.59-4.73 ms; the row block's h kept on chip: 4.11-8.47 ms), results/eval_head_{flat,sweep}_2026-11-27T07*
 SWEEP = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 2), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
          (128, 128, 32, 8, 4), (128, 128, 32, 8, 6), (256, 64, 64, 8, 3), (128, 256, 32, 8, 4),
          (64, 256, 64, 4, 3), (128, 128, 64, 4, 4))
