@@ -49,8 +49,9 @@ not after it. With `compact`, the side batch shrinks each time the documents it 
 fewer lanes (a power of two; SIDE_COMPACT_SHARE), as the main batch does once at its end. The
 sums are the one batch's, but for the same rounding as compaction's. On an H100, 64 lanes over
 16M tokens of source files whose longest document is 806K tokens: 1.84M tokens/s compacted,
-1.99-2.02M with the side batch (2026-11-26), 2.06-2.07M since 2026-11-27 (the window in bf16,
-the fused head, the side batch compacted; docs/RESULTS.md, issue 12).
+1.99-2.02M with the side batch (2026-11-26, eval_graph_rows_*.json), 2.06-2.07M since 2026-11-27
+(the window in bf16, the fused head, the side batch compacted;
+train_speed_{fused_head,side_compaction}_2026-11-27T07*.json).
 
 The state's attention window is kept in the dtype autocast computes in (`autocast_dtype`), where
 its keys and values are made: a float32 window holds the same values in twice the bytes.
