@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,14 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """A bad recipe, key or value; the message is meant for the user as it is."""
+
+
+def parse_count(text: str) -> int:
+    """A token count as users write it: '512', '4K', '1M' (K = 1024, M = 1024**2)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ConfigError(f"not a token count: {text!r} (expected e.g. 512, 4K, 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
 
 
 # Model settings that shape how a model is trained or initialised, not what its weights compute: a

@@ -252,7 +252,7 @@ def parse_reset_every(text: str, chunk_len: int, flag: str = "--reset-every") ->
     """A user's reset interval ('2048', '2K', '1M'; 0: off) as tokens, checked against the chunk
     length: a ConfigError naming `flag` unless it is 0 or a positive multiple of `chunk_len`."""
     from .config import ConfigError
-    from .recall import parse_count
+    from .config import parse_count
     expected = (f"0 (off) or a positive multiple of the chunk length {chunk_len} (e.g. "
                 f"{4 * chunk_len}{', 2K' if 2048 % chunk_len == 0 else ''})")
     try:

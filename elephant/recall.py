@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import sys
 import time
 from contextlib import nullcontext
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elephant.config import parse_count  # noqa: F401  (the CLI's token counts; imported from here too)
 from elephant.evaluate import document_chunks
 from elephant.model import in_eval_mode
 
@@ -34,13 +34,6 @@ DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
 
 
-def parse_count(text: str) -> int:
-    """'512', '4K', '1M' -> tokens (K = 1024, M = 1024**2)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
-    if not m:
-        from elephant.config import ConfigError
-        raise ConfigError(f"not a token count: {text!r} (expected e.g. 512, 4K, 1M)")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
 
 
 def label(n: int) -> str:
