@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checkpoint import (CheckpointError, check_model_config, init_from, load_checkpoint,
-                         newest_intact_checkpoint, read_meta, save_checkpoint, set_aside, set_latest)
+from .checkpoint import init_from
 from .config import GRAPH_COMPILES, Config, ConfigError
 from .evaluate import evaluate, open_corpus, to_device
 from .fsutil import atomic_write_json
+from . import run_checkpoint
 from .metrics import mfu, peak_flops
 from . import model as model_mod
 from .model import ElephantLM
@@ -204,79 +204,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        ckpt = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
-        if self.saved_step == self.step:  # e.g. a resumed run that was already complete
-            return ckpt
-        rank_state = {
-            "optim": self.opt.state_dict(),
-            "states": [s.state_dict() for s in self.states],
-            "batchers": [b.state_dict() for b in self.batchers],
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if self.rt.device.type == "cuda" else None},
-        }
-        meta = {"config": self.cfg.to_dict(), "tokenizer": self.tokenizer.fingerprint,
-                "bad_steps": self.bad_steps,
-                "skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen,
-                "grad_accum": self.cfg.train.grad_accum}
-        save_checkpoint(self.run_dir, self.step, self.model, rank_state, meta,
-                        keep=self.cfg.train.keep_ckpts, rank=self.rt.rank, world=self.rt.world,
-                        all_ok=lambda ok: bool(self._agree(int(ok), "min")))
-        self.saved_step = self.step
-        return ckpt
+        """Checkpoint this step (model, every rank's optimizer, lanes' state and batchers, RNG);
+        see run_checkpoint.save_run."""
+        return run_checkpoint.save_run(self)
 
     def _resume(self) -> None:
-        """Continue from the newest intact checkpoint: rank 0 picks it (setting broken newer ones
-        aside, with a message) and every rank loads that one."""
-        found, error, skipped = None, None, []
-        if self.rt.main:
-            try:
-                found, skipped = newest_intact_checkpoint(self.run_dir)
-                for bad, why in skipped:
-                    print(f"skipped checkpoint {bad.name}: {why}; moved it to "
-                          f"{set_aside(bad).name}", file=sys.stderr)
-                latest = found.parent / "latest"
-                if skipped or not latest.is_file() or latest.read_text().strip() != found.name:
-                    # it may have named one of them, or be one behind (a kill between the rename
-                    # of the newest folder and the update of `latest`): a resume that has nothing
-                    # left to train saves nothing, so `latest` must be right from here on
-                    set_latest(found)
-            except CheckpointError as e:
-                error = e
-            except OSError as e:
-                error = CheckpointError(f"{e.filename}: {e.strerror} (setting a broken checkpoint "
-                                        f"aside)")
-        step = self._agree(read_meta(found)["step"] if found else -1, "max")
-        if error is not None:
-            raise error
-        if step < 0:
-            raise CheckpointError(f"{self.run_dir}: rank 0 found no checkpoint to resume from "
-                                  f"(see its message)")
-        ckpt = self.run_dir / "checkpoints" / f"step_{step:07d}"
-        meta = read_meta(ckpt)
-        check_model_config(meta, self.cfg.model.to_dict(), str(ckpt),
-                           "resume with the same model.* settings")
-        if meta["world_size"] != self.rt.world or meta["grad_accum"] != self.cfg.train.grad_accum:
-            raise CheckpointError(f"{ckpt}: written with world_size={meta['world_size']} and "
-                                  f"grad_accum={meta['grad_accum']}; resume with the same")
-        # rank 0 has just verified every file of it
-        meta, state = load_checkpoint(ckpt, self.model, rank=self.rt.rank, verify=not self.rt.main)
-        self.opt.load_state_dict(state["optim"])
-        for b, sd in zip(self.batchers, state["batchers"]):
-            b.load_state_dict(sd)
-        self.iters = [iter(b) for b in self.batchers]
-        for s, sd in zip(self.states, state["states"]):
-            s.load_state_dict(sd)
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] is not None and self.rt.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"])
-        self.step = meta["step"]
-        self.bad_steps, self.skipped_steps = meta["bad_steps"], meta["skipped_steps"]
-        self.tokens_seen = meta["tokens_seen"]
-        self.saved_step = self.step
-        self.resume_record = {"kind": "resumed", "step": self.step, "checkpoint": str(ckpt),
-                              "skipped": [{"checkpoint": str(p), "why": why} for p, why in skipped]}
-        if self.rt.main:
-            print(f"resumed from {ckpt} at step {self.step}", file=sys.stderr)
+        """Continue from the newest intact checkpoint (run_checkpoint.resume_run)."""
+        run_checkpoint.resume_run(self)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
