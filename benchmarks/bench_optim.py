@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +44,7 @@ from elephant.config import OptimConfig  # noqa: E402
 from elephant.optim import build_optimizers, orthogonalize  # noqa: E402
 from elephant.optim import gram_triton  # noqa: E402
 from elephant.optim.gram_triton import gram_reference  # noqa: E402
-from benchmarks.common import timer  # noqa: E402
+from benchmarks.common import timer, write_report  # noqa: E402
 
 METHODS = ("newton_schulz", "polar_express", "aol")
 
@@ -243,14 +240,7 @@ def main() -> None:
                  "triton_gram_faster shows it wins and the step time agrees."),
         "wall_s": round(time.time() - t_begin, 1),
     }
-    if args.out:
-        out = Path(args.out)
-    elif smoke:
-        out = Path(tempfile.gettempdir()) / "optim_cpu-smoke.json"
-    else:
-        out = ROOT / "benchmarks" / "results" / f"optim_{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(report, "optim", args.out, smoke, gpu)
     print(f"wrote {out} in {report['wall_s']} s")
 
 

@@ -197,6 +197,24 @@ def result_path(prefix: str, smoke: bool):
     return out / f"{prefix}_{tag}.json"
 
 
+def write_report(report: dict, prefix: str, out: str | None, smoke: bool, gpu: str):
+    """Write `report` as JSON to `out`, or to benchmarks/results/<prefix>_<gpu>.json (a CPU smoke
+    run to the temporary folder, never among the results); returns the path."""
+    import json
+    import re
+    import tempfile
+    from pathlib import Path
+    if out:
+        path = Path(out)
+    elif smoke:
+        path = Path(tempfile.gettempdir()) / f"{prefix}_cpu-smoke.json"
+    else:
+        path = Path(__file__).parent / "results" / f"{prefix}_{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
 def add_inductor_argument(ap, what: str) -> None:
     """The `--inductor OPTION=VALUE` argument (repeatable) of a benchmark whose `what` is compiled
     (parse it with `inductor_options`)."""

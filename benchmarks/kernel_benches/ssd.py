@@ -5,17 +5,16 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import compiled_registers, cuda_or_exit, load_before, median_ms, timer
+from benchmarks.common import (compiled_registers, cuda_or_exit, load_before, median_ms, timer,
+                               write_report)
 from elephant.config import ModelConfig
 from elephant.layers import conv_triton, ssd, ssd_triton
 from elephant.layers.mamba import Mamba2
@@ -242,14 +241,7 @@ def ssd_bench(args) -> None:
         "checks": checks,
         "total_s": round(time.perf_counter() - t_begin, 1),
     }
-    if args.out:
-        out = Path(args.out)
-    elif smoke:
-        out = Path(tempfile.gettempdir()) / "ssd_cpu-smoke.json"
-    else:
-        out = ROOT / "benchmarks" / "results" / f"ssd_{re.sub(r'[^A-Za-z0-9._-]+', '_', gpu)}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(report, "ssd", args.out, smoke, gpu)
     print(json.dumps(checks, indent=2))
     print(f"wrote {out} in {report['total_s']} s")
 
