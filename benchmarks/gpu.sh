@@ -45,7 +45,12 @@
 #           at the wt103-70m shape (32 x 512) and the FineWeb recipe's (fineweb-124m, 32 lanes of
 #           1,024), with the GPU's clock and power sampled beside them; ~8 min on an H100
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
-#           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position
+#           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position,
+#           and the context ablation: the hybrid carried against reset every LM_RESET tokens
+#           (default 2048) on the documents over 32K tokens (context_gain_8k_32k)
+#   copy    benchmarks/copy_study.py: in-chunk copying under the LM loss, variants (COPY_VARIANTS,
+#           default attn,hybrid) beside all attention, trained at once on the recall corpus with
+#           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants)
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u
@@ -316,9 +321,15 @@ for stage in $stages; do
       done
       kill $smi 2>/dev/null ;;
     lmstudy)
-      timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-210} --out $RES/lm_study \
-        --variants ${LM_VARIANTS:-hybrid,transformer} \
+      timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-150} --out $RES/lm_study \
+        --variants ${LM_VARIANTS:-hybrid,transformer} --reset-every ${LM_RESET:-2048} \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
+    copy)
+      timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} \
+        --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
+        --deadline-s ${COPY_DEADLINE:-420} --distances 128 --out $RES/copy_study \
+        --runs /tmp/copy_runs data.cache_dir=/tmp/elephant-cache ${COPY_ARGS:-model.bptt_chunks=8} \
+        2>&1 | tee "$LOGS/copy_study.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured
