@@ -50,7 +50,8 @@
 #           (default 2048) on the documents over 32K tokens (context_gain_8k_32k)
 #   copy    benchmarks/copy_study.py: in-chunk copying under the LM loss, variants (COPY_VARIANTS,
 #           default attn,hybrid) beside all attention, trained at once on the recall corpus with
-#           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants)
+#           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
+#           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u
@@ -325,7 +326,7 @@ for stage in $stages; do
         --variants ${LM_VARIANTS:-hybrid,transformer} --reset-every ${LM_RESET:-2048} \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     copy)
-      timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} \
+      timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape ${COPY_SHAPE:-recall} \
         --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
         --deadline-s ${COPY_DEADLINE:-420} --distances 128 --out $RES/copy_study \
         --runs /tmp/copy_runs data.cache_dir=/tmp/elephant-cache ${COPY_ARGS:-model.bptt_chunks=8} \
