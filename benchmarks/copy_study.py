@@ -13,8 +13,9 @@ own (VARIANTS) and, for what no setting expresses (a frozen or zeroed mixer, Ada
 projections, a plain GLU), a hook applied to the model before its optimizers are built.
 
 Writes `<out>/<variant>.json` (the training log's losses, recall by step) and `<out>/summary.json`
-(device, versions, date, commit, command, and per variant the first step that reached 0.99 at 128
-tokens: `lm_recall_128`). `--cpu-smoke` runs a tiny version on the CPU.
+(device, versions, date, command, and per variant the last checkpoint's accuracy at 128 tokens,
+`lm_recall_128` (or `copy`), and the first step that reached 0.99 there). `--cpu-smoke` runs a
+tiny version on the CPU.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +135,7 @@ def copy_accuracy(model, chunk_len: int, device: str, docs: int = 64, seed: int 
     hit = total = 0
     model.eval()
     with torch.no_grad(), (torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda"
-                           else torch.autocast("cpu", enabled=False)):
+                           else nullcontext()):
         for text, spans in texts:
             ids = list(text.encode())[:chunk_len]
             tokens = torch.tensor([ids], device=device)

@@ -206,14 +206,13 @@ def newest_intact_checkpoint(run_dir: str | Path, files: list[str] | None = None
     raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(why for _, why in skipped))
 
 
-def checkpoint_to_read(path: str | Path, files: tuple[str, ...] = ("model.safetensors",),
-                       log: Callable[[str], None] | None = None) -> Path:
+def checkpoint_to_read(path: str | Path, files: tuple[str, ...] = ("model.safetensors",)) -> Path:
     """The checkpoint a reader (eval, generation, export) takes from `path`, its `files` verified.
 
     A step folder given as itself is that checkpoint or an error (CheckpointError, one line). A
     run dir (or its checkpoints dir) gives its newest checkpoint whose files verify
-    (`newest_intact_checkpoint`, as a resume does); each newer one skipped is reported through
-    `log` (default: a line on stderr) with the reason. Unlike a resume, a reader leaves a broken
+    (`newest_intact_checkpoint`, as a resume does); each newer one skipped is named on stderr
+    with the reason. Unlike a resume, a reader leaves a broken
     checkpoint where it is (it holds no lock on the run)."""
     path = Path(path)
     if (path / "meta.json").is_file():
@@ -226,11 +225,7 @@ def checkpoint_to_read(path: str | Path, files: tuple[str, ...] = ("model.safete
         return ckpt
     ckpt, skipped = newest_intact_checkpoint(run_dir, list(files))
     for bad, why in skipped:
-        line = f"skipped checkpoint {bad.name}: {why}; reading {ckpt.name}"
-        if log is None:
-            print(line, file=sys.stderr)
-        else:
-            log(line)
+        print(f"skipped checkpoint {bad.name}: {why}; reading {ckpt.name}", file=sys.stderr)
     return ckpt
 
 

@@ -251,8 +251,7 @@ def compacted_lanes(live: list[int], lanes_now: int, share: int = 8) -> list[int
 def parse_reset_every(text: str, chunk_len: int, flag: str = "--reset-every") -> int:
     """A user's reset interval ('2048', '2K', '1M'; 0: off) as tokens, checked against the chunk
     length: a ConfigError naming `flag` unless it is 0 or a positive multiple of `chunk_len`."""
-    from .config import ConfigError
-    from .config import parse_count
+    from .config import ConfigError, parse_count
     expected = (f"0 (off) or a positive multiple of the chunk length {chunk_len} (e.g. "
                 f"{4 * chunk_len}{', 2K' if 2048 % chunk_len == 0 else ''})")
     try:
@@ -348,8 +347,9 @@ class _Pass:
             due = (self.lane_pos > 0) & (self.lane_pos % self.reset_every == 0)
             reset = reset | due
         elif self.reset_every:
-            cuts = to_device(self._piece_starts(batch), device)
-            reset, n_inner = cuts[:, 0], self._inner
+            cuts, n_inner = self._piece_starts(batch)
+            cuts = to_device(cuts, device)
+            reset = cuts[:, 0]
         if self.static is not None:
             nll = self.static(tokens, mask, reset)
         else:
@@ -396,18 +396,17 @@ class _Pass:
                 self.rows = [current[i] for i in keep]
                 self.static = None   # made again, for the new lane count, after its first chunk
 
-    def _piece_starts(self, batch) -> torch.Tensor:
+    def _piece_starts(self, batch) -> tuple[torch.Tensor, int]:
         """Packed, with reset_every: the batch's starts (B, T) on the host with the pieces' first
-        tokens added (a real token at a positive multiple of reset_every in its document); their
-        count inside the chunk (t > 0) goes to `_inner`."""
+        tokens added (a real token at a positive multiple of reset_every in its document), and
+        how many of those starts lie inside the chunk (t > 0)."""
         T = self.chunk_len
         idx = torch.arange(T)
         last = torch.where(batch.starts, idx, -1).cummax(1).values          # (B, T) latest start
         pos = torch.where(last >= 0, idx - last, self.host_pos[:, None] + idx)
         self.host_pos = torch.where(last[:, -1] >= 0, T - last[:, -1], self.host_pos + T)
         cuts = batch.starts | ((pos > 0) & (pos % self.reset_every == 0) & (batch.token_doc_ids >= 0))
-        self._inner = int(cuts[:, 1:].sum())
-        return cuts
+        return cuts, int(cuts[:, 1:].sum())
 
     def sums(self) -> list[torch.Tensor]:
         return [self.doc_nll, self.doc_tok, self.pos_nll, self.pos_tok, self.long_nll, self.long_tok]

@@ -26,14 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elephant.config import parse_count  # noqa: F401  (the CLI's token counts; imported from here too)
+from elephant.config import parse_count
 from elephant.evaluate import document_chunks
 from elephant.model import in_eval_mode
 
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
-
-
 
 
 def label(n: int) -> str:

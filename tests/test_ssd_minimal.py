@@ -12,6 +12,7 @@ import elephant.layers.mamba as mamba_module
 from elephant.config import ModelConfig
 from elephant.layers.ssd import ssd_scan
 from elephant.model import ElephantLM
+from test_ssd import make_inputs
 
 
 def ssd_minimal(x, dt, A, B, C, D=None, initial_state=None, block: int = 8):
@@ -48,17 +49,9 @@ def ssd_minimal(x, dt, A, B, C, D=None, initial_state=None, block: int = 8):
     return y, state
 
 
-def random_inputs(b=2, l=48, h=4, g=1, p=8, n=6, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)       # noqa: E731
-    rn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)     # noqa: E731
-    return (rn(b, l, h, p), r(b, l, h) * 0.5 + 0.01, -(r(h) * 3 + 0.1), rn(b, l, g, n),
-            rn(b, l, g, n), rn(h), rn(b, h, p, n))
-
-
 @pytest.mark.parametrize("chunk", [8, 16, 64])
 def test_ssd_scan_equals_the_papers_minimal_ssd(chunk):
-    x, dt, A, B, C, D, init = random_inputs()
+    x, dt, A, B, C, D, init = make_inputs(l=48)
     y, final = ssd_scan(x, dt, A, B, C, D, init, chunk_size=chunk)
     want_y, want_final = ssd_minimal(x, dt, A, B, C, D, init, block=8)
     torch.testing.assert_close(y, want_y, rtol=1e-10, atol=1e-10)
