@@ -197,9 +197,13 @@ def _batches(source: Source):
 
 
 def _worker_pool(n_workers: int, config: tuple):
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    # Setting TOKENIZERS_PARALLELISM while forking stops the Rust library from warning in each worker
-    # (it would disable its own threads there anyway: the workers are the parallelism).
+    # Not "fork": the caller (a trainer, eval.py, a test runner) has threads, torch's among them,
+    # and a child forked while one of them holds a lock can wait on it forever, and the pool with
+    # it. A forkserver forks the workers from a fresh single-threaded process; they are given the
+    # tokenizer pickled. Setting TOKENIZERS_PARALLELISM stops the Rust library from starting its
+    # own threads in each worker: the workers are the parallelism.
+    methods = mp.get_all_start_methods()
+    method = "forkserver" if "forkserver" in methods else "spawn"
     old = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -219,9 +223,10 @@ def _init_worker(tokenizer, append_eot: bool, dtype: np.dtype) -> None:
 
 
 def _init_pool_worker(*config) -> None:
-    # A forked worker inherits the parent's Python signal handlers (a trainer or eval.py that
-    # turns SIGTERM into a graceful stop): then Pool.terminate()'s SIGTERM no longer ends it and
-    # the pool waits forever. Workers die on SIGTERM and leave Ctrl-C to the parent.
+    # A worker must not keep a graceful SIGTERM handler (a trainer or eval.py turns SIGTERM into a
+    # graceful stop, and a worker started by fork inherits it): then Pool.terminate()'s SIGTERM
+    # would no longer end it and the pool would wait forever. Workers die on SIGTERM and leave
+    # Ctrl-C to the parent.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _init_worker(*config)

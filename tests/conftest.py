@@ -84,6 +84,25 @@ def free_port():
     return port
 
 
+@pytest.fixture(scope="session")
+def run_ranks():
+    """A function running fn(rank, *args) in `nprocs` spawned processes, as mp.spawn does, that
+    fails the test, ending them, if they have not all ended within `timeout` seconds: a collective
+    that never completes (a rank that died, a rendezvous gone wrong) must not hang the suite."""
+    import torch.multiprocessing as mp
+
+    def run(fn, args: tuple, nprocs: int = 2, timeout: float = 300.0) -> None:
+        ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):  # raises if a rank failed
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                pytest.fail(f"{fn.__name__}: its {nprocs} processes had not ended after {timeout:.0f}s")
+    return run
+
+
 @pytest.hookimpl(trylast=True)   # after `-m` has deselected: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
     # `gpu_slow`: GPU tests of opt-in paths that are slow to compile (FlexAttention, a recorded

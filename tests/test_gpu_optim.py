@@ -125,13 +125,12 @@ def _two_gpu_worker(rank: int, port: int, out: str):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL takes one a rank)")
-def test_two_gpu_graphed_step_equals_the_eager_step(tmp_path, free_port):
+def test_two_gpu_graphed_step_equals_the_eager_step(tmp_path, free_port, run_ranks):
     # the trainer's graphed step with a process group: reduce-scatter into the graph's buffers,
     # the clipping norm all-reduced before the replay, the updated pieces all-gathered after it;
     # the same kernels on the same values as the eager step, so bitwise the same weights on both
     # ranks (the arithmetic is also tested on the CPU with gloo: tests/test_optim_dist.py)
-    import torch.multiprocessing as mp
-    mp.spawn(_two_gpu_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_two_gpu_worker, (free_port(), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     for r in ranks:
         assert all(norm_equal and weights_equal for norm_equal, weights_equal, _ in r["steps"]), r["steps"]

@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from elephant.config import OptimConfig
@@ -137,9 +136,9 @@ def _reference():
 
 
 @pytest.fixture(scope="module")
-def two_process_results(tmp_path_factory, free_port):
+def two_process_results(tmp_path_factory, free_port, run_ranks):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
+    run_ranks(_worker, (free_port(), str(out)))
     return out
 
 

@@ -227,17 +227,16 @@ def _stop_worker(rank: int, port: int, args: list, out: str):
         Path(out, f"rank{rank}.json").write_text(json.dumps(got))
     finally:
         trainer.close()
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 def test_each_step_reduces_the_ranks_stop_signals_with_its_loss(tmp_path, corpus_dir,
-                                                                free_port):
+                                                                free_port, run_ranks):
     # with several ranks fit no longer agrees on a stop signal by a collective and a wait after
     # every step: train_step reduces each rank's signal (max) with the step's loss, so both ranks
     # read rank 1's SIGTERM from the step it was raised in, and 0 from a step with none
-    import torch.multiprocessing as mp
-    mp.spawn(_stop_worker, args=(free_port(), overrides(tmp_path / "run", corpus_dir),
-                                 str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_stop_worker, (free_port(), overrides(tmp_path / "run", corpus_dir), str(tmp_path)))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == [[int(signal.SIGTERM), True], [0, True]], (rank, got)
