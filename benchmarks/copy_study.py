@@ -240,9 +240,9 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
-    from elephant.recall import evaluate_recall
+    from elephant.recall import evaluate_recall, filler_for
 
-    rows = []
+    rows, filler = [], None
     for ckpt in step_folders(run_dir / "checkpoints"):
         model, tokenizer, config = from_pretrained(ckpt, device=device)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else None
@@ -251,8 +251,11 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[
             rows.append({"step": step, "copy": copy_accuracy(model, config["train"]["chunk_len"],
                                                              device)})
             continue
+        data = config["data"]
+        if filler is None and data.get("recall_filler"):   # held-out documents of the same text
+            filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
         r = evaluate_recall(model, tokenizer, distances, lanes, config["train"]["chunk_len"],
-                            torch.device(device), 1, 1234, autocast, progress=False)
+                            torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
         rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
     return sorted(rows, key=lambda r: r["step"])
 

@@ -13,7 +13,10 @@ and its chance level is at most that of guessing the digits).
 
 Filler is drawn per stretch from three kinds, so that no one kind of text can be learned away:
 random words in sentences, sentences with random numbers in them (distractor digits), and the
-repeated "grass is green" text of the passkey task (Mohtashami & Jaggi 2023). The document is
+repeated "grass is green" text of the passkey task (Mohtashami & Jaggi 2023). Or it is cut from a
+real text (`filler=`, TextFiller; the corpus source's `filler` option: another source's documents,
+e.g. Wikitext or Python code), so that the facts stand among what a language model is trained on
+and copying them is a small part of its loss, as in real documents. The document is
 built as a list of pieces, each tokenized on its own, so that answer positions and distances are
 exact for any tokenizer.
 
@@ -118,6 +121,37 @@ class Filler:
         return s
 
 
+class TextFiller(Filler):
+    """Filler cut from a real text (`corpus`, e.g. a source's documents joined): stretches that
+    start at a random word, so the facts stand in prose or code as a document would have them."""
+
+    def __init__(self, rng: np.random.Generator, corpus: str):
+        super().__init__(rng)
+        if len(corpus) < 64:
+            raise DataError(f"recall filler: the text has {len(corpus)} characters; it needs "
+                            "at least 64")
+        self.corpus = corpus
+
+    def text(self, n_chars: int) -> str:
+        parts, have = [], 0
+        while have < n_chars:
+            start = int(self.rng.integers(0, len(self.corpus)))
+            space = self.corpus.find(" ", start)
+            start = space + 1 if 0 <= space < len(self.corpus) - 1 else 0
+            piece = self.corpus[start:start + n_chars - have + 32]
+            parts.append(piece)
+            have += len(piece)
+        s = "".join(parts)
+        if len(s) > n_chars:
+            cut = s.rfind(" ", 0, n_chars)
+            s = s[:cut + 1] if cut > 0 else s[:n_chars]
+        return s
+
+
+def make_filler(rng: np.random.Generator, corpus: str | None) -> Filler:
+    return Filler(rng) if corpus is None else TextFiller(rng, corpus)
+
+
 @dataclass
 class Query:
     key: int           # index into the document's facts
@@ -138,12 +172,13 @@ def value(rng: np.random.Generator, digits: int = N_DIGITS) -> str:
 
 
 def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list[tuple[int, int]],
-                   lead: int = 0, digits: int = N_DIGITS) -> RecallDocument:
+                   lead: int = 0, digits: int = N_DIGITS, filler: str | None = None) -> RecallDocument:
     """Facts for `n_pairs` random keys after `lead` characters of filler, then one query per
     (key index, distance) of `plan`: filler until the answer stands `distance` tokens after the
     key's previous mention (or right away when the previous queries already went further).
-    Values have `digits` digits."""
-    filler = Filler(rng)
+    Values have `digits` digits. `filler`: a text to cut the filler from (TextFiller), None for
+    the synthetic mix (Filler)."""
+    filler = make_filler(rng, filler)
     all_keys = keys()
     chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
     names = [all_keys[int(i)] for i in chosen]
@@ -200,7 +235,7 @@ class RecallTask:
     0..min_gap*4 characters."""
 
     def __init__(self, min_gap: int = 16, max_gap: int = 16384, max_pairs: int = 4,
-                 max_queries: int = 4, digits: int = N_DIGITS):
+                 max_queries: int = 4, digits: int = N_DIGITS, filler: str | None = None):
         if not 1 <= min_gap <= max_gap:
             raise DataError(f"recall: need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
         if max_pairs < 1 or max_queries < 1:
@@ -210,6 +245,7 @@ class RecallTask:
         if digits < 1:
             raise DataError(f"recall: values need at least one digit, got {digits}")
         self.max_pairs, self.max_queries, self.digits = max_pairs, max_queries, digits
+        self.filler = filler   # the text filler is cut from (build_document), None: synthetic
 
     def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:
         n_pairs = int(rng.integers(1, self.max_pairs + 1))
@@ -218,7 +254,7 @@ class RecallTask:
         plan = [(int(rng.integers(0, n_pairs)), int(round(math.exp(rng.uniform(lo, hi)))))
                 for _ in range(n_queries)]
         return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 4 * self.min_gap + 1)),
-                              digits=self.digits)
+                              digits=self.digits, filler=self.filler)
 
     def texts(self, seed: int, n_docs: int):
         """`n_docs` document texts (characters are tokens for the byte tokenizer)."""
@@ -230,11 +266,13 @@ class RecallTask:
 
 
 def eval_document(rng: np.random.Generator, tokenizer, distances: list[int], n_pairs: int = 1,
-                  digits: int = N_DIGITS) -> RecallDocument:
+                  digits: int = N_DIGITS, filler: str | None = None) -> RecallDocument:
     """One evaluation document: `n_pairs` facts, then query j asks key j % n_pairs at distance
-    distances[j] from that key's previous mention (n_pairs=1: one fact, asked again and again)."""
+    distances[j] from that key's previous mention (n_pairs=1: one fact, asked again and again).
+    `filler` as for build_document."""
     plan = [(j % n_pairs, d) for j, d in enumerate(distances)]
-    return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)), digits=digits)
+    return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)), digits=digits,
+                          filler=filler)
 
 
 SPLIT_SEEDS = {"train": 1, "valid": 2, "test": 3}

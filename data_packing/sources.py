@@ -240,18 +240,56 @@ def _pycode(split: str, site_packages: bool) -> Source:
 # ---------------------------------------------------------------- synthetic recall documents
 
 def _recall(split: str, options: dict) -> Source:
-    """`recall.py`'s training distribution; options: docs, min_gap, max_gap, max_pairs, max_queries."""
+    """`recall.py`'s training distribution; options: docs, min_gap, max_gap, max_pairs,
+    max_queries, and filler (see `recall_filler`; with site_packages for pycode)."""
     from data_packing.recall import SPLIT_SEEDS, RecallTask
     options = {"docs": 20000, "min_gap": 16, "max_gap": 16384, "max_pairs": 4, "max_queries": 4,
                **options}
     n_docs = int(options.pop("docs"))
     if n_docs < 1:
         raise DataError(f"recall: docs must be >= 1, got {n_docs}")
+    spec, site = options.pop("filler", ""), bool(options.pop("site_packages", False))
+    filler = recall_filler(spec, split, site) if spec else None
     task = RecallTask(**options)
     if split != "train":   # held-out splits: a tenth of the documents, from their own seed
         n_docs = max(1, n_docs // 10)
     identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 1}
-    return Source("recall", split, identity, lambda: task.texts(SPLIT_SEEDS[split], n_docs))
+    if filler is not None:
+        identity["filler"] = filler.identity
+
+    def docs():
+        if filler is not None:
+            task.filler = filler_text(filler)
+        return task.texts(SPLIT_SEEDS[split], n_docs)
+    return Source("recall", split, identity, docs)
+
+
+FILLER_CHARS = 32 * 2 ** 20
+
+
+def recall_filler(spec: str, split: str, site_packages: bool = False) -> Source:
+    """The source a recall corpus cuts its filler from (`data.recall_filler`): "pycode" (with
+    `site_packages`) or the path of a `text` source; its split `split`, so that held-out recall
+    documents stand in held-out text."""
+    if spec == "pycode":
+        return open_source("pycode", split, site_packages=site_packages)
+    return open_source("text", split, spec)
+
+
+def filler_text(source: Source, limit: int = FILLER_CHARS) -> str:
+    """The documents of `source` joined by blank lines, up to `limit` characters: the text
+    recall.TextFiller cuts stretches from."""
+    parts, n = [], 0
+    for doc in source:
+        parts.append(doc)
+        n += len(doc) + 2
+        if n >= limit:
+            break
+    text = "\n\n".join(parts)[:limit]
+    if len(text.strip()) < 64:
+        raise DataError(f"recall filler: {source.name} ({source.split}) has "
+                        f"{len(text.strip())} characters of text; it needs at least 64")
+    return text
 
 
 # ---------------------------------------------------------------- local text files

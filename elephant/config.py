@@ -201,6 +201,11 @@ class DataConfig:
     recall_max_gap: int = 16384
     recall_max_pairs: int = 4        # facts per document: 1..max_pairs
     recall_max_queries: int = 4      # queries per document: 1..max_queries
+    recall_filler: str = ""          # the text between facts and queries: "" = a synthetic mix of
+                                     # words, numbers and passkey lines; "pycode" (with site_packages)
+                                     # or the path of a text source: stretches cut from its
+                                     # documents of the same split, so that copying the facts is a
+                                     # small part of the LM loss, as in real documents
     pack: bool = False               # training rows hold documents back to back (exact per-token
                                      # boundaries, no padding); false: one document per row, padded.
                                      # Off by default: it pays with the chunk step as CUDA graphs
@@ -225,9 +230,12 @@ class DataConfig:
         if self.source == "pycode":
             return {"site_packages": self.site_packages}
         if self.source == "recall":
-            return {"recall": {"docs": self.recall_docs, "min_gap": self.recall_min_gap,
-                               "max_gap": self.recall_max_gap, "max_pairs": self.recall_max_pairs,
-                               "max_queries": self.recall_max_queries}}
+            recall = {"docs": self.recall_docs, "min_gap": self.recall_min_gap,
+                      "max_gap": self.recall_max_gap, "max_pairs": self.recall_max_pairs,
+                      "max_queries": self.recall_max_queries}
+            if self.recall_filler:
+                recall.update(filler=self.recall_filler, site_packages=self.site_packages)
+            return {"recall": recall}
         return {}
 
 

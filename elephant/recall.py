@@ -66,19 +66,29 @@ def ablate(model, state, part: str):
     return state
 
 
+def filler_for(spec: str, split: str, site_packages: bool = False) -> str | None:
+    """The filler text of `data.recall_filler` = `spec` for `split` (None for "": synthetic)."""
+    if not spec:
+        return None
+    from data_packing.sources import filler_text, recall_filler
+    return filler_text(recall_filler(spec, split, site_packages))
+
+
 @in_eval_mode
 @torch.no_grad()
 def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
                     n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
-                    ablation: str = "none", digits: int = 6, offset: int = 0) -> dict:
+                    ablation: str = "none", digits: int = 6, offset: int = 0,
+                    filler: str | None = None) -> dict:
     """Accuracy by distance over `lanes` documents streamed side by side (see the module doc).
+    `filler`: the text the documents' filler is cut from (`filler_for`), None: synthetic.
     `ablation` drops one carried part of the state after every chunk (see `ablate`). `offset`
     starts every document at that rotary position instead of 0: what of the model depends on
     how deep into a document it reads (nothing, where every position it uses is relative)."""
     from data_packing.recall import eval_document
 
     rng = np.random.default_rng(seed)
-    docs = [eval_document(rng, tokenizer, distances, n_pairs, digits) for _ in range(lanes)]
+    docs = [eval_document(rng, tokenizer, distances, n_pairs, digits, filler) for _ in range(lanes)]
     n_chunks = document_chunks(max(len(d.tokens) for d in docs), chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
     query = np.full((lanes, n_chunks * chunk_len + 1), -1, dtype=np.int64)  # query index of a target
@@ -356,7 +366,8 @@ def train_recall(cfg, resume: bool = False, budget_s: float = 0.0, memory_path: 
         log(f"weights from {init_from(t.init_from, model, cfg.model.to_dict())}")
     model.compile_for(compile_mode(t.compile, device, graphs=False))   # auto: each block
     torch.manual_seed(t.seed * 1_000_003 + step)   # exploration noise (model.kv_keep) of a resumed run
-    task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries)
+    task = RecallTask(d.recall_min_gap, d.recall_max_gap, d.recall_max_pairs, d.recall_max_queries,
+                      filler=filler_for(d.recall_filler, "train", d.site_packages))
     lanes = AnswerLanes(task, tokenizer, t.lanes, t.chunk_len, seed=t.seed * 1_000_003 + step)
     window = cfg.model.bptt_chunks
     step_chunks = 4 * window
@@ -426,9 +437,13 @@ def _eval(args) -> int:
     chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
     distances = [parse_count(d) for d in args.distances.split(",")]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
+    data = config.get("data") or {}
+    spec = data.get("recall_filler", "") if args.filler is None else args.filler
     result = evaluate_recall(model, tokenizer, distances, args.lanes, chunk_len, device, args.pairs,
                              args.seed, autocast, progress=not args.no_progress and sys.stderr.isatty(),
-                             ablation=args.ablate, offset=parse_count(getattr(args, "offset", "0")))
+                             ablation=args.ablate, offset=parse_count(getattr(args, "offset", "0")),
+                             filler=filler_for(spec, "test", bool(data.get("site_packages"))))
+    result["filler"] = spec or "synthetic"
     result["checkpoint"] = str(args.checkpoint)
     # one key per distance (recall_4K, recall_1M: digit accuracy), and where and how it was measured
     result.update({f"recall_{label}": row["accuracy"] for label, row in result["by_distance"].items()})
@@ -502,6 +517,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         s.add_argument("--ablate", default="none", choices=ABLATIONS,
                        help="drop one carried part of the state after every chunk")
         s.add_argument("--device", default="auto")
+        s.add_argument("--filler", default=None,
+                       help="the evaluation documents' filler, as data.recall_filler: \"\" for the "
+                            "synthetic mix, pycode, or a text path (its test split); default: the "
+                            "run's data.recall_filler")
         if name == "eval":
             s.add_argument("--offset", default="0",
                            help="start every document at this rotary position (e.g. 1M)")

@@ -63,6 +63,14 @@ def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
                  "--ablate", "kv", "--no-progress"])
     assert code == 0 and "| 64 |" in capsys.readouterr().out
+    # facts among real text (a text source's test split): scored the same way
+    (tmp_path / "prose.txt").write_text("the river ran past the old mill and on to the sea. " * 40)
+    code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
+                 "--filler", str(tmp_path / "prose.txt"), "--no-progress", "--json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["filler"] == str(tmp_path / "prose.txt")
+    code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
+                 "--filler", str(tmp_path / "nowhere"), "--no-progress"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
 
 
 def test_bad_recall_arguments_get_one_line_errors(tmp_path, capsys):

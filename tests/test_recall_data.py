@@ -75,3 +75,54 @@ def test_bad_recall_settings_are_refused():
     cfg = load_config(None, ["data.source=recall", "data.recall_max_pairs=3"])
     assert cfg.data.source_options()["recall"]["max_pairs"] == 3
     assert load_config(None, ["data.site_packages=true"]).data.source_options() == {"site_packages": True}
+
+
+# ---------------------------------------------------------------- filler cut from a real text
+def _split_texts(folder):
+    """A text source with train and test files of disjoint vocabularies (train: lowercase words,
+    test: uppercase words), so that where a stretch of filler came from can be told."""
+    rng = np.random.default_rng(0)
+    for split, case in (("train", str.lower), ("test", str.upper)):
+        words = [case("".join(rng.choice(list("qwrtypsdfghjklzxcvbnm"), 5))) for _ in range(3000)]
+        (folder / f"{split}.txt").write_text(" ".join(words))
+    return folder
+
+
+@pytest.mark.parametrize("distances", [[64], [128, 900]])
+def test_text_filler_keeps_distances_exact_and_is_cut_from_the_text(tmp_path, distances):
+    from data_packing.recall import TextFiller
+    corpus = (_split_texts(tmp_path) / "train.txt").read_text()
+    tok = ByteTokenizer()
+    doc = eval_document(np.random.default_rng(3), tok, distances, filler=corpus)
+    assert [q.distance for q in doc.queries] == distances
+    value = doc.text[doc.queries[0].answer_start:doc.queries[0].answer_start + 6]
+    assert value.isdigit() and f"The code of " in doc.text and doc.text.count(value) == len(distances) + 1
+    # outside the facts and queries there are only the corpus's words (or their cut ends), no
+    # synthetic text
+    rest = doc.text
+    for piece in ("What is the code of", "The code of", "? It is", " is ", *keys(), value, "."):
+        rest = rest.replace(piece, " ")
+    assert rest.split() and all(w.isalpha() and w.islower() and len(w) <= 5 for w in rest.split())
+    assert "grass" not in doc.text and "There were" not in doc.text
+    stretch = TextFiller(np.random.default_rng(0), corpus).text(200)
+    assert 150 <= len(stretch) <= 200 and stretch.strip() in corpus
+    with pytest.raises(DataError, match="at least 64"):
+        TextFiller(np.random.default_rng(0), "too short")
+
+
+def test_recall_source_cuts_each_splits_filler_from_that_split(tmp_path):
+    from elephant.config import load_config
+    folder = _split_texts(tmp_path)
+    cfg = load_config(None, ["data.source=recall", f"data.recall_filler={folder}",
+                             "data.recall_docs=30", "data.recall_max_gap=200"])
+    options = cfg.data.source_options()
+    train, test = (open_source("recall", split, **options) for split in ("train", "test"))
+    train_words = {w for d in train for w in d.split() if w.isalpha() and w.islower() and len(w) == 5}
+    test_words = {w for d in test for w in d.split() if w.isalpha() and w.isupper() and len(w) == 5}
+    assert train_words and test_words
+    assert not any(w.isupper() and len(w) == 5 for d in train for w in d.split() if w.isalpha())
+    # the filler is part of what names the corpus (its tokenized cache)
+    synthetic = open_source("recall", "train", recall={"docs": 30, "max_gap": 200})
+    assert train.identity["filler"]["source"] == "text" and "filler" not in synthetic.identity
+    with pytest.raises(DataError, match="does not exist"):
+        open_source("recall", "train", recall={"filler": str(tmp_path / "missing")})
