@@ -45,7 +45,7 @@ def train_on_every_byte(layers: str, steps: int = 500, seed: int = 0) -> float:
                       mamba_head_dim=16, ssd_chunk=16)
     model = ElephantLM(cfg)
     opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
-                                              adam_lr=0.01, embed_lr=0.01, head_lr=0.01))
+                                              adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
     rng = random.Random(seed)
     for step in range(steps):
         opt.set_step(step, steps)

@@ -529,6 +529,25 @@ def test_set_step_applies_all_schedules():
     assert all(g["lr"] == pytest.approx(g["initial_lr"] * 0.5) for g in opt.adam.param_groups)
 
 
+def test_each_adam_group_steps_at_its_own_configured_lr():
+    # embed_lr, head_lr and adam_lr are each group's base: the schedule scales them, and a step
+    # moves each group's weights by its own lr (Adam's first step: lr x sign(g) per entry)
+    torch.manual_seed(0)
+    model = TinyLM()
+    cfg = OptimConfig(warmup_steps=0, adam_lr=0.004, embed_lr=0.001, head_lr=0.0005,
+                      schedule="constant")
+    opt = build_optimizers(model, cfg)
+    opt.set_step(3, 100)
+    want = {"embed": 0.001, "head": 0.0005, "other": 0.004}
+    assert {g["role"]: g["lr"] for g in opt.adam.param_groups} == pytest.approx(want)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _lm_loss(model, torch.randint(0, 40, (4, 17))).backward()
+    opt.step()
+    for name, lr in (("embed.weight", 0.001), ("lm_head.weight", 0.0005), ("gain", 0.004)):
+        moved = (dict(model.named_parameters())[name] - before[name]).abs()
+        assert moved.max().item() == pytest.approx(lr, rel=1e-3), name
+
+
 # ------------------------------------------------------------------ Triton Gram kernel
 @pytest.fixture
 def gram_device():

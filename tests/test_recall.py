@@ -23,7 +23,7 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
                       kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
     model = ElephantLM(cfg)
     opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
-                                              adam_lr=0.01, embed_lr=0.01, head_lr=0.01))
+                                              adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
     train_on_answers(model, opt, steps=600, lanes=32, chunk_len=32, gaps=(40, 70), digits=3)
     cpu = torch.device("cpu")
     recall = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3)

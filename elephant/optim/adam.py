@@ -88,7 +88,9 @@ class Adam(ShardedPhases, torch.optim.Optimizer):
     def __init__(self, params, lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, cautious: bool = True,
                  process_group=None):
-        defaults = dict(lr=lr, initial_lr=lr, betas=tuple(betas), eps=eps,
+        # no initial_lr among the defaults: a group's own lr is its base (set below); a default
+        # would fill every group that names its lr with the constructor's lr instead
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, wd_mult=1.0, cautious=cautious, step=0)
         super().__init__(params, defaults)
         self.process_group = process_group

@@ -256,7 +256,8 @@ class Muon(ShardedPhases, torch.optim.Optimizer):
         if orthogonalize not in ORTHOGONALIZERS:
             raise ValueError(f"Muon: orthogonalize must be one of {', '.join(ORTHOGONALIZERS)}, "
                              f"got {orthogonalize!r}")
-        defaults = dict(lr=lr, initial_lr=lr, momentum=momentum, nesterov=nesterov,
+        # no initial_lr among the defaults: a group's own lr is its base (see Adam)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         weight_decay=weight_decay, wd_mult=1.0, cautious=cautious, normuon=normuon,
                         beta2=beta2, orthogonalize=orthogonalize, ns_steps=ns_steps)
         super().__init__(params, defaults)
