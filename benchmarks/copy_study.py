@@ -45,6 +45,12 @@ SHAPES = {
                          "data.source=recall", "data.tokenizer=bytes", "data.valid_split=",
                          "data.recall_max_gap=2048", "optim.warmup_steps=50",
                          "optim.schedule=cosine", "optim.cooldown_frac=1.0"],
+    # the same stack on recall documents whose filler is real text (Python source: the standard
+    # library and site-packages), where copying the fact is a small part of the loss
+    "recall-text": ["--config", "configs/recall.toml", "model.n_mem=0", "model.kv_window=0",
+                    "model.kv_keep=0", "model.kv_keep_drop=0", "model.bptt_chunks=1",
+                    "data.recall_max_gap=2048", "data.recall_filler=pycode",
+                    "data.site_packages=true", "train.lanes=64", "train.chunk_len=512"],
     # wt103-70m's model (d_model 512, 8 layers) on the same bytes
     "wt103-70m": ["--config", "configs/recall.toml", "model.d_model=512", "model.n_heads=8",
                   "model.d_mlp=1536", "model.layers=MAMMAMMA", "model.d_state=64",
@@ -60,6 +66,9 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
 # the layer string of a variant from the shape's own (L)
 LAYERS = {
     "attn": lambda L: "A" * len(L),                      # all attention, as many layers
+    "attn-embed-std": lambda L: "A" * len(L),
+    "attn-embed-lr-low": lambda L: "A" * len(L),
+    "attn-untied-embed-std": lambda L: "A" * len(L),
     "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
@@ -80,6 +89,17 @@ VARIANTS = {
     "out-zero": ([], ["zero_out_init"]),         # every residual output projection starts at 0
     "glu": ([], ["swiglu"]),                     # a plain SiLU GLU in place of the elephant GLU
     "nope": (["model.rope_max_period=1"], []),   # attention without rotary positions
+    "embed-std": (["model.embed_std=0.16"], []),   # the token embedding started 8x larger
+    "attn-embed-std": (["model.embed_std=0.16"], []),
+    # and the Mamba mixers' outputs started 4x smaller
+    "embed-std-mamba-out": (["model.embed_std=0.16", "model.mamba_out_scale=0.25"], []),
+    "embed-lr-low": (["optim.embed_lr=0.000375"], []),   # its Adam steps 8x smaller instead
+    "attn-embed-lr-low": (["optim.embed_lr=0.000375"], []),
+    # the embedding untied from the head (every recipe ties them), alone and with the above
+    "untied": (["model.tied_embeddings=false"], []),
+    "untied-embed-std-mamba-out": (["model.tied_embeddings=false", "model.embed_std=0.16",
+                                    "model.mamba_out_scale=0.25"], []),
+    "attn-untied-embed-std": (["model.tied_embeddings=false", "model.embed_std=0.16"], []),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }
@@ -268,6 +288,93 @@ def losses(run_dir: Path) -> list[dict]:
     return [{"step": r["step"], "loss": r["loss"]} for r in rows if "loss" in r and "step" in r]
 
 
+# ------------------------------------------------------------------ the CPU probe
+def fact_row(rng, text: str, T: int) -> tuple[list[int], tuple[int, int]]:
+    """T + 1 bytes of `text` (a random stretch) with one fact stated after 0-40 bytes and asked
+    for after a gap of 8 to what the row leaves (data_packing/recall.py's wording), and the span of
+    the answer's 6 digits."""
+    from data_packing.recall import keys
+    key = rng.choice(keys())
+    value = "".join(rng.choice("0123456789") for _ in range(6))
+
+    def filler(n: int) -> str:
+        start = rng.randrange(len(text) - n - 1)
+        return text[start:start + n]
+    out = filler(rng.randint(0, 40)) + f"The code of {key} is {value}. "
+    out += filler(rng.randint(8, max(8, T - len(out) - 50))) + f"What is the code of {key}? It is "
+    span = (len(out), len(out) + 6)
+    out = (out + value + ". " + filler(T + 1))[:T + 1]
+    return list(out.encode()[:T + 1]), span
+
+
+def cpu_probe(args) -> dict:
+    """One variant on the CPU, the loss on every byte: rows of `--cpu-T` bytes of real text (cut
+    from the `--filler` file, e.g. Wikitext) holding one fact and its question (fact_row), a model of the
+    tiny shape (d_model 64, layers from the variant), the project's optimizers; the answer's digit
+    accuracy on held-out rows (cut from `--filler-test`) every 250 steps. Returns the curve."""
+    import random
+
+    import torch
+
+    from elephant.config import ModelConfig, OptimConfig
+    from elephant.model import ElephantLM
+    from elephant.optim import build_optimizers
+    torch.set_num_threads(1)
+    train_text, test_text = (Path(f).read_text(encoding="utf-8").encode("ascii", "ignore").decode()
+                             for f in (args.filler, args.filler_test))
+    T, layers = args.cpu_T, "MAMA"
+    name = args.variants
+    overrides, hooks = VARIANTS[name]
+    if name in LAYERS:
+        layers = LAYERS[name](layers)
+    model_kw = dict(vocab_size=256, d_model=64, n_heads=2, layers=layers, d_mlp=128, d_state=16,
+                    mamba_head_dim=16, ssd_chunk=32)
+    optim_kw = dict(warmup_steps=50, momentum_warmup_steps=50)
+    for o in [*overrides, *args.overrides]:
+        key, value = o.split("=", 1)
+        section, field = key.split(".")
+        kind = type(getattr(ModelConfig() if section == "model" else OptimConfig(), field))
+        parsed = value == "true" if kind is bool else kind(value)
+        (model_kw if section == "model" else optim_kw)[field] = parsed
+    torch.manual_seed(args.seed)
+    model = ElephantLM(ModelConfig(**model_kw))
+    for h in hooks:
+        HOOKS[h](model)
+    opt = build_optimizers(model, OptimConfig(**optim_kw))
+
+    def batch(rng, rows, text):
+        made = [fact_row(rng, text, T) for _ in range(rows)]
+        return torch.tensor([m[0] for m in made]), [m[1] for m in made]
+
+    held_out = batch(random.Random(999), 256, test_text)
+
+    def accuracy() -> float:
+        x, spans = held_out
+        model.eval()
+        with torch.no_grad():
+            pred = model(x[:, :-1])[0].argmax(-1)
+        model.train()
+        hits = [int(pred[i, t - 1] == x[i, t]) for i, (a, b) in enumerate(spans) if b <= T
+                for t in range(a, b)]     # (an answer that does not fit the row is not asked)
+        return sum(hits) / len(hits)
+
+    rng, curve, t0 = random.Random(args.seed), [], time.time()
+    for step in range(args.steps):
+        opt.set_step(step, args.steps)
+        x, _ = batch(rng, 16, train_text)
+        loss, _ = model(x[:, :-1], targets=x[:, 1:])
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % 250 == 0 or step + 1 == args.steps:
+            curve.append({"step": step + 1, "loss": round(loss.item(), 4), "copy": round(accuracy(), 4)})
+            print(name, curve[-1], f"{time.time() - t0:.0f} s", flush=True)
+    return {"variant": name, "layers": layers, "overrides": [*overrides, *args.overrides],
+            "hooks": hooks, "seed": args.seed, "curve": curve,
+            "first_step_at_0.99": next((c["step"] for c in curve if c["copy"] >= 0.99), None)}
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--variant":
         return run_variant(sys.argv[2], sys.argv[3:])
@@ -286,12 +393,31 @@ def main() -> int:
                    help="recall: data_packing/recall.py's facts; copy: documents of recurring "
                         "random names (write_copy_corpus), scored by copy accuracy")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--cpu", action="store_true",
+                   help="the CPU probe (cpu_probe): one variant, rows of real text with a fact")
+    p.add_argument("--filler", default="../shared/data/wikitext-103-raw/wiki.valid.raw",
+                   help="--cpu: the text the training rows are cut from")
+    p.add_argument("--filler-test", default="../shared/data/wikitext-103-raw/wiki.test.raw",
+                   help="--cpu: the text the held-out rows are cut from")
+    p.add_argument("--cpu-T", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*")
     args = p.parse_intermixed_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    if args.cpu:
+        if len(names) != 1:
+            p.error("--cpu runs one variant (start one process per variant)")
+        import torch
+        from benchmarks.common import environment
+        result = {"command": " ".join(["python benchmarks/copy_study.py", *sys.argv[1:]]),
+                  **cpu_probe(args), **environment(torch.device("cpu"))}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"cpu_{names[0]}_seed{args.seed}.json").write_text(json.dumps(result, indent=1))
+        return 0
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]

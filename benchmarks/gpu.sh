@@ -51,7 +51,9 @@
 #   copy    benchmarks/copy_study.py: in-chunk copying under the LM loss, variants (COPY_VARIANTS,
 #           default attn,hybrid) beside all attention, trained at once on the recall corpus with
 #           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
-#           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone
+#           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone;
+#           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
+#           (COPY_VARIANTS=attn,hybrid,untied-embed-std-mamba-out,attn-untied-embed-std COPY_ARGS=)
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u

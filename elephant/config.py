@@ -32,7 +32,8 @@ def parse_count(text: str) -> int:
 # Model settings that shape how a model is trained or initialised, not what its weights compute: a
 # new stage (train.init_from) may change them.
 TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "bptt_chunks",
-                                      "mem_write_cost", "mem_gate_init", "init_std"})
+                                      "mem_write_cost", "mem_gate_init", "init_std", "embed_std",
+                                      "mamba_out_scale"})
 
 
 @dataclass
@@ -84,6 +85,14 @@ class ModelConfig:
     bptt_chunks: int = 1             # chunks that gradients flow through memory / SSM state
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    embed_std: float = 0.0           # init std of the token embedding (0: init_std). A larger one
+                                     # keeps each token's identity readable in the residual stream
+                                     # beside the Mamba mixers' outputs (RMS 0.08-0.16 at init) and
+                                     # makes Adam's steps small beside it: with 0.02 the hybrid did
+                                     # not learn to copy under the LM loss (docs/RESULTS.md)
+    mamba_out_scale: float = 1.0     # the Mamba out-projection's init std, times this: its input is
+                                     # normalized (RMS 1), so at 1 a mixer adds 4-8x the embedding's
+                                     # RMS (0.02) to the residual stream at init
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream
                                      # and its gradient at half the bytes, read and written by every
@@ -105,6 +114,8 @@ class ModelConfig:
         _positive(self, "vocab_size", "d_model", "n_heads", "d_state", "mamba_head_dim", "expand",
                   "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
                   "norm_eps", "init_std")
+        _non_negative(self, "embed_std")
+        _positive(self, "mamba_out_scale")
         _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise",
                       "rope_max_period")
         if not 0.0 <= self.kv_keep_drop < 1.0:

@@ -176,16 +176,19 @@ class ElephantLM(nn.Module):
     # ------------------------------------------------------------------ parameters
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-2 style: normal(init_std), residual output projections scaled by 1/sqrt(2 L)."""
+        """GPT-2 style: normal(init_std), residual output projections scaled by 1/sqrt(2 L) (the
+        Mamba mixers' also by mamba_out_scale); the token embedding normal(embed_std) when set."""
         std, cfg = self.cfg.init_std, self.cfg
         out_std = std / math.sqrt(2 * len(cfg.layers))
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 last = name.rsplit(".", 1)[-1]
-                nn.init.normal_(module.weight, std=out_std if last in ("o", "out_proj", "down") else std)
+                scale = cfg.mamba_out_scale if last == "out_proj" else 1.0   # (Mamba's)
+                nn.init.normal_(module.weight,
+                                std=out_std * scale if last in ("o", "out_proj", "down") else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.embed.weight, std=cfg.embed_std or std)
         if cfg.n_mem:
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)
