@@ -105,15 +105,18 @@ class Filler:
         reps = max(1, math.ceil(n_words / len(PASSKEY.split())))
         return PASSKEY * reps
 
+    def piece(self, need: int) -> str:
+        """The next stretch of filler, of any length (`need`: the characters still wanted)."""
+        kind = int(self.rng.integers(0, 3))
+        n_words = int(self.rng.integers(20, 400))
+        return (self.words, self.numbers, self.passkey)[kind](n_words)
+
     def text(self, n_chars: int) -> str:
-        """About `n_chars` characters of mixed filler (cut at a word boundary)."""
+        """About `n_chars` characters of filler (cut at a word boundary)."""
         parts, have = [], 0
         while have < n_chars:
-            kind = int(self.rng.integers(0, 3))
-            n_words = int(self.rng.integers(20, 400))
-            piece = (self.words, self.numbers, self.passkey)[kind](n_words)
-            parts.append(piece)
-            have += len(piece)
+            parts.append(self.piece(n_chars - have))
+            have += len(parts[-1])
         s = "".join(parts)
         if len(s) > n_chars:
             cut = s.rfind(" ", 0, n_chars)
@@ -132,20 +135,11 @@ class TextFiller(Filler):
                             "at least 64")
         self.corpus = corpus
 
-    def text(self, n_chars: int) -> str:
-        parts, have = [], 0
-        while have < n_chars:
-            start = int(self.rng.integers(0, len(self.corpus)))
-            space = self.corpus.find(" ", start)
-            start = space + 1 if 0 <= space < len(self.corpus) - 1 else 0
-            piece = self.corpus[start:start + n_chars - have + 32]
-            parts.append(piece)
-            have += len(piece)
-        s = "".join(parts)
-        if len(s) > n_chars:
-            cut = s.rfind(" ", 0, n_chars)
-            s = s[:cut + 1] if cut > 0 else s[:n_chars]
-        return s
+    def piece(self, need: int) -> str:
+        start = int(self.rng.integers(0, len(self.corpus)))
+        space = self.corpus.find(" ", start)
+        start = space + 1 if 0 <= space < len(self.corpus) - 1 else 0
+        return self.corpus[start:start + need + 32]
 
 
 def make_filler(rng: np.random.Generator, corpus: str | None) -> Filler:
