@@ -130,10 +130,11 @@ def saved_bytes(fn, *args, exclude=()) -> int:
 
 
 def environment(device=None) -> dict:
-    """Device, versions, date and command line, for a result file (`device`: the one measured;
-    default the GPU when there is one)."""
+    """Device, versions, date, command line and git commit (with "+changes" when the tree differs
+    from it), for a result file (`device`: the one measured; default the GPU when there is one)."""
     import datetime
     import platform
+    import subprocess
     import sys
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -146,6 +147,16 @@ def environment(device=None) -> dict:
         import triton
         env["triton"] = triton.__version__
     except ImportError:
+        pass
+    root = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=root, timeout=5).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, cwd=root, timeout=5).stdout.strip()
+        if head:
+            env["commit"] = head + ("+changes" if changed else "")
+    except (OSError, subprocess.SubprocessError):
         pass
     return env
 

@@ -42,3 +42,16 @@ def test_utilization_column_and_train_speed_evaluation_passes(tmp_path, capsys):
     assert rows[0]["util"] == 90 and rows[1]["util"] == 10 and rows[1]["power_w"] == 300
     assert summarize.main(["clocks", str(csv), str(result)]) == 0
     assert "busy  90.0%" in capsys.readouterr().out
+
+
+def test_result_files_name_the_commit_they_measured():
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.common import environment
+    env = environment("cpu")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert env["device"] and env["torch"] and env["date"]
+    if head:   # a git checkout (CI's clean clone is one)
+        assert env["commit"].split("+")[0] == head
