@@ -69,6 +69,7 @@ LAYERS = {
     "attn-embed-std": lambda L: "A" * len(L),
     "attn-embed-lr-low": lambda L: "A" * len(L),
     "attn-untied-embed-std": lambda L: "A" * len(L),
+    "attn-x0-attn": lambda L: "A" * len(L),
     "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
@@ -100,6 +101,9 @@ VARIANTS = {
     "untied-embed-std-mamba-out": (["model.tied_embeddings=false", "model.embed_std=0.16",
                                     "model.mamba_out_scale=0.25"], []),
     "attn-untied-embed-std": (["model.tied_embeddings=false", "model.embed_std=0.16"], []),
+    # attention layers that read the token embedding beside the stream (x0_attn)
+    "x0-attn": (["train.compile=off"], ["x0_attn"]),
+    "attn-x0-attn": (["train.compile=off"], ["x0_attn"]),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }
@@ -206,7 +210,27 @@ def reference(model):
     model.set_fast_paths(False)
 
 
-HOOKS = {f.__name__: f for f in (zero_mamba, freeze_mamba, zero_out_init, swiglu, reference)}
+def x0_attn(model):
+    """Every attention layer reads the RMS-normalized token embedding beside the stream: its
+    input is norm1(x) + rmsnorm(embed(tokens)), so the token's identity reaches its queries and
+    keys at full strength whatever the layers before it wrote (a probe: one document a row, no
+    memory tokens, no generation path)."""
+    import torch.nn.functional as F
+    seen = {}
+    embed = model.embed.forward
+
+    def embed_and_keep(ids):
+        seen["x0"] = embed(ids)
+        return seen["x0"]
+    model.embed.forward = embed_and_keep
+    for b in model.blocks:
+        if b.kind == "A":
+            b.norm1.forward = (lambda norm: lambda x: norm(x) + F.rms_norm(
+                seen["x0"], (x.shape[-1],)))(b.norm1.forward)
+
+
+HOOKS = {f.__name__: f for f in (zero_mamba, freeze_mamba, zero_out_init, swiglu, reference,
+                                 x0_attn)}
 
 
 def run_variant(name: str, argv: list[str]) -> int:
@@ -333,6 +357,8 @@ def cpu_probe(args) -> dict:
     for o in [*overrides, *args.overrides]:
         key, value = o.split("=", 1)
         section, field = key.split(".")
+        if section == "train":   # the probe has no trainer
+            continue
         kind = type(getattr(ModelConfig() if section == "model" else OptimConfig(), field))
         parsed = value == "true" if kind is bool else kind(value)
         (model_kw if section == "model" else optim_kw)[field] = parsed

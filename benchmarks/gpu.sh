@@ -53,7 +53,7 @@
 #           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
 #           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone;
 #           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
-#           (COPY_VARIANTS=attn,hybrid,untied-embed-std-mamba-out,attn-untied-embed-std COPY_ARGS=)
+#           (COPY_VARIANTS=attn,hybrid,x0-attn,attn-x0-attn COPY_ARGS=)
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u
