@@ -129,12 +129,28 @@ def saved_bytes(fn, *args, exclude=()) -> int:
     return sum(seen.values())
 
 
+def commit() -> str:
+    """The checkout's commit (git rev-parse HEAD), with "+dirty" when files differ from it;
+    "unknown" outside a git checkout."""
+    import subprocess
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=Path(__file__).resolve().parent,
+                                  capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def environment(device=None) -> dict:
-    """Device, versions, date, command line and git commit (with "+changes" when the tree differs
-    from it), for a result file (`device`: the one measured; default the GPU when there is one)."""
+    """Device, versions, date, command line and git commit (`commit()`), for a result file
+    (`device`: the one measured; default the GPU when there is one)."""
     import datetime
     import platform
-    import subprocess
     import sys
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
@@ -148,16 +164,7 @@ def environment(device=None) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    root = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=root, timeout=5).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, cwd=root, timeout=5).stdout.strip()
-        if head:
-            env["commit"] = head + ("+changes" if changed else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    env["commit"] = commit()
     return env
 
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,14 +118,6 @@ LONG_DOC_TOKENS = 32768
 SMOKE_LONG_TOKENS = 16384
 # the bands whose mean gain is `context_gain_8k_32k`
 GAIN_BANDS = ("8K-16K", "16K-32K")
-
-
-def commit() -> str:
-    """The checkout's commit (git rev-parse HEAD), with "+dirty" when files differ from it."""
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    head = git("rev-parse", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def long_documents(corpus, min_tokens: int, limit: int, shortest: bool = False):
@@ -237,7 +228,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from benchmarks.common import environment, train_for_budget
+    from benchmarks.common import commit, environment, train_for_budget
     from elephant.config import ConfigError, load_config
     from elephant.evaluate import open_corpus, parse_reset_every
     from elephant.metrics import BUCKET_LABELS, plot_position_loss

@@ -50,7 +50,7 @@ def test_result_files_name_the_commit_they_measured():
 
     from benchmarks.common import environment
     env = environment("cpu")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                           cwd=Path(__file__).parent).stdout.strip()
     assert env["device"] and env["torch"] and env["date"]
     if head:   # a git checkout (CI's clean clone is one)
