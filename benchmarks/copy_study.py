@@ -340,7 +340,7 @@ def cpu_probe(args) -> dict:
 
     import torch
 
-    from elephant.config import ModelConfig, OptimConfig
+    from elephant.config import load_config
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
     torch.set_num_threads(1)
@@ -351,22 +351,18 @@ def cpu_probe(args) -> dict:
     overrides, hooks = VARIANTS[name]
     if name in LAYERS:
         layers = LAYERS[name](layers)
-    model_kw = dict(vocab_size=256, d_model=64, n_heads=2, layers=layers, d_mlp=128, d_state=16,
-                    mamba_head_dim=16, ssd_chunk=32)
-    optim_kw = dict(warmup_steps=50, momentum_warmup_steps=50)
-    for o in [*overrides, *args.overrides]:
-        key, value = o.split("=", 1)
-        section, field = key.split(".")
-        if section == "train":   # the probe has no trainer
-            continue
-        kind = type(getattr(ModelConfig() if section == "model" else OptimConfig(), field))
-        parsed = value == "true" if kind is bool else kind(value)
-        (model_kw if section == "model" else optim_kw)[field] = parsed
+    # the project's defaults, the probe's shape, then the variant's and the command line's
+    # overrides (train.* ones have nothing to act on here: the probe has no trainer)
+    cfg = load_config(None, ["model.vocab_size=256", "model.d_model=64", "model.n_heads=2",
+                             f"model.layers={layers}", "model.d_mlp=128", "model.d_state=16",
+                             "model.mamba_head_dim=16", "model.ssd_chunk=32",
+                             "optim.warmup_steps=50", "optim.momentum_warmup_steps=50",
+                             *overrides, *args.overrides])
     torch.manual_seed(args.seed)
-    model = ElephantLM(ModelConfig(**model_kw))
+    model = ElephantLM(cfg.model)
     for h in hooks:
         HOOKS[h](model)
-    opt = build_optimizers(model, OptimConfig(**optim_kw))
+    opt = build_optimizers(model, cfg.optim)
 
     def batch(rng, rows, text):
         made = [fact_row(rng, text, T) for _ in range(rows)]
