@@ -52,6 +52,12 @@ SHAPES = {
                     "data.recall_max_gap=2048", "data.recall_filler=pycode",
                     "data.site_packages=true", "train.lanes=64", "train.chunk_len=512"],
     # wt103-70m's model (d_model 512, 8 layers) on the same bytes
+    "wt103-70m-text": ["--config", "configs/recall.toml", "model.d_model=512", "model.n_heads=8",
+                       "model.d_mlp=1536", "model.layers=MAMMAMMA", "model.d_state=64",
+                       "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
+                       "model.kv_keep_drop=0", "model.bptt_chunks=1", "data.recall_max_gap=2048",
+                       "data.recall_filler=pycode", "data.site_packages=true", "train.lanes=32",
+                       "train.chunk_len=512"],
     "wt103-70m": ["--config", "configs/recall.toml", "model.d_model=512", "model.n_heads=8",
                   "model.d_mlp=1536", "model.layers=MAMMAMMA", "model.d_state=64",
                   "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
@@ -69,7 +75,7 @@ LAYERS = {
     "attn-embed-std": lambda L: "A" * len(L),
     "attn-embed-lr-low": lambda L: "A" * len(L),
     "attn-untied-embed-std": lambda L: "A" * len(L),
-    "attn-x0-attn": lambda L: "A" * len(L),
+    "attn-x0": lambda L: "A" * len(L),
     "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
@@ -101,9 +107,10 @@ VARIANTS = {
     "untied-embed-std-mamba-out": (["model.tied_embeddings=false", "model.embed_std=0.16",
                                     "model.mamba_out_scale=0.25"], []),
     "attn-untied-embed-std": (["model.tied_embeddings=false", "model.embed_std=0.16"], []),
-    # attention layers that read the token embedding beside the stream (x0_attn)
-    "x0-attn": (["train.compile=off"], ["x0_attn"]),
-    "attn-x0-attn": (["train.compile=off"], ["x0_attn"]),
+    # attention layers that read the stack's normalized input (the token embeddings) beside the
+    # stream, with a learned gain (model.attn_x0)
+    "x0": (["model.attn_x0=true"], []),
+    "attn-x0": (["model.attn_x0=true"], []),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }
@@ -210,27 +217,7 @@ def reference(model):
     model.set_fast_paths(False)
 
 
-def x0_attn(model):
-    """Every attention layer reads the RMS-normalized token embedding beside the stream: its
-    input is norm1(x) + rmsnorm(embed(tokens)), so the token's identity reaches its queries and
-    keys at full strength whatever the layers before it wrote (a probe: one document a row, no
-    memory tokens, no generation path)."""
-    import torch.nn.functional as F
-    seen = {}
-    embed = model.embed.forward
-
-    def embed_and_keep(ids):
-        seen["x0"] = embed(ids)
-        return seen["x0"]
-    model.embed.forward = embed_and_keep
-    for b in model.blocks:
-        if b.kind == "A":
-            b.norm1.forward = (lambda norm: lambda x: norm(x) + F.rms_norm(
-                seen["x0"], (x.shape[-1],)))(b.norm1.forward)
-
-
-HOOKS = {f.__name__: f for f in (zero_mamba, freeze_mamba, zero_out_init, swiglu, reference,
-                                 x0_attn)}
+HOOKS = {f.__name__: f for f in (zero_mamba, freeze_mamba, zero_out_init, swiglu, reference)}
 
 
 def run_variant(name: str, argv: list[str]) -> int:

@@ -53,7 +53,7 @@
 #           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
 #           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone;
 #           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
-#           (COPY_VARIANTS=attn,hybrid,x0-attn,attn-x0-attn COPY_ARGS=)
+#           (COPY_VARIANTS=attn,hybrid,x0,attn-x0 COPY_ARGS=); COPY_SHAPE=a,b runs both at once
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u
@@ -328,11 +328,17 @@ for stage in $stages; do
         --variants ${LM_VARIANTS:-hybrid,transformer} --reset-every ${LM_RESET:-2048} \
         --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     copy)
-      timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape ${COPY_SHAPE:-recall} \
-        --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
-        --deadline-s ${COPY_DEADLINE:-420} --distances 128 --out $RES/copy_study \
-        --runs /tmp/copy_runs data.cache_dir=/tmp/elephant-cache ${COPY_ARGS:-model.bptt_chunks=8} \
-        2>&1 | tee "$LOGS/copy_study.log" | tail -30 ;;
+      # COPY_SHAPE may name several shapes (a,b): their studies run at once, sharing the GPU
+      shapes=${COPY_SHAPE:-recall}
+      for shape in ${shapes//,/ }; do
+        timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape $shape \
+          --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
+          --deadline-s ${COPY_DEADLINE:-420} --distances 128 --out $RES/copy_study_$shape \
+          --runs /tmp/copy_runs_$shape data.cache_dir=/tmp/elephant-cache-$shape \
+          ${COPY_ARGS-model.bptt_chunks=8} > "$LOGS/copy_study_$shape.log" 2>&1 &
+      done
+      wait
+      for shape in ${shapes//,/ }; do tail -15 "$LOGS/copy_study_$shape.log"; done ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

@@ -14,6 +14,7 @@ hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the 
              before 16 slots.
 hybrid-recall  hybrid-free with 16 memory slots and kept tokens dropped in training
              (model.kv_keep_drop 0.1): the recall recipe now.
+hybrid-x0    the hybrid whose attention layers also read the token embeddings (model.attn_x0).
 hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
              in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md):
              whether the trade pays at equal time.
@@ -85,6 +86,10 @@ VARIANTS = {
     "hybrid-recall": ["model.layers=MAMMAMMA", "model.n_mem=16", "model.kv_window=512",
                       "model.kv_keep=128", "model.mem_rotary=free", "model.kv_keep_drop=0.1",
                       "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
+    # the hybrid whose attention layers also read the stack's normalized input (model.attn_x0)
+    "hybrid-x0": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                  "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
+                  "model.attn_x0=true"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
     "hybrid-bf16": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                     "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",

@@ -93,6 +93,13 @@ class ModelConfig:
     mamba_out_scale: float = 1.0     # the Mamba out-projection's init std, times this: its input is
                                      # normalized (RMS 1), so at 1 a mixer adds 4-8x the embedding's
                                      # RMS (0.02) to the residual stream at init
+    attn_x0: bool = False            # every attention layer's input is norm1(x) + g * rmsnorm(x0),
+                                     # x0 the stack's input (the token embeddings, and the memory
+                                     # vectors at memory positions), g a learned per-channel gain
+                                     # (init 1): the token's own identity reaches the queries and
+                                     # keys at full strength whatever the layers before wrote into
+                                     # the stream. Without it the hybrid did not learn to copy
+                                     # under the LM loss among real text (docs/RESULTS.md)
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream
                                      # and its gradient at half the bytes, read and written by every

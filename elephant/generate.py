@@ -188,8 +188,9 @@ class Decoder:
         keys = torch.arange(self.W + self.C, device=self.device)
         # a query sees the valid window slots and the chunk slots up to its own
         mask = self.valid[:, None, None, :] & (keys <= idx[:, :, None])[:, None]   # (B, 1, S, W + C)
+        x0 = self.model.stack_input(x)
         for i, block in enumerate(self.model.blocks):
-            h = block.norm1(x)
+            h = block.mixer_input(x, x0)
             if block.kind == "M":
                 if S == 1:
                     h, conv, ssm = block.mixer.step(h[:, 0], self.conv[i], self.ssm[i])

@@ -78,11 +78,12 @@ def initial_prefix(model, dtype=None) -> list[tuple]:
     free = (torch.ones(cfg.n_mem, dtype=torch.bool, device=x.device)
             if cfg.mem_rotary == "free" else None)     # all memory
     out = []
+    x0 = model.stack_input(x)
     for i, block in enumerate(model.blocks):
         if block.kind == "M":
             x, (conv, ssm) = block(x, pos, (fresh.conv[i], fresh.ssm[i]))
             out.append((conv[0], ssm[0]))
         else:   # k: at position -1, i.e. before rotary, what `free` memory keys are too
-            x, (k, v) = block(x, pos, None, free=free)
+            x, (k, v) = block(x, pos, None, free=free, x0=x0)
             out.append((k, v))
     return out

@@ -53,13 +53,26 @@ class Block(nn.Module):
         self.kind = kind
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
+        # attn_x0: the gain of the stack's normalized input added to the attention's input
+        self.x0_gain = nn.Parameter(torch.ones(cfg.d_model)) if kind == "A" and cfg.attn_x0 else None
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
+
+    def mixer_input(self, x: Tensor, x0: Tensor | None) -> Tensor:
+        """What the mixer reads: norm1(x), and for an attention layer with `attn_x0` also
+        x0_gain * x0, x0 the stack's RMS-normalized input (`stack_input`) at the same positions."""
+        h = self.norm1(x)
+        if self.x0_gain is None:
+            return h
+        if x0 is None:
+            raise ValueError("model.attn_x0: an attention block needs the stack's normalized input "
+                             "x0 (ElephantLM.stack_input)")
+        return h + self.x0_gain.to(h.dtype) * x0.to(h.dtype)
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,
                 init: tuple | None = None, start: Tensor | None = None,
                 free: Tensor | None = None, room: int = 0,
-                layouts: dict | None = None) -> tuple[Tensor, tuple]:
+                layouts: dict | None = None, x0: Tensor | None = None) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
         attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
@@ -68,8 +81,9 @@ class Block(nn.Module):
         attention layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized
         input). `room`: how many documents may start inside the chunk for attention's
         variable-length kernel (0: none; see attention.SEGMENT_ROOM); `layouts`: that kernel's
-        layout, shared by the chunk's attention layers (attention.attend_segments_varlen)."""
-        h = self.norm1(x)
+        layout, shared by the chunk's attention layers (attention.attend_segments_varlen). `x0`:
+        the stack's normalized input (B, S, D), read by attention layers with `attn_x0`."""
+        h = self.mixer_input(x, x0)
         if self.kind == "M":
             conv, ssm = layer_state
             if seg is None:
@@ -189,6 +203,9 @@ class ElephantLM(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
         nn.init.normal_(self.embed.weight, std=cfg.embed_std or std)
+        for block in self.blocks:
+            if block.x0_gain is not None:
+                nn.init.ones_(block.x0_gain)
         if cfg.n_mem:
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)
@@ -199,6 +216,14 @@ class ElephantLM(nn.Module):
                 # every gate starts at the logit mem_gate_init: 0 is half open; -3 is closed, and
                 # exactly so under mem_gate_min, until training opens it (docs/RESULTS.md)
                 nn.init.constant_(self.mem_gate_bias, cfg.mem_gate_init)
+
+    def stack_input(self, x: Tensor) -> Tensor | None:
+        """x0 of the attention layers with `attn_x0` (Block.mixer_input): the stack's input x
+        (B, S, D) (token embeddings, memory vectors) RMS-normalized without a gain, made once for
+        every layer; None without attn_x0."""
+        if not self.cfg.attn_x0:
+            return None
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), eps=self.cfg.norm_eps)
 
     def num_params(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -439,6 +464,7 @@ class ElephantLM(nn.Module):
         else:
             pos = tok_pos
         free = self._free_tokens(M, T, x.device)
+        x0 = self.stack_input(x)
         # the attention layers' variable-length layout, made by the first and read by the others
         # (their windows take the same tokens: see attention.attend_segments_varlen)
         layouts = {} if starts is not None and room and self.share_layouts else None
@@ -463,7 +489,7 @@ class ElephantLM(nn.Module):
             else:
                 cache = state.kv[i]
                 x, (k, v, *kept) = block(x, pos, cache, seg=seg, init=init, start=state.pos,
-                                         free=free, room=room, layouts=layouts)
+                                         free=free, room=room, layouts=layouts, x0=x0)
                 new.conv.append(None)
                 new.ssm.append(None)
                 if cache is None:

@@ -26,6 +26,11 @@ def make(dtype=torch.float64, seed=0, **kw) -> ElephantLM:
         with torch.no_grad():  # open some gates and close others, so both paths are exercised
             model.mem_gate_bias.copy_(torch.linspace(-4, 2, base["n_mem"]))
             model.mem_gate.normal_(std=0.3)
+    if base.get("attn_x0"):
+        with torch.no_grad():  # gains other than their initial 1, so that each one must be read
+            for block in model.blocks:
+                if block.x0_gain is not None:
+                    block.x0_gain.uniform_(0.2, 2.0)
     return model
 
 
@@ -47,10 +52,11 @@ CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0
 
 
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", CASES)
-def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem_rotary="none"):
+def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem_rotary="none",
+                                          attn_x0=False):
     T = 5
     model = make(layers=layers, n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep,
-                 mem_rotary=mem_rotary)
+                 mem_rotary=mem_rotary, attn_x0=attn_x0)
     tokens = torch.randint(0, V, (2, 4 * T + 3))   # five chunks, the last partial
     want = forward_chunks(model, tokens, T, reset_at=2)
     dec = Decoder(model, 2, T)
@@ -66,6 +72,14 @@ def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem
 @pytest.mark.parametrize("mem_rotary", ["chunk", "free"])
 def test_step_path_equals_chunked_forward_with_rotated_or_free_memory(mem_rotary):
     test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary=mem_rotary)
+
+
+@pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", [("MAMA", 2, 5, 3), ("AA", 0, 4, 0)])
+def test_step_path_equals_chunked_forward_with_attention_reading_the_stack_input(
+        layers, n_mem, kv_window, kv_keep):
+    # attn_x0: the decoder's layers add the same normalized input (tokens, memory, write slots)
+    test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem_rotary="free",
+                                          attn_x0=True)
 
 
 @pytest.mark.parametrize("mem_update", ["gated", "replace"])

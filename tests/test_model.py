@@ -30,9 +30,10 @@ def run_chunks(model, tokens, lengths, state=None):
     return torch.cat(outs, dim=1), state
 
 
-@pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA"])
-def test_chunked_equals_whole_document(layers):
-    model = make(layers=layers, kv_window=64)
+@pytest.mark.parametrize("layers, attn_x0", [("MAMA", False), ("AMMA", False), ("MM", False),
+                                             ("AA", False), ("MAMA", True), ("AA", True)])
+def test_chunked_equals_whole_document(layers, attn_x0):
+    model = make(layers=layers, kv_window=64, attn_x0=attn_x0)
     tokens = torch.randint(0, 97, (2, 50))
     whole, _ = model(tokens)
     # chunk lengths that are not multiples of the SSD block (8), nor of the conv width
@@ -566,3 +567,39 @@ def test_unknown_residual_dtype_is_named():
     from elephant.config import ConfigError
     with pytest.raises(ConfigError, match="model.residual: expected one of float32, autocast"):
         tiny(residual="bf16").validate()
+
+
+def test_attention_reading_the_stack_input_is_the_plain_model_at_zero_gain():
+    # attn_x0 adds gain * rmsnorm(stack input) to each attention layer's input, and nothing else:
+    # with every gain at 0 it is the plain model with the same weights (memory, window and kept
+    # tokens on, so the memory positions' input is covered), and with the gains at their initial
+    # 1 it is not; only attention layers have a gain, and the optimizers put it with Adam's
+    from elephant.optim.build import assign_parameters
+    kw = dict(layers="MAMA", n_mem=2, kv_window=6, kv_keep=3, mem_rotary="free")
+    plain, x0 = make(**kw), make(attn_x0=True, **kw)
+    missing, unexpected = x0.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(missing) == ["blocks.1.x0_gain", "blocks.3.x0_gain"] and not unexpected
+    tokens = torch.randint(0, 97, (2, 21))
+    want, _ = run_chunks(plain, tokens, [7, 7, 7])
+    on, _ = run_chunks(x0, tokens, [7, 7, 7])
+    assert (on - want).abs().max() > 1e-3
+    with torch.no_grad():
+        for block in x0.blocks[1::2]:
+            block.x0_gain.zero_()
+    off, _ = run_chunks(x0, tokens, [7, 7, 7])
+    assert torch.equal(off, want)
+    roles = {name: role for name, _, role, _ in assign_parameters(x0)}
+    assert roles["blocks.1.x0_gain"] == roles["blocks.3.x0_gain"] == "other"
+
+
+def test_the_gain_of_the_stack_input_learns_and_restarts_at_one():
+    model = make(layers="MA", attn_x0=True).train()
+    tokens = torch.randint(0, 97, (2, 12))
+    loss, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    loss.backward()
+    gain = model.blocks[1].x0_gain
+    assert gain.grad is not None and gain.grad.abs().sum() > 0
+    with torch.no_grad():
+        gain.mul_(3.0)
+    model.reset_parameters()
+    assert torch.equal(gain, torch.ones_like(gain))

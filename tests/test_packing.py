@@ -25,14 +25,17 @@ def starts_at(B, T, *cols) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n_mem, kv_window, kv_keep, mem_rotary",
-                         [(3, 16, 0, "none"), (0, 16, 0, "none"), (3, 0, 0, "none"),
-                          (3, 16, 4, "none"), (3, 16, 4, "free")])
-def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, mem_rotary):
+@pytest.mark.parametrize("n_mem, kv_window, kv_keep, mem_rotary, attn_x0",
+                         [(3, 16, 0, "none", False), (0, 16, 0, "none", False),
+                          (3, 0, 0, "none", False), (3, 16, 4, "none", False),
+                          (3, 16, 4, "free", False), (3, 16, 4, "free", True)])
+def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, mem_rotary,
+                                                     attn_x0):
     # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
     # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged (with
     # kept tokens: doc A's tokens 0-7 would be readable in chunk 2, had B not started).
-    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep, mem_rotary=mem_rotary)
+    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep, mem_rotary=mem_rotary,
+                 attn_x0=attn_x0)
     T, b0 = 12, 7
     gen = torch.Generator().manual_seed(1)
     chunks = torch.randint(0, V, (3, 2, T), generator=gen)
@@ -81,13 +84,15 @@ def test_document_starting_mid_chunk_equals_document_fed_alone(layers):
     assert (packed - alone).abs().max() < 1e-10
 
 
-@pytest.mark.parametrize("layers, mem_update, mem_rotary",
-                         [("MAMA", "gated", "none"), ("AMMA", "replace", "none"), ("MM", "gated", "none"),
-                          ("MAMA", "gated", "chunk"), ("AMMA", "gated", "free")])
-def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update, mem_rotary):
+@pytest.mark.parametrize("layers, mem_update, mem_rotary, attn_x0",
+                         [("MAMA", "gated", "none", False), ("AMMA", "replace", "none", False),
+                          ("MM", "gated", "none", False), ("MAMA", "gated", "chunk", False),
+                          ("AMMA", "gated", "free", False), ("AMMA", "gated", "free", True)])
+def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update, mem_rotary, attn_x0):
     # memory on: doc B starting at token 5 of a chunk (and filling it) gives the logits, and leaves the
     # state, of doc B starting a chunk of its own after a reset; so does the chunk after that
-    model = make(layers=layers, n_mem=3, kv_window=16, mem_update=mem_update, mem_rotary=mem_rotary)
+    model = make(layers=layers, n_mem=3, kv_window=16, mem_update=mem_update, mem_rotary=mem_rotary,
+                 attn_x0=attn_x0)
     T, b0 = 14, 5
     gen = torch.Generator().manual_seed(3)
     doc_b = torch.randint(0, V, (2, T - b0 + 9), generator=gen)
@@ -441,8 +446,8 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
         torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_forward_window_equals_the_chunks_one_by_one(compiled):
+@pytest.mark.parametrize("compiled, attn_x0", [(False, False), (True, False), (True, True)])
+def test_forward_window_equals_the_chunks_one_by_one(compiled, attn_x0):
     # forward_window (a BPTT window's chunks in one call; compile_for("window") makes them one
     # graph): the summed loss, the gradients (mem_init included), the prefix handed on and the
     # state after the window are forward's chunk by chunk (fp64), for windows packed or not,
@@ -463,7 +468,7 @@ def test_forward_window_equals_the_chunks_one_by_one(compiled):
     for windowed in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k).train()
+        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k, attn_x0=attn_x0).train()
         if windowed and compiled:
             model.compile_for("window", backend="aot_eager")
         state, losses, graphs = model.init_state(B), [], []
