@@ -47,7 +47,8 @@
 #   lmstudy benchmarks/lm_study.py (LM_VARIANTS, default hybrid,transformer): hybrid with memory vs a transformer of the same size, the same
 #           GPU minutes (LM_BUDGET seconds each) on the stdlib + site-packages, loss by position,
 #           and the context ablation: the hybrid carried against reset every LM_RESET tokens
-#           (default 2048) on the documents over 32K tokens (context_gain_8k_32k)
+#           (default 2048) on the documents over 32K tokens (context_gain_8k_32k); LM_ARGS:
+#           overrides for every variant (train.seed=1)
 #   copy    benchmarks/copy_study.py: in-chunk copying under the LM loss, variants (COPY_VARIANTS,
 #           default attn,hybrid) beside all attention, trained at once on the recall corpus with
 #           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
@@ -326,7 +327,7 @@ for stage in $stages; do
     lmstudy)
       timeout 580 python benchmarks/lm_study.py --budget-s ${LM_BUDGET:-150} --out $RES/lm_study \
         --variants ${LM_VARIANTS:-hybrid,transformer} --reset-every ${LM_RESET:-2048} \
-        --cache /tmp/elephant-cache 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
+        --cache /tmp/elephant-cache ${LM_ARGS:-} 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     copy)
       # COPY_SHAPE may name several shapes (a,b): their studies run at once, sharing the GPU
       shapes=${COPY_SHAPE:-recall}
