@@ -111,6 +111,7 @@ VARIANTS = {
     # stream, with a learned gain (model.attn_x0)
     "x0": (["model.attn_x0=true"], []),
     "attn-x0": (["model.attn_x0=true"], []),
+    "x0-quarter": (["model.attn_x0=true", "model.attn_x0_init=0.25"], []),   # its gain from 0.25
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }

@@ -14,7 +14,8 @@ hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the 
              before 16 slots.
 hybrid-recall  hybrid-free with 16 memory slots and kept tokens dropped in training
              (model.kv_keep_drop 0.1): the recall recipe now.
-hybrid-x0    the hybrid whose attention layers also read the token embeddings (model.attn_x0).
+hybrid-x0    the hybrid whose attention layers also read the token embeddings (model.attn_x0);
+             hybrid-x0-quarter: their gain starts at 0.25, not 1 (model.attn_x0_init).
 hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
              in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md):
              whether the trade pays at equal time.
@@ -90,6 +91,9 @@ VARIANTS = {
     "hybrid-x0": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                   "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
                   "model.attn_x0=true"],
+    "hybrid-x0-quarter": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
+                          "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
+                          "model.attn_x0=true", "model.attn_x0_init=0.25"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
     "hybrid-bf16": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
                     "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",

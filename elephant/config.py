@@ -33,7 +33,7 @@ def parse_count(text: str) -> int:
 # new stage (train.init_from) may change them.
 TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "bptt_chunks",
                                       "mem_write_cost", "mem_gate_init", "init_std", "embed_std",
-                                      "mamba_out_scale"})
+                                      "mamba_out_scale", "attn_x0_init"})
 
 
 @dataclass
@@ -100,6 +100,7 @@ class ModelConfig:
                                      # keys at full strength whatever the layers before wrote into
                                      # the stream. Without it the hybrid did not learn to copy
                                      # under the LM loss among real text (docs/RESULTS.md)
+    attn_x0_init: float = 1.0        # the initial value of attn_x0's gain
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream
                                      # and its gradient at half the bytes, read and written by every

@@ -54,7 +54,8 @@ class Block(nn.Module):
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
         # attn_x0: the gain of the stack's normalized input added to the attention's input
-        self.x0_gain = nn.Parameter(torch.ones(cfg.d_model)) if kind == "A" and cfg.attn_x0 else None
+        self.x0_gain = (nn.Parameter(torch.full((cfg.d_model,), float(cfg.attn_x0_init)))
+                        if kind == "A" and cfg.attn_x0 else None)
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
@@ -205,7 +206,7 @@ class ElephantLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.embed_std or std)
         for block in self.blocks:
             if block.x0_gain is not None:
-                nn.init.ones_(block.x0_gain)
+                nn.init.constant_(block.x0_gain, cfg.attn_x0_init)
         if cfg.n_mem:
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)

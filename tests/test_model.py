@@ -592,8 +592,8 @@ def test_attention_reading_the_stack_input_is_the_plain_model_at_zero_gain():
     assert roles["blocks.1.x0_gain"] == roles["blocks.3.x0_gain"] == "other"
 
 
-def test_the_gain_of_the_stack_input_learns_and_restarts_at_one():
-    model = make(layers="MA", attn_x0=True).train()
+def test_the_gain_of_the_stack_input_learns_and_restarts_at_its_init():
+    model = make(layers="MA", attn_x0=True, attn_x0_init=0.25).train()
     tokens = torch.randint(0, 97, (2, 12))
     loss, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
     loss.backward()
@@ -602,4 +602,4 @@ def test_the_gain_of_the_stack_input_learns_and_restarts_at_one():
     with torch.no_grad():
         gain.mul_(3.0)
     model.reset_parameters()
-    assert torch.equal(gain, torch.ones_like(gain))
+    assert torch.equal(gain, torch.full_like(gain, 0.25))
