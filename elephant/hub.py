@@ -170,6 +170,7 @@ def model_card(config: dict, n_params: int, name: str = "elephant model") -> str
         ("Mamba-2 d_state / head dim / expand", f"{m['d_state']} / {m['mamba_head_dim']} / {m['expand']}"),
         ("memory tokens (RMT)", m["n_mem"]),
         ("KV window (attention cache carried across chunks)", m["kv_window"]),
+        ("attention reads the token embeddings (attn_x0)", m.get("attn_x0", False)),
         ("vocabulary", m["vocab_size"]),
         ("tied embeddings", m["tied_embeddings"]),
         ("parameters", f"{n_params:,} ({_human(n_params)})"),

@@ -85,6 +85,20 @@ def test_tied_weights_are_stored_once_and_tied_after_loading(tmp_path):
         assert torch.equal(model(x)[0], loaded(x)[0])
 
 
+def test_attention_gains_of_the_stack_input_round_trip(tmp_path):
+    model = tiny_model(attn_x0=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            if block.x0_gain is not None:
+                block.x0_gain.uniform_(0.2, 2.0)
+    loaded, _, config = from_pretrained(save_pretrained(model, tmp_path / "x0"))
+    assert config["model"]["attn_x0"] is True
+    assert "(attn_x0) | True |" in (tmp_path / "x0" / "README.md").read_text()
+    x = torch.randint(0, 257, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(model(x)[0], loaded(x)[0])
+
+
 def test_model_card_describes_architecture_data_and_metrics(export):
     model, out = export
     card = (out / "README.md").read_text()
