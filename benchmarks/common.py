@@ -131,8 +131,13 @@ def saved_bytes(fn, *args, exclude=()) -> int:
 
 def commit() -> str:
     """The checkout's commit (git rev-parse HEAD), with "+dirty" when files differ from it;
-    "unknown" outside a git checkout."""
+    "unknown" outside a git checkout. $ELEPHANT_COMMIT, when set, is taken instead: the commit of
+    a copied tree whose git metadata is not its own (the device machine's copy carried the
+    session's first commit as HEAD, and named it "+dirty" in every result file)."""
+    import os
     import subprocess
+    if os.environ.get("ELEPHANT_COMMIT"):
+        return os.environ["ELEPHANT_COMMIT"]
 
     def git(*a):
         try:

@@ -55,6 +55,9 @@
 #           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone;
 #           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
 #           (COPY_VARIANTS=attn,hybrid,x0,attn-x0 COPY_ARGS=); COPY_SHAPE=a,b runs both at once
+# The device's copy of the repository carries stale git metadata: run it as
+# `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
+# into the command here, so that result files name the commit sent (benchmarks/common.commit).
 # Results land in benchmarks/results/; when $OUT is set (the device machine) they are also
 # packed into $OUT/results.tar.gz together with the logs.
 set -u

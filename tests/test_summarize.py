@@ -55,3 +55,9 @@ def test_result_files_name_the_commit_they_measured():
     assert env["device"] and env["torch"] and env["date"]
     if head:   # a git checkout (CI's clean clone is one)
         assert env["commit"].split("+")[0] == head
+
+
+def test_a_copied_tree_names_the_commit_it_was_sent_at(monkeypatch):
+    from benchmarks.common import environment
+    monkeypatch.setenv("ELEPHANT_COMMIT", "176fe6a")
+    assert environment("cpu")["commit"] == "176fe6a"
