@@ -54,7 +54,9 @@
 #           BPTT over 8 chunks (COPY_ARGS) for COPY_STEPS steps (~5 min for two variants);
 #           COPY_SHAPE=recall-recipe (memory, window, kept tokens) or wt103-70m-recipe: run alone;
 #           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
-#           (COPY_VARIANTS=attn,hybrid,x0,attn-x0 COPY_ARGS=); COPY_SHAPE=a,b runs both at once
+#           (COPY_VARIANTS=attn,hybrid,x0,attn-x0 COPY_ARGS=); COPY_SHAPE=a,b runs both at once;
+#           COPY_SHAPE=recall-recipe-text COPY_VARIANTS=hybrid COPY_ARGS= COPY_DISTANCES=128,4096,65536:
+#           the recall recipe on every byte among real text, scored past its window (issue 57)
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -337,7 +339,7 @@ for stage in $stages; do
       for shape in ${shapes//,/ }; do
         timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape $shape \
           --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
-          --deadline-s ${COPY_DEADLINE:-420} --distances 128 --out $RES/copy_study_$shape \
+          --deadline-s ${COPY_DEADLINE:-420} --distances ${COPY_DISTANCES:-128} --out $RES/copy_study_$shape \
           --runs /tmp/copy_runs_$shape data.cache_dir=/tmp/elephant-cache-$shape \
           ${COPY_ARGS-model.bptt_chunks=8} > "$LOGS/copy_study_$shape.log" 2>&1 &
       done
