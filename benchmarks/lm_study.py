@@ -67,37 +67,27 @@ SHAPE = ["model.vocab_size=320", "model.d_model=512", "model.n_heads=8", "model.
          "data.source=pycode", "data.tokenizer=bytes", "data.site_packages=true",
          "data.valid_split=", "train.eval_every=0", "train.ckpt_every=0", "optim.warmup_steps=50",
          "optim.schedule=linear", "optim.cooldown_frac=0.5"]
+# the hybrid: MAMMAMMA, 8 memory tokens, KV window 512, BPTT 2, 32 lanes of 512 bytes
+_HYBRID = ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512", "model.bptt_chunks=2",
+           "train.chunk_len=512", "train.lanes=32"]
 VARIANTS = {
-    "hybrid": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-               "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
+    "hybrid": _HYBRID,
     # the hybrid with memory-only backpropagation over 4 windows per step (train.memory_windows)
-    "hybrid-path": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                    "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
-                    "train.memory_windows=4"],
+    "hybrid-path": _HYBRID + ["train.memory_windows=4"],
     # the hybrid with 128 kept tokens per attention layer past its window (model.kv_keep)
-    "hybrid-keep": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                    "model.kv_keep=128", "model.bptt_chunks=2", "train.chunk_len=512",
-                    "train.lanes=32"],
+    "hybrid-keep": _HYBRID + ["model.kv_keep=128"],
     # hybrid-keep whose queries score the memory without rotary (model.mem_rotary=free)
-    "hybrid-free": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                    "model.kv_keep=128", "model.mem_rotary=free", "model.bptt_chunks=2",
-                    "train.chunk_len=512", "train.lanes=32"],
+    "hybrid-free": _HYBRID + ["model.kv_keep=128", "model.mem_rotary=free"],
     # the recall recipe's memory as it is now: hybrid-free with 16 memory slots and the kept
     # tokens dropped after 1 chunk in 10 in training (model.kv_keep_drop)
-    "hybrid-recall": ["model.layers=MAMMAMMA", "model.n_mem=16", "model.kv_window=512",
-                      "model.kv_keep=128", "model.mem_rotary=free", "model.kv_keep_drop=0.1",
-                      "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32"],
-    # the hybrid whose attention layers also read the stack's normalized input (model.attn_x0)
-    "hybrid-x0": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                  "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
-                  "model.attn_x0=true"],
-    "hybrid-x0-quarter": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                          "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
-                          "model.attn_x0=true", "model.attn_x0_init=0.25"],
+    "hybrid-recall": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
+                                "model.kv_keep_drop=0.1"],
+    # the hybrid whose attention layers also read the stack's normalized input (model.attn_x0),
+    # its gain started at 1 or at 0.25
+    "hybrid-x0": _HYBRID + ["model.attn_x0=true"],
+    "hybrid-x0-quarter": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.25"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
-    "hybrid-bf16": ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512",
-                    "model.bptt_chunks=2", "train.chunk_len=512", "train.lanes=32",
-                    "model.residual=autocast"],
+    "hybrid-bf16": _HYBRID + ["model.residual=autocast"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
                     "model.bptt_chunks=1", "train.chunk_len=2048", "train.lanes=8",
                     "train.grad_accum=2"],
