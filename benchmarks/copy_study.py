@@ -300,10 +300,10 @@ def losses(run_dir: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the CPU probe
-def fact_row(rng, text: str, T: int) -> tuple[list[int], tuple[int, int]]:
+def fact_row(rng, text: str, T: int, min_gap: int = 8) -> tuple[list[int], tuple[int, int]]:
     """T + 1 bytes of `text` (a random stretch) with one fact stated after 0-40 bytes and asked
-    for after a gap of 8 to what the row leaves (data_packing/recall.py's wording), and the span of
-    the answer's 6 digits."""
+    for after a gap of `min_gap` to what the row leaves (data_packing/recall.py's wording), and the
+    span of the answer's 6 digits."""
     from data_packing.recall import keys
     key = rng.choice(keys())
     value = "".join(rng.choice("0123456789") for _ in range(6))
@@ -312,7 +312,8 @@ def fact_row(rng, text: str, T: int) -> tuple[list[int], tuple[int, int]]:
         start = rng.randrange(len(text) - n - 1)
         return text[start:start + n]
     out = filler(rng.randint(0, 40)) + f"The code of {key} is {value}. "
-    out += filler(rng.randint(8, max(8, T - len(out) - 50))) + f"What is the code of {key}? It is "
+    out += (filler(rng.randint(min_gap, max(min_gap, T - len(out) - 50)))
+            + f"What is the code of {key}? It is ")
     span = (len(out), len(out) + 6)
     out = (out + value + ". " + filler(T + 1))[:T + 1]
     return list(out.encode()[:T + 1]), span
@@ -322,7 +323,11 @@ def cpu_probe(args) -> dict:
     """One variant on the CPU, the loss on every byte: rows of `--cpu-T` bytes of real text (cut
     from the `--filler` file, e.g. Wikitext) holding one fact and its question (fact_row), a model of the
     tiny shape (d_model 64, layers from the variant), the project's optimizers; the answer's digit
-    accuracy on held-out rows (cut from `--filler-test`) every 250 steps. Returns the curve."""
+    accuracy on held-out rows (cut from `--filler-test`) every 250 steps. Returns the curve.
+    With `--cpu-chunks N` a row is N chunks of `--cpu-T` bytes read one after the other with the
+    state carried (memory, window, kept tokens, as the model's settings say; one backward over
+    the row), and the question comes at least `--cpu-min-gap` bytes after the fact: past the
+    window, only what the state carries can answer it."""
     import random
 
     import torch
@@ -351,9 +356,22 @@ def cpu_probe(args) -> dict:
         HOOKS[h](model)
     opt = build_optimizers(model, cfg.optim)
 
+    N = args.cpu_chunks
+    L = N * T                                              # a row's bytes
+
     def batch(rng, rows, text):
-        made = [fact_row(rng, text, T) for _ in range(rows)]
+        made = [fact_row(rng, text, L, args.cpu_min_gap) for _ in range(rows)]
         return torch.tensor([m[0] for m in made]), [m[1] for m in made]
+
+    def forward(x, targets=None):
+        """The row's chunks in turn, the state carried: (their logits, B x L) or the mean of
+        their losses."""
+        state, outs = None, []
+        for c in range(N):
+            out, state = model(x[:, c * T:(c + 1) * T], state,
+                               targets=None if targets is None else targets[:, c * T:(c + 1) * T])
+            outs.append(out)
+        return torch.cat(outs, dim=1) if targets is None else sum(outs) / N
 
     held_out = batch(random.Random(999), 256, test_text)
 
@@ -361,9 +379,9 @@ def cpu_probe(args) -> dict:
         x, spans = held_out
         model.eval()
         with torch.no_grad():
-            pred = model(x[:, :-1])[0].argmax(-1)
+            pred = forward(x[:, :-1]).argmax(-1)
         model.train()
-        hits = [int(pred[i, t - 1] == x[i, t]) for i, (a, b) in enumerate(spans) if b <= T
+        hits = [int(pred[i, t - 1] == x[i, t]) for i, (a, b) in enumerate(spans) if b <= L
                 for t in range(a, b)]     # (an answer that does not fit the row is not asked)
         return sum(hits) / len(hits)
 
@@ -371,7 +389,7 @@ def cpu_probe(args) -> dict:
     for step in range(args.steps):
         opt.set_step(step, args.steps)
         x, _ = batch(rng, 16, train_text)
-        loss, _ = model(x[:, :-1], targets=x[:, 1:])
+        loss = forward(x[:, :-1], x[:, 1:])
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
@@ -380,7 +398,8 @@ def cpu_probe(args) -> dict:
             curve.append({"step": step + 1, "loss": round(loss.item(), 4), "copy": round(accuracy(), 4)})
             print(name, curve[-1], f"{time.time() - t0:.0f} s", flush=True)
     return {"variant": name, "layers": layers, "overrides": [*overrides, *args.overrides],
-            "hooks": hooks, "seed": args.seed, "curve": curve,
+            "hooks": hooks, "seed": args.seed, "chunk_bytes": T, "chunks": N,
+            "min_gap": args.cpu_min_gap, "curve": curve,
             "first_step_at_0.99": next((c["step"] for c in curve if c["copy"] >= 0.99), None)}
 
 
@@ -408,7 +427,10 @@ def main() -> int:
                    help="--cpu: the text the training rows are cut from")
     p.add_argument("--filler-test", default="../shared/data/wikitext-103-raw/wiki.test.raw",
                    help="--cpu: the text the held-out rows are cut from")
-    p.add_argument("--cpu-T", type=int, default=128)
+    p.add_argument("--cpu-T", type=int, default=128, help="--cpu: a chunk's bytes")
+    p.add_argument("--cpu-chunks", type=int, default=1, help="--cpu: chunks a row")
+    p.add_argument("--cpu-min-gap", type=int, default=8,
+                   help="--cpu: the fewest bytes between the fact and its question")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*")
     args = p.parse_intermixed_args()
@@ -425,7 +447,8 @@ def main() -> int:
                   **cpu_probe(args), **environment(torch.device("cpu"))}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"cpu_{names[0]}_seed{args.seed}.json").write_text(json.dumps(result, indent=1))
+        tag = f"_{args.cpu_chunks}x{args.cpu_T}" if args.cpu_chunks > 1 else ""
+        (out / f"cpu_{names[0]}{tag}_seed{args.seed}.json").write_text(json.dumps(result, indent=1))
         return 0
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
