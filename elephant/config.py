@@ -96,10 +96,11 @@ class ModelConfig:
     attn_x0: bool = False            # every attention layer's input is norm1(x) + g * rmsnorm(x0),
                                      # x0 the stack's input (the token embeddings, and the memory
                                      # vectors at memory positions), g a learned per-channel gain
-                                     # (init 1): the token's own identity reaches the queries and
-                                     # keys at full strength whatever the layers before wrote into
-                                     # the stream. Without it the hybrid did not learn to copy
-                                     # under the LM loss among real text (docs/RESULTS.md)
+                                     # (from attn_x0_init): the token's own identity reaches the
+                                     # queries, keys and values at full strength, whatever the
+                                     # layers before wrote into the stream. Without it the hybrid
+                                     # did not learn to copy under the LM loss among real text
+                                     # (docs/RESULTS.md); every recipe turns it on
     attn_x0_init: float = 1.0        # the initial value of attn_x0's gain
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream

@@ -3,7 +3,9 @@
     model(tokens[B, T], state, reset[B]) -> (logits[B, T, V] or loss, new_state)
 
 Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
-`cfg.layers`) followed by an elephant-gated GLU MLP. With `n_mem > 0` every chunk is framed as
+`cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
+the stack's RMS-normalized input (the token embeddings, the memory vectors) through a learned
+gain, so that the token's identity reaches it whatever the Mamba layers before it wrote. With `n_mem > 0` every chunk is framed as
 [read memory (n_mem) | tokens (T) | write slots (n_mem)] (recurrent memory transformer, Bulatov et
 al. 2022). What the write slots produce becomes the next chunk's read memory through a gated update
 (`update_memory`): each slot keeps its content unless its gate opens, and a gate under
