@@ -14,7 +14,8 @@ projections, a plain GLU), a hook applied to the model before its optimizers are
 
 Writes `<out>/<variant>.json` (the training log's losses, recall by step) and `<out>/summary.json`
 (device, versions, date, command, and per variant the last checkpoint's accuracy at 128 tokens,
-`lm_recall_128` (or `copy`), and the first step that reached 0.99 there). `--cpu-smoke` runs a
+`lm_recall_128` (or `copy`), and the first step that reached 0.99 there; `lm_recall_4k`, `_64k`
+and `_1m` where --distances holds 4096, 65536 or 1048576). `--cpu-smoke` runs a
 tiny version on the CPU.
 """
 from __future__ import annotations
@@ -256,14 +257,21 @@ def run_variant(name: str, argv: list[str]) -> int:
     run_dir = Path(cfg.train.run_dir)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
     distances = [int(d) for d in os.environ["COPY_DISTANCES"].split(",")]
+    from elephant.recall import label
     rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]))
     result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
               "lm_recall_128": rows[-1].get("128") if rows else None,
+              # the last checkpoint's accuracy past the window, where scored (issue 57's keys)
+              **{f"lm_recall_{KEYS[d]}": rows[-1].get(label(d)) for d in distances
+                 if d in KEYS and rows},
               "copy": rows[-1].get("copy") if rows else None}
     Path(os.environ["COPY_OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
     return 0
+
+
+KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the result keys
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[dict]:
@@ -496,6 +504,7 @@ def main() -> int:
         path = out / f"{n}.json"
         result = json.loads(path.read_text()) if path.exists() else {"recall": [], "losses": []}
         summary["variants"][n] = {"lm_recall_128": result.get("lm_recall_128"),
+                                  **{k: v for k, v in result.items() if k.startswith("lm_recall_")},
                                   "copy": result.get("copy"),
                                   "first_step_at_0.99": result.get("first_step_at_0.99"),
                                   "returncode": procs[n][0].returncode, "layers": result.get("layers"),
