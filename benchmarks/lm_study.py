@@ -227,7 +227,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from benchmarks.common import commit, environment, train_for_budget
+    from benchmarks.common import environment, train_for_budget
     from elephant.config import ConfigError, load_config
     from elephant.evaluate import open_corpus, parse_reset_every
     from elephant.metrics import BUCKET_LABELS, plot_position_loss
@@ -263,7 +263,7 @@ def main() -> int:
     args.long_tokens = SMOKE_LONG_TOKENS if args.cpu_smoke else LONG_DOC_TOKENS
     runs = Path(args.runs) if args.runs else Path(args.cache) / "lm_study_runs"
     summary = {"benchmark": "lm_study", **environment("cpu" if args.cpu_smoke else None),
-               "commit": commit(), "budget_s": args.budget_s, "reset_every": args.reset_every,
+               "budget_s": args.budget_s, "reset_every": args.reset_every,
                "long_document_tokens": args.long_tokens, "runs": str(runs),
                "score_only": args.score_only, "variants": {}}
     if args.score_only:

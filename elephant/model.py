@@ -5,7 +5,8 @@
 Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
 `cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
 the stack's RMS-normalized input (the token embeddings, the memory vectors) through a learned
-gain, so that the token's identity reaches it whatever the Mamba layers before it wrote. With `n_mem > 0` every chunk is framed as
+gain, so that the token's identity reaches it whatever the Mamba layers before it wrote. With
+`n_mem > 0` every chunk is framed as
 [read memory (n_mem) | tokens (T) | write slots (n_mem)] (recurrent memory transformer, Bulatov et
 al. 2022). What the write slots produce becomes the next chunk's read memory through a gated update
 (`update_memory`): each slot keeps its content unless its gate opens, and a gate under
@@ -56,8 +57,9 @@ class Block(nn.Module):
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
         # attn_x0: the gain of the stack's normalized input added to the attention's input
-        self.x0_gain = (nn.Parameter(torch.full((cfg.d_model,), float(cfg.attn_x0_init)))
-                        if kind == "A" and cfg.attn_x0 else None)
+        # (set by ElephantLM.reset_parameters)
+        self.x0_gain = (nn.Parameter(torch.empty(cfg.d_model)) if kind == "A" and cfg.attn_x0
+                        else None)
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
