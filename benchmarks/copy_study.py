@@ -110,7 +110,9 @@ VARIANTS = {
     # stream, with a learned gain (model.attn_x0)
     "x0": (["model.attn_x0=true"], []),
     "attn-x0": (["model.attn_x0=true"], []),
+    "x0-half": (["model.attn_x0=true", "model.attn_x0_init=0.5"], []),       # its gain from 0.5
     "x0-quarter": (["model.attn_x0=true", "model.attn_x0_init=0.25"], []),   # its gain from 0.25
+    "x0-norm": (["model.attn_x0=true", "model.attn_x0_norm=true"], []),   # the sum normalized again
     "no-x0": (["model.attn_x0=false"], []),       # a recipe shape without it
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels

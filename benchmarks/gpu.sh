@@ -56,7 +56,9 @@
 #           COPY_SHAPE=recall-text: the filler is Python source, where the hybrid fails on the CPU
 #           (COPY_VARIANTS=attn,hybrid,x0,attn-x0 COPY_ARGS=); COPY_SHAPE=a,b runs both at once;
 #           COPY_SHAPE=recall-recipe-text COPY_VARIANTS=hybrid COPY_ARGS= COPY_DISTANCES=128,4096,65536:
-#           the recall recipe on every byte among real text, scored past its window (issue 57)
+#           the recall recipe on every byte among real text, scored past its window (issue 57);
+#           COPY_SHAPE=recall-text,recall-recipe-text:hybrid:128+4096+65536 gives a shape its own
+#           variants and distances
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -334,17 +336,21 @@ for stage in $stages; do
         --variants ${LM_VARIANTS:-hybrid,transformer} --reset-every ${LM_RESET:-2048} \
         --cache /tmp/elephant-cache ${LM_ARGS:-} 2>&1 | tee "$LOGS/lm_study.log" | grep -v "step " | tail -30 ;;
     copy)
-      # COPY_SHAPE may name several shapes (a,b): their studies run at once, sharing the GPU
+      # COPY_SHAPE may name several shapes (a,b): their studies run at once, sharing the GPU; a
+      # shape written shape:v1+v2[:d1+d2] has its own variants (and distances)
       shapes=${COPY_SHAPE:-recall}
-      for shape in ${shapes//,/ }; do
+      for spec in ${shapes//,/ }; do
+        IFS=: read -r shape variants distances <<< "$spec"
+        variants=${variants:+${variants//+/,}}
+        distances=${distances:+${distances//+/,}}
         timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape $shape \
-          --variants ${COPY_VARIANTS:-attn,hybrid} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
-          --deadline-s ${COPY_DEADLINE:-420} --distances ${COPY_DISTANCES:-128} --out $RES/copy_study_$shape \
-          --runs /tmp/copy_runs_$shape data.cache_dir=/tmp/elephant-cache-$shape \
+          --variants ${variants:-${COPY_VARIANTS:-attn,hybrid}} --steps ${COPY_STEPS:-800} --ckpt-every 100 \
+          --deadline-s ${COPY_DEADLINE:-420} --distances ${distances:-${COPY_DISTANCES:-128}} \
+          --out $RES/copy_study_$shape --runs /tmp/copy_runs_$shape data.cache_dir=/tmp/elephant-cache-$shape \
           ${COPY_ARGS-model.bptt_chunks=8} > "$LOGS/copy_study_$shape.log" 2>&1 &
       done
       wait
-      for shape in ${shapes//,/ }; do tail -15 "$LOGS/copy_study_$shape.log"; done ;;
+      for spec in ${shapes//,/ }; do tail -15 "$LOGS/copy_study_${spec%%:*}.log"; done ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

@@ -15,7 +15,9 @@ hybrid-free  hybrid-keep with position-free memory (model.mem_rotary=free): the 
 hybrid-recall  hybrid-free with 16 memory slots and kept tokens dropped in training
              (model.kv_keep_drop 0.1): the recall recipe now.
 hybrid-x0    the hybrid whose attention layers also read the token embeddings (model.attn_x0);
-             hybrid-x0-quarter: their gain starts at 0.25, not 1 (model.attn_x0_init).
+             hybrid-x0-half, hybrid-x0-quarter: their gain starts at 0.5 or 0.25, not 1
+             (model.attn_x0_init);
+             hybrid-x0-norm: the sum normalized again (model.attn_x0_norm).
 hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
              in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md):
              whether the trade pays at equal time.
@@ -83,9 +85,12 @@ VARIANTS = {
     "hybrid-recall": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
                                 "model.kv_keep_drop=0.1"],
     # the hybrid whose attention layers also read the stack's normalized input (model.attn_x0),
-    # its gain started at 1 or at 0.25
+    # its gain started at 1, 0.5 or 0.25
     "hybrid-x0": _HYBRID + ["model.attn_x0=true"],
+    "hybrid-x0-half": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.5"],
     "hybrid-x0-quarter": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.25"],
+    # hybrid-x0 with the sum normalized again (model.attn_x0_norm): the attention's input at RMS 1
+    "hybrid-x0-norm": _HYBRID + ["model.attn_x0=true", "model.attn_x0_norm=true"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
     "hybrid-bf16": _HYBRID + ["model.residual=autocast"],
     "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",

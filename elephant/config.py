@@ -102,6 +102,10 @@ class ModelConfig:
                                      # did not learn to copy under the LM loss among real text
                                      # (docs/RESULTS.md); every recipe turns it on
     attn_x0_init: float = 1.0        # the initial value of attn_x0's gain
+    attn_x0_norm: bool = False       # attn_x0's sum normalized again: the attention reads
+                                     # norm1(rmsnorm(x) + g * rmsnorm(x0)), RMS ~1 as without x0
+                                     # (the plain sum's RMS is ~1.4 at init, so Muon's fixed-size
+                                     # steps move the queries, keys and values ~1.4x further)
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream
                                      # and its gradient at half the bytes, read and written by every
@@ -132,6 +136,9 @@ class ModelConfig:
         if self.kv_keep and not self.kv_window:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")
+        if self.attn_x0_norm and not self.attn_x0:
+            raise ConfigError("model.attn_x0_norm normalizes attn_x0's sum; set model.attn_x0 = "
+                              "true as well")
         _choice(self, "mem_update", ("gated", "replace"))
         _choice(self, "mem_rotary", ("none", "chunk", "free"))
         _choice(self, "residual", ("float32", "autocast"))

@@ -60,18 +60,23 @@ class Block(nn.Module):
         # (set by ElephantLM.reset_parameters)
         self.x0_gain = (nn.Parameter(torch.empty(cfg.d_model)) if kind == "A" and cfg.attn_x0
                         else None)
+        self.x0_norm = cfg.attn_x0_norm
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
 
     def mixer_input(self, x: Tensor, x0: Tensor | None) -> Tensor:
         """What the mixer reads: norm1(x), and for an attention layer with `attn_x0` also
-        x0_gain * x0, x0 the stack's RMS-normalized input (`stack_input`) at the same positions."""
-        h = self.norm1(x)
+        x0_gain * x0, x0 the stack's RMS-normalized input (`stack_input`) at the same positions;
+        with `attn_x0_norm`, norm1(rmsnorm(x) + x0_gain * x0)."""
         if self.x0_gain is None:
-            return h
+            return self.norm1(x)
         if x0 is None:
             raise ValueError("model.attn_x0: an attention block needs the stack's normalized input "
                              "x0 (ElephantLM.stack_input)")
+        if self.x0_norm:
+            h = nn.functional.rms_norm(x, (x.shape[-1],), eps=self.norm1.eps)
+            return self.norm1(h + self.x0_gain.to(h.dtype) * x0.to(h.dtype))
+        h = self.norm1(x)
         return h + self.x0_gain.to(h.dtype) * x0.to(h.dtype)
 
     def forward(self, x: Tensor, pos: Tensor, layer_state: tuple, seg: Tensor | None = None,

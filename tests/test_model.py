@@ -31,9 +31,10 @@ def run_chunks(model, tokens, lengths, state=None):
 
 
 @pytest.mark.parametrize("layers, attn_x0", [("MAMA", False), ("AMMA", False), ("MM", False),
-                                             ("AA", False), ("MAMA", True), ("AA", True)])
+                                             ("AA", False), ("MAMA", True), ("AA", True),
+                                             ("MAMA", "norm")])
 def test_chunked_equals_whole_document(layers, attn_x0):
-    model = make(layers=layers, kv_window=64, attn_x0=attn_x0)
+    model = make(layers=layers, kv_window=64, attn_x0=bool(attn_x0), attn_x0_norm=attn_x0 == "norm")
     tokens = torch.randint(0, 97, (2, 50))
     whole, _ = model(tokens)
     # chunk lengths that are not multiples of the SSD block (8), nor of the conv width
@@ -590,6 +591,33 @@ def test_attention_reading_the_stack_input_is_the_plain_model_at_zero_gain():
     assert torch.equal(off, want)
     roles = {name: role for name, _, role, _ in assign_parameters(x0)}
     assert roles["blocks.1.x0_gain"] == roles["blocks.3.x0_gain"] == "other"
+
+
+def test_the_normalized_sum_keeps_the_attention_input_at_the_plain_models_scale():
+    # attn_x0_norm: the attention reads norm1(rmsnorm(x) + g * x0); at gain 0 that is the plain
+    # model (up to the second norm's eps), and at its initial gain 1 every position's
+    # input has RMS 1 before norm1's weight, where the plain sum's is larger
+    from elephant.config import ConfigError
+    kw = dict(layers="MAMA", n_mem=2, kv_window=6, kv_keep=3, mem_rotary="free")
+    plain, normed, summed = (make(**kw), make(attn_x0=True, attn_x0_norm=True, **kw),
+                             make(attn_x0=True, **kw))
+    normed.load_state_dict(plain.state_dict(), strict=False)
+    summed.load_state_dict(normed.state_dict())
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    x0 = normed.stack_input(torch.randn(2, 9, 32, dtype=torch.float64))
+    block_n, block_s = normed.blocks[1], summed.blocks[1]
+    rms = lambda t: t.pow(2).mean(-1).sqrt()   # noqa: E731  (norm1's weight starts at 1)
+    assert torch.allclose(rms(block_n.mixer_input(x, x0)), torch.ones(2, 9, dtype=torch.float64))
+    assert rms(block_s.mixer_input(x, x0)).mean() > 1.2
+    tokens = torch.randint(0, 97, (2, 21))
+    want, _ = run_chunks(plain, tokens, [7, 7, 7])
+    with torch.no_grad():
+        for block in normed.blocks[1::2]:
+            block.x0_gain.zero_()
+    off, _ = run_chunks(normed, tokens, [7, 7, 7])
+    torch.testing.assert_close(off, want, rtol=1e-4, atol=1e-4)   # the second norm's eps
+    with pytest.raises(ConfigError, match="model.attn_x0_norm .* set model.attn_x0"):
+        tiny(attn_x0_norm=True).validate()
 
 
 def test_the_gain_of_the_stack_input_learns_and_restarts_at_its_init():
