@@ -253,12 +253,13 @@ def run_variant(name: str, argv: list[str]) -> int:
     trainer = trainer_mod.Trainer(cfg, progress=False)
     trainer.fit()
     del trainer
-    # scored here, in parallel with the other variants (the parent's SIGTERM ends training only)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # scored here, in parallel with the other variants: the parent's deadline (SIGTERM) ends
+    # training only, so a variant still scoring at the deadline goes on
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
     run_dir = Path(cfg.train.run_dir)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
-    distances = [int(d) for d in os.environ["COPY_DISTANCES"].split(",")]
+    distances = sorted(int(d) for d in os.environ["COPY_DISTANCES"].split(","))
     from elephant.recall import label
     rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]))
     result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
@@ -277,14 +278,16 @@ KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the resu
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[dict]:
-    """Recall at `distances` of every checkpoint of a run, oldest first."""
+    """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` for
+    each, at all of them for the last (a long distance costs a pass over that many bytes)."""
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
     from elephant.recall import evaluate_recall, filler_for
 
     rows, filler = [], None
-    for ckpt in step_folders(run_dir / "checkpoints"):
+    ckpts = step_folders(run_dir / "checkpoints")   # newest first
+    for ckpt in ckpts:
         model, tokenizer, config = from_pretrained(ckpt, device=device)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else None
         step = int(ckpt.name.split("_")[-1])
@@ -295,7 +298,8 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[
         data = config["data"]
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
             filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
-        r = evaluate_recall(model, tokenizer, distances, lanes, config["train"]["chunk_len"],
+        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0] else distances[:1],
+                            lanes, config["train"]["chunk_len"],
                             torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
         rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
     return sorted(rows, key=lambda r: r["step"])
