@@ -101,11 +101,14 @@ class ModelConfig:
                                      # layers before wrote into the stream. Without it the hybrid
                                      # did not learn to copy under the LM loss among real text
                                      # (docs/RESULTS.md); every recipe turns it on
-    attn_x0_init: float = 1.0        # the initial value of attn_x0's gain
+    attn_x0_init: float = 1.0        # the initial value of attn_x0's gain; the recipes (d_model
+                                     # 256 and up) start it at 0.25: copying still learned before
+                                     # the all-attention stack's, at a fraction of gain 1's cost in
+                                     # LM loss (at d_model 64, 0.25 did not learn to copy)
     attn_x0_norm: bool = False       # attn_x0's sum normalized again: the attention reads
-                                     # norm1(rmsnorm(x) + g * rmsnorm(x0)), RMS ~1 as without x0
-                                     # (the plain sum's RMS is ~1.4 at init, so Muon's fixed-size
-                                     # steps move the queries, keys and values ~1.4x further)
+                                     # norm1(rmsnorm(x) + g * rmsnorm(x0)), RMS ~1 as without x0.
+                                     # Measured, not taken: copying learned later than with the
+                                     # plain sum (docs/RESULTS.md)
     residual: str = "float32"        # the residual stream's dtype under autocast: float32 (the
                                      # embeddings' dtype) | autocast (autocast's, bf16: the stream
                                      # and its gradient at half the bytes, read and written by every
