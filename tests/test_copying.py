@@ -77,3 +77,29 @@ def test_copy_accuracy_is_at_chance_for_an_untrained_model():
     model = ElephantLM(ModelConfig(vocab_size=128, d_model=32, n_heads=2, layers="MA", d_mlp=64,
                                    d_state=16, mamba_head_dim=16, ssd_chunk=16)).eval()
     assert copy_accuracy(model) < 0.2
+
+
+def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path, monkeypatch):
+    # benchmarks/copy_study.py: every checkpoint at the shortest distance (when the run first
+    # copies), the newest also at the long ones (a 64K distance is a 64K-byte pass per lane)
+    import elephant.hub
+    import elephant.recall
+    from benchmarks.copy_study import score
+    for step in (100, 200, 300):
+        (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
+    asked = {}
+
+    def load(ckpt, device):
+        return ckpt, None, {"train": {"chunk_len": 64}, "data": {}}
+
+    def recall(model, tokenizer, distances, *args, **kw):
+        asked[model.name] = list(distances)
+        return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5} for d in distances}}
+    monkeypatch.setattr(elephant.hub, "from_pretrained", load)
+    monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)
+    monkeypatch.delenv("COPY_CORPUS", raising=False)
+    rows = score(tmp_path, "cpu", [128, 4096, 65536], lanes=4)
+    assert [r["step"] for r in rows] == [100, 200, 300]
+    assert asked == {"step_0000100": [128], "step_0000200": [128],
+                     "step_0000300": [128, 4096, 65536]}
+    assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536}
