@@ -114,6 +114,9 @@ VARIANTS = {
     "x0-quarter": (["model.attn_x0=true", "model.attn_x0_init=0.25"], []),   # its gain from 0.25
     "x0-norm": (["model.attn_x0=true", "model.attn_x0_norm=true"], []),   # the sum normalized again
     "no-x0": (["model.attn_x0=false"], []),       # a recipe shape without it
+    # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
+    "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
+    "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }

@@ -58,7 +58,8 @@
 #           COPY_SHAPE=recall-recipe-text COPY_VARIANTS=hybrid COPY_ARGS= COPY_DISTANCES=128,4096,65536:
 #           the recall recipe on every byte among real text, scored past its window (issue 57);
 #           COPY_SHAPE=recall-text,recall-recipe-text:hybrid:128+4096+65536 gives a shape its own
-#           variants and distances
+#           variants and distances; issue 57's levers beside the recipe:
+#           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
