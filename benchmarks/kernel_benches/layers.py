@@ -8,7 +8,6 @@ import json
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -202,15 +201,10 @@ def bench_mlp(bench: Bench, dev: str, smoke: bool):
 
 
 def layers_environment(dev: str) -> dict:
-    """common.environment with the platform, cuDNN's version and the commit."""
+    """common.environment (which records the commit) with the platform and cuDNN's version."""
     env = {**environment(dev), "platform": platform.platform()}
     if dev == "cuda":
         env["cudnn"] = torch.backends.cudnn.version()
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True, timeout=10).stdout.strip()
-    except Exception:
-        env["git_commit"] = None
     return env
 
 
