@@ -301,7 +301,7 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[
         data = config["data"]
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
             filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
-        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0] else distances[:1],
+        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0] else [min(distances)],
                             lanes, config["train"]["chunk_len"],
                             torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
         rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})

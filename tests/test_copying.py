@@ -98,8 +98,8 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     monkeypatch.setattr(elephant.hub, "from_pretrained", load)
     monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)
     monkeypatch.delenv("COPY_CORPUS", raising=False)
-    rows = score(tmp_path, "cpu", [128, 4096, 65536], lanes=4)
+    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4)
     assert [r["step"] for r in rows] == [100, 200, 300]
     assert asked == {"step_0000100": [128], "step_0000200": [128],
-                     "step_0000300": [128, 4096, 65536]}
+                     "step_0000300": [4096, 128, 65536]}
     assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536}
