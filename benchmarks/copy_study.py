@@ -112,6 +112,9 @@ VARIANTS = {
     "attn-x0": (["model.attn_x0=true"], []),
     "x0-half": (["model.attn_x0=true", "model.attn_x0_init=0.5"], []),       # its gain from 0.5
     "x0-quarter": (["model.attn_x0=true", "model.attn_x0_init=0.25"], []),   # its gain from 0.25
+    # its gain from 0.25, held there or one per layer (model.attn_x0_gain)
+    "x0-fixed": (["model.attn_x0=true", "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"], []),
+    "x0-layer": (["model.attn_x0=true", "model.attn_x0_init=0.25", "model.attn_x0_gain=layer"], []),
     "x0-norm": (["model.attn_x0=true", "model.attn_x0_norm=true"], []),   # the sum normalized again
     "no-x0": (["model.attn_x0=false"], []),       # a recipe shape without it
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory

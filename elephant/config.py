@@ -105,6 +105,11 @@ class ModelConfig:
                                      # 256 and up) start it at 0.25: copying still learned before
                                      # the all-attention stack's, at a fraction of gain 1's cost in
                                      # LM loss (at d_model 64, 0.25 did not learn to copy)
+    attn_x0_gain: str = "channel"    # attn_x0's gain g: "channel" (learned, one per channel),
+                                     # "layer" (learned, one per attention layer) or "fixed" (held at
+                                     # attn_x0_init; norm1's learned weight still sets the ratio of
+                                     # stream to x0): a learned gain's gradient is a sum over every
+                                     # position of the chunk, which cost 1.8% of the step (H200)
     attn_x0_norm: bool = False       # attn_x0's sum normalized again: the attention reads
                                      # norm1(rmsnorm(x) + g * rmsnorm(x0)), RMS ~1 as without x0.
                                      # Measured, not taken: copying learned later than with the
@@ -142,6 +147,7 @@ class ModelConfig:
         if self.attn_x0_norm and not self.attn_x0:
             raise ConfigError("model.attn_x0_norm normalizes attn_x0's sum; set model.attn_x0 = "
                               "true as well")
+        _choice(self, "attn_x0_gain", ("channel", "layer", "fixed"))
         _choice(self, "mem_update", ("gated", "replace"))
         _choice(self, "mem_rotary", ("none", "chunk", "free"))
         _choice(self, "residual", ("float32", "autocast"))

@@ -58,8 +58,15 @@ class Block(nn.Module):
         self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
         # attn_x0: the gain of the stack's normalized input added to the attention's input
         # (set by ElephantLM.reset_parameters)
-        self.x0_gain = (nn.Parameter(torch.empty(cfg.d_model)) if kind == "A" and cfg.attn_x0
-                        else None)
+        # (attn_x0_gain: "channel" one per channel, "layer" one for the layer, "fixed" a buffer
+        # that training leaves: no gradient, so no sum over every position in the backward)
+        gain = None
+        if kind == "A" and cfg.attn_x0:
+            gain = torch.empty(1 if cfg.attn_x0_gain == "layer" else cfg.d_model)
+        if gain is not None and cfg.attn_x0_gain == "fixed":
+            self.register_buffer("x0_gain", gain)
+        else:
+            self.x0_gain = None if gain is None else nn.Parameter(gain)
         self.x0_norm = cfg.attn_x0_norm
         self.norm2 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.d_mlp else None
         self.mlp = ElephantMLP(cfg) if cfg.d_mlp else None
@@ -215,7 +222,8 @@ class ElephantLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.embed_std or std)
         for block in self.blocks:
             if block.x0_gain is not None:
-                nn.init.constant_(block.x0_gain, cfg.attn_x0_init)
+                with torch.no_grad():
+                    block.x0_gain.fill_(cfg.attn_x0_init)
         if cfg.n_mem:
             nn.init.normal_(self.mem_init, std=std)
             nn.init.normal_(self.mem_write, std=std)

@@ -631,3 +631,37 @@ def test_the_gain_of_the_stack_input_learns_and_restarts_at_its_init():
         gain.mul_(3.0)
     model.reset_parameters()
     assert torch.equal(gain, torch.full_like(gain, 0.25))
+
+
+@pytest.mark.parametrize("kind", ["channel", "layer", "fixed"])
+def test_the_gain_kinds_of_the_stack_input_compute_the_same_model_at_init(kind):
+    # attn_x0_gain: a per-channel, per-layer or fixed gain all start at attn_x0_init and compute
+    # the same model from the same weights; the fixed one is a buffer (saved, loaded, never given a
+    # gradient nor an optimizer), the learned ones get a gradient
+    from elephant.optim.build import assign_parameters
+    kw = dict(layers="MAMA", n_mem=2, kv_window=6, kv_keep=3, mem_rotary="free", attn_x0=True,
+              attn_x0_init=0.25)
+    channel, model = make(**kw), make(attn_x0_gain=kind, **kw)
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in channel.state_dict().items() if not k.endswith("x0_gain")}, strict=False)
+    assert sorted(missing) == ["blocks.1.x0_gain", "blocks.3.x0_gain"] and not unexpected
+    tokens = torch.randint(0, 97, (2, 21))
+    want, _ = run_chunks(channel, tokens, [7, 7, 7])
+    got, _ = run_chunks(model, tokens, [7, 7, 7])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    gain = model.blocks[1].x0_gain
+    assert gain.shape == ((1,) if kind == "layer" else (32,))
+    assert torch.equal(gain, torch.full_like(gain, 0.25))
+    names = {name for name, *_ in assign_parameters(model)}
+    assert ("blocks.1.x0_gain" in names) == (kind != "fixed")
+    assert "blocks.1.x0_gain" in model.state_dict()
+    loss, _ = model(tokens[:, :-1], targets=tokens[:, 1:])
+    loss.backward()
+    assert (gain.grad is None) == (kind == "fixed") and gain.requires_grad == (kind != "fixed")
+    with torch.no_grad():   # a fixed gain is what the weights compute: a checkpoint carries it
+        gain.fill_(0.5)
+    again = make(attn_x0_gain=kind, **kw)
+    again.load_state_dict(model.state_dict())
+    assert torch.equal(again.blocks[1].x0_gain, torch.full_like(gain, 0.5))
+    with pytest.raises(Exception, match="model.attn_x0_gain: expected one of channel, layer, fixed"):
+        tiny(attn_x0_gain="scalar").validate()
