@@ -267,7 +267,8 @@ def run_variant(name: str, argv: list[str]) -> int:
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
     distances = sorted(int(d) for d in os.environ["COPY_DISTANCES"].split(","))
     from elephant.recall import label
-    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]))
+    every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
+    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every)
     result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
@@ -283,9 +284,11 @@ def run_variant(name: str, argv: list[str]) -> int:
 KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the result keys
 
 
-def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[dict]:
-    """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` for
-    each, at all of them for the last (a long distance costs a pass over that many bytes)."""
+def score(run_dir: Path, device: str, distances: list[int], lanes: int,
+          every: list[int] = ()) -> list[dict]:
+    """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` (and at
+    `every`) for each, at all of them for the last (a long distance costs a pass over that many
+    bytes)."""
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
@@ -304,7 +307,8 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int) -> list[
         data = config["data"]
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
             filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
-        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0] else [min(distances)],
+        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0]
+                            else sorted({min(distances), *every}),
                             lanes, config["train"]["chunk_len"],
                             torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
         rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
@@ -434,6 +438,9 @@ def main() -> int:
     p.add_argument("--deadline-s", type=float, default=0.0,
                    help="stop (SIGTERM: a checkpoint, then exit) variants still training after this")
     p.add_argument("--distances", default="128,512")
+    p.add_argument("--every-distances", default=os.environ.get("COPY_EVERY", ""),
+                   help="distances also scored at every checkpoint, not the last only (e.g. 4096: "
+                        "when a fact first survives past the window, and whether it stays)")
     p.add_argument("--eval-lanes", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results/copy_study")
     p.add_argument("--runs", default="runs/copy_study")
@@ -485,7 +492,7 @@ def main() -> int:
     procs = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1", COPY_OUT=str(out), COPY_DISTANCES=args.distances,
                COPY_LANES=str(8 if args.cpu_smoke else args.eval_lanes),
-               COPY_CORPUS=args.corpus)
+               COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances)
     t0 = time.time()
     for n in names:
         run_dir = runs / n

@@ -103,3 +103,6 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert asked == {"step_0000100": [128], "step_0000200": [128],
                      "step_0000300": [4096, 128, 65536]}
     assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536}
+    asked.clear()   # --every-distances: these at every checkpoint too
+    score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, every=[4096])
+    assert asked["step_0000100"] == asked["step_0000200"] == [128, 4096]
