@@ -22,6 +22,8 @@
 #   recall-long  one recall run spread over calls (carry runs/recall-long-parts: see the stage);
 #           RECALL_INIT=<folder of checkpoint parts> starts it from that run's weights
 #   recall-seeds  several seeds of the recall recipe side by side, over calls (see the stage)
+#           recall-long and recall-seeds train on every token (RECALL_LOSS=lm, the default) or
+#           on the answer digits alone (RECALL_LOSS=answer: the 1M-token figure's objective)
 #   recall-seeds-eval  those runs scored to 1M: ablations, offset 1M, two facts
 #   recall-long-eval  that checkpoint scored up to 1M tokens: one, two and four facts, from rotary
 #           position 1,014,000, and each carried part of the state dropped (RECALL_EVAL_NAME)
@@ -159,7 +161,7 @@ for stage in $stages; do
         INIT=train.init_from=runs/recall-init
       fi
       timeout ${RECALL_LONG_TIMEOUT:-540} python -m elephant.recall train --config configs/recall.toml \
-        $RESUME --stop-after-s ${RECALL_LONG_S:-400} --no-progress --lanes 16 \
+        $RESUME --stop-after-s ${RECALL_LONG_S:-400} --no-progress --lanes 16 --${RECALL_LOSS:-lm}-loss \
         --distances ${RECALL_LONG_DIST:-128,512,1K,4K,16K,64K,1M} --json $RES/recall_long.json train.run_dir=$RUN $INIT ${RECALL_LONG_ARGS:-} \
         2>&1 | tee "$LOGS/recall_long.log" | grep -v "answer loss" | tail -20
       if [ -n "${OUT:-}" ] && [ -f $RUN/checkpoints/latest ]; then
@@ -194,7 +196,7 @@ for stage in $stages; do
           INIT=train.init_from=runs/${RECALL_FROM:-recall}-seed$s
         fi
         timeout ${RECALL_LONG_TIMEOUT:-560} python -m elephant.recall train --config configs/$NAME.toml \
-          $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 \
+          $RESUME --stop-after-s ${RECALL_LONG_S:-480} --no-progress --lanes 16 --${RECALL_LOSS:-lm}-loss \
           --distances ${RECALL_LONG_DIST:-128,4K,64K} --json $RES/${NAME}_seed$s.json \
           train.run_dir=$RUN train.seed=$s $INIT ${RECALL_LONG_ARGS:-} > "$LOGS/${NAME}_seed$s.log" 2>&1 &
       done

@@ -3,9 +3,10 @@
     python -m elephant.recall train --config configs/recall.toml [section.key=value ...]   # any order
     python -m elephant.recall eval --checkpoint runs/recall [--distances 128,4K,64K,1M] [--json F]
 
-`train` trains on the loss of the answer digits alone (`train_recall`: rolling lanes of
-documents, truncated BPTT over `bptt_chunks`, memory-only backpropagation over 4x as many), or with
-`--lm-loss` runs the general trainer on every token of the recall corpus.
+`train` runs the general trainer (train.py's) on every token of the recall corpus, as a language
+model is trained; `--answer-loss` trains on the loss of the answer digits alone instead
+(`train_recall`: rolling lanes of documents, truncated BPTT over `bptt_chunks`, memory-only
+backpropagation over 4x as many).
 `eval` streams `lanes` documents side by side, chunk by chunk with carried state, exactly as
 `eval.py` streams text: each document states one fact (or `--pairs` of them) and asks for it again
 at every distance of `--distances` (counted in tokens from the key's previous mention). The answer
@@ -458,16 +459,45 @@ def _eval(args) -> int:
     return 0
 
 
+def _stop_after(trainer, seconds: float):
+    """After `seconds`, ask `trainer.fit` to stop as a SIGTERM would (the step ends, a checkpoint
+    is written, --resume goes on), without sending one. Returns the event that cancels it."""
+    import signal
+    import threading
+    done = threading.Event()
+
+    def wait():
+        if done.wait(seconds):
+            return
+        while not done.is_set():   # fit installs its stop request as it starts
+            request = trainer.stop_request
+            if request is not None:
+                request.signum = request.signum or signal.SIGTERM
+                return
+            done.wait(0.05)
+    threading.Thread(target=wait, daemon=True).start()
+    return done
+
+
 def _train(args) -> int:
-    from elephant.config import load_config
+    from elephant.config import ConfigError, load_config
 
     cfg = load_config(args.config, args.overrides)
-    if args.lm_loss:   # the general trainer: the loss on every token of the recall corpus
+    if not args.answer_loss:   # the general trainer: the loss on every token of the recall corpus
+        for flag, given in (("--budget-s", args.budget_s), ("--no-memory-path", args.no_memory_path)):
+            if given:
+                raise ConfigError(f"{flag} belongs to the answer-only objective: add --answer-loss "
+                                  "(the LM loss trains train.max_steps steps)")
         from elephant.trainer import Trainer
         if cfg.data.source != "recall":
             print(f"note: data.source is {cfg.data.source!r}, not 'recall'", file=sys.stderr)
         trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
-        trainer.fit()
+        done = _stop_after(trainer, args.stop_after_s) if args.stop_after_s else None
+        try:
+            trainer.fit()
+        finally:
+            if done is not None:
+                done.set()
         if not trainer.rt.main:
             return 0
     else:
@@ -497,14 +527,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
             s.add_argument("--config", default="configs/recall.toml")
             s.add_argument("--resume", action="store_true")
             s.add_argument("--budget-s", type=float, default=0.0,
-                           help="train for about this many seconds (the schedule fits them)")
+                           help="--answer-loss: train for about this many seconds (the schedule "
+                                "fits them)")
             s.add_argument("--stop-after-s", type=float, default=0.0,
                            help="keep train.max_steps' schedule but stop (and checkpoint) after "
                                 "this many seconds; --resume goes on")
             s.add_argument("--no-memory-path", action="store_true",
-                           help="no memory-only backpropagation past bptt_chunks")
-            s.add_argument("--lm-loss", action="store_true",
-                           help="the general trainer, loss on every token (default: the answers)")
+                           help="--answer-loss: no memory-only backpropagation past bptt_chunks")
+            loss = s.add_mutually_exclusive_group()
+            loss.add_argument("--lm-loss", action="store_true",
+                              help="the general trainer, the loss on every token (the default)")
+            loss.add_argument("--answer-loss", action="store_true",
+                              help="the loss on the answer digits alone (train_recall)")
             s.add_argument("overrides", nargs="*", help="section.key=value")
         else:
             s.add_argument("--checkpoint", required=True, help="run dir, export folder or Hub id")

@@ -73,6 +73,35 @@ def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     assert code == 2 and "does not exist" in capsys.readouterr().err
 
 
+def test_recall_cli_trains_on_every_token_by_default_and_on_the_answers_when_asked(tmp_path, capsys):
+    # the default objective is the LM loss (train.py's trainer and run log); --stop-after-s stops
+    # it as a SIGTERM would, with a checkpoint that --resume continues; --answer-loss is the
+    # answer-only trainer; the answer-only flags are refused without it, in one line
+    small = [f"data.cache_dir={tmp_path / 'cache'}", "data.recall_docs=20",
+             "data.recall_max_gap=200", "model.d_model=32", "model.n_heads=2", "model.d_mlp=64",
+             "model.d_state=16", "model.mamba_head_dim=16", "model.n_mem=2", "model.kv_window=32",
+             "model.kv_keep=8", "model.bptt_chunks=2", "train.lanes=2", "train.chunk_len=32",
+             "train.device=cpu", "train.compile=off", "train.log_every=1", "train.ckpt_every=0"]
+    lm, answers = tmp_path / "lm", tmp_path / "answers"
+    args = ["train", "--distances", "64", "--lanes", "2", "--no-progress"]
+    assert main([*args, "--stop-after-s", "0.001", f"train.run_dir={lm}", "train.max_steps=50",
+                 *small]) == 0
+    records = [json.loads(line) for line in (lm / "log.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r.get("kind") == "train"]
+    assert 1 <= steps[-1] < 50 and any(r.get("kind") == "preempted" for r in records)
+    assert (lm / "checkpoints" / "latest").exists()
+    assert main([*args, "--resume", f"train.run_dir={lm}", "train.max_steps=50", *small]) == 0
+    records = [json.loads(line) for line in (lm / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "train"][-1] == 50
+    assert main([*args, "--answer-loss", f"train.run_dir={answers}", "train.max_steps=2",
+                 *small]) == 0
+    assert (answers / "checkpoints" / "latest").exists() and not (answers / "log.jsonl").exists()
+    capsys.readouterr()
+    for flag in (["--budget-s", "5"], ["--no-memory-path"]):
+        assert main([*args, *flag, f"train.run_dir={tmp_path / 'no'}", *small]) == 2
+        assert f"{flag[0]} belongs to the answer-only objective" in capsys.readouterr().err
+
+
 def test_bad_recall_arguments_get_one_line_errors(tmp_path, capsys):
     assert parse_count("4K") == 4096 and parse_count("1M") == 1024 ** 2
     code = main(["eval", "--checkpoint", str(tmp_path / "missing"), "--no-progress"])
