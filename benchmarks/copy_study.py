@@ -268,7 +268,8 @@ def run_variant(name: str, argv: list[str]) -> int:
     distances = sorted(int(d) for d in os.environ["COPY_DISTANCES"].split(","))
     from elephant.recall import label
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
-    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every)
+    ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
+    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate)
     result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
@@ -285,10 +286,12 @@ KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the resu
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int,
-          every: list[int] = ()) -> list[dict]:
+          every: list[int] = (), ablate: list[str] = ()) -> list[dict]:
     """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` (and at
     `every`) for each, at all of them for the last (a long distance costs a pass over that many
-    bytes)."""
+    bytes). The last is also scored past the shortest distance with each part of `ablate`
+    (elephant.recall.ABLATIONS: memory, keep, kv, ssm) dropped after every chunk, under keys like
+    "4K without memory": which carried part holds the fact."""
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
@@ -312,6 +315,12 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
                             lanes, config["train"]["chunk_len"],
                             torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
         rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
+        for part in ablate if ckpt == ckpts[0] else ():
+            r = evaluate_recall(model, tokenizer, [d for d in distances if d > min(distances)],
+                                lanes, config["train"]["chunk_len"], torch.device(device), 1,
+                                1234, autocast, progress=False, filler=filler, ablation=part)
+            rows[-1].update({f"{k} without {part}": v["accuracy"]
+                             for k, v in r["by_distance"].items()})
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -441,6 +450,9 @@ def main() -> int:
     p.add_argument("--every-distances", default=os.environ.get("COPY_EVERY", ""),
                    help="distances also scored at every checkpoint, not the last only (e.g. 4096: "
                         "when a fact first survives past the window, and whether it stays)")
+    p.add_argument("--ablate", default=os.environ.get("COPY_ABLATE", ""),
+                   help="carried parts (memory, keep, kv, ssm) each dropped after every chunk in a "
+                        "second scoring of the last checkpoint past the shortest distance")
     p.add_argument("--eval-lanes", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results/copy_study")
     p.add_argument("--runs", default="runs/copy_study")
@@ -492,7 +504,7 @@ def main() -> int:
     procs = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1", COPY_OUT=str(out), COPY_DISTANCES=args.distances,
                COPY_LANES=str(8 if args.cpu_smoke else args.eval_lanes),
-               COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances)
+               COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances, COPY_ABLATE=args.ablate)
     t0 = time.time()
     for n in names:
         run_dir = runs / n

@@ -61,7 +61,10 @@
 #           the recall recipe on every byte among real text, scored past its window (issue 57);
 #           COPY_SHAPE=recall-text,recall-recipe-text:hybrid:128+4096+65536 gives a shape its own
 #           variants and distances; issue 57's levers beside the recipe:
-#           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536
+#           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536;
+#           COPY_EVERY=4096 scores that distance at every checkpoint, COPY_ABLATE=memory,keep the
+#           last checkpoint again with each part dropped after every chunk; a run dir left by an
+#           earlier call on a warm machine is refused: rm -rf /tmp/copy_runs_<shape> first
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).

@@ -92,8 +92,8 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     def load(ckpt, device):
         return ckpt, None, {"train": {"chunk_len": 64}, "data": {}}
 
-    def recall(model, tokenizer, distances, *args, **kw):
-        asked[model.name] = list(distances)
+    def recall(model, tokenizer, distances, *args, ablation="none", **kw):
+        asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
         return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5} for d in distances}}
     monkeypatch.setattr(elephant.hub, "from_pretrained", load)
     monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)
@@ -106,3 +106,7 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     asked.clear()   # --every-distances: these at every checkpoint too
     score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, every=[4096])
     assert asked["step_0000100"] == asked["step_0000200"] == [128, 4096]
+    asked.clear()   # --ablate: the last checkpoint again past the shortest distance, each part dropped
+    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, ablate=["memory", "keep"])
+    assert asked[("step_0000300", "memory")] == asked[("step_0000300", "keep")] == [4096, 65536]
+    assert len(asked) == 5 and rows[-1]["64K without memory"] == 0.65536 and "4K without keep" in rows[-1]
