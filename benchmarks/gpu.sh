@@ -63,8 +63,7 @@
 #           variants and distances; issue 57's levers beside the recipe:
 #           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536;
 #           COPY_EVERY=4096 scores that distance at every checkpoint, COPY_ABLATE=memory,keep the
-#           last checkpoint again with each part dropped after every chunk; a run dir left by an
-#           earlier call on a warm machine is refused: rm -rf /tmp/copy_runs_<shape> first
+#           last checkpoint again with each part dropped after every chunk
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -347,6 +346,7 @@ for stage in $stages; do
       shapes=${COPY_SHAPE:-recall}
       for spec in ${shapes//,/ }; do
         IFS=: read -r shape variants distances <<< "$spec"
+        rm -rf /tmp/copy_runs_$shape   # scratch of this call: an earlier call's runs would be refused
         variants=${variants:+${variants//+/,}}
         distances=${distances:+${distances//+/,}}
         timeout 560 python benchmarks/copy_study.py --corpus ${COPY_CORPUS:-recall} --shape $shape \
