@@ -125,6 +125,17 @@ VARIANTS = {
 }
 
 
+def variant(name: str) -> tuple[str, list[str], list[str], list[str]]:
+    """A variant's (base name, overrides, hooks, seed override). "hybrid@2" is the variant hybrid
+    with train.seed=2 (after the command line's overrides), so seeds of one variant train side
+    by side. KeyError for an unknown one."""
+    base, at, seed = name.partition("@")
+    if base not in VARIANTS or (at and not seed.isdigit()):
+        raise KeyError(name)
+    overrides, hooks = VARIANTS[base]
+    return base, overrides, hooks, [f"train.seed={seed}"] if at else []
+
+
 # ------------------------------------------------------------------ the copy corpus
 ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
 FILLER = ("the of and to in is was for on that with as by at from his her it an are were which "
@@ -236,7 +247,7 @@ def run_variant(name: str, argv: list[str]) -> int:
     from elephant.config import load_config
     from elephant.model import ElephantLM
 
-    hooks = VARIANTS[name][1]
+    hooks = variant(name)[2]
     config, overrides = argv[0], argv[1:]
 
     class Variant(ElephantLM):
@@ -270,7 +281,7 @@ def run_variant(name: str, argv: list[str]) -> int:
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
     rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate)
-    result = {"variant": name, "overrides": VARIANTS[name][0], "hooks": hooks,
+    result = {"variant": name, "overrides": variant(name)[1] + variant(name)[3], "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
               "lm_recall_128": rows[-1].get("128") if rows else None,
@@ -474,12 +485,17 @@ def main() -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_intermixed_args()
     names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = []
+    for n in names:
+        try:
+            variant(n)
+        except KeyError:
+            unknown.append(n)
     if unknown:
-        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)} (each may end in @seed)")
     if args.cpu:
-        if len(names) != 1:
-            p.error("--cpu runs one variant (start one process per variant)")
+        if len(names) != 1 or "@" in names[0]:
+            p.error("--cpu runs one variant (start one process per variant; --seed sets its seed)")
         import torch
         from benchmarks.common import environment
         result = {"command": " ".join(["python benchmarks/copy_study.py", *sys.argv[1:]]),
@@ -508,9 +524,11 @@ def main() -> int:
     t0 = time.time()
     for n in names:
         run_dir = runs / n
+        base, overrides, _, seed = variant(n)
         cmd = [sys.executable, __file__, "--variant", n, config, *shape_overrides,
-               *VARIANTS[n][0], *extra, *args.overrides,
-               *([f"model.layers={LAYERS[n](hybrid_layers)}"] if n in LAYERS else []), f"train.max_steps={args.steps}",
+               *overrides, *extra, *args.overrides, *seed,
+               *([f"model.layers={LAYERS[base](hybrid_layers)}"] if base in LAYERS else []),
+               f"train.max_steps={args.steps}",
                f"train.ckpt_every={args.ckpt_every}", "train.keep_ckpts=100", "train.eval_every=0",
                "train.log_every=25", "train.tensorboard=false", f"train.run_dir={run_dir}"]
         log = open(out / f"{n}.log", "w")

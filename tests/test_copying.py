@@ -10,6 +10,7 @@ benchmarks/copy_study.py, docs/RESULTS.md.
 """
 import random
 
+import pytest
 import torch
 
 from elephant.config import ModelConfig, OptimConfig
@@ -110,3 +111,14 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, ablate=["memory", "keep"])
     assert asked[("step_0000300", "memory")] == asked[("step_0000300", "keep")] == [4096, 65536]
     assert len(asked) == 5 and rows[-1]["64K without memory"] == 0.65536 and "4K without keep" in rows[-1]
+
+
+def test_copy_study_variant_names_carry_a_seed():
+    # "hybrid@2": the variant's own overrides and hooks, and train.seed=2 placed after the command
+    # line's overrides (so that seeds of one variant train side by side); a bad name is refused
+    from benchmarks.copy_study import VARIANTS, variant
+    assert variant("mamba-zero") == ("mamba-zero", [], ["zero_mamba"], [])
+    assert variant("x0-fixed@2") == ("x0-fixed", VARIANTS["x0-fixed"][0], [], ["train.seed=2"])
+    for bad in ("nothing", "hybrid@", "hybrid@two", "nothing@1"):
+        with pytest.raises(KeyError):
+            variant(bad)
