@@ -120,6 +120,8 @@ VARIANTS = {
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
+    # documents no longer than a cap that grows from 1K bytes to the longest over 300 steps
+    "length-curriculum": (["data.length_curriculum_steps=300", "data.length_curriculum_start=1024"], []),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }

@@ -25,6 +25,14 @@ the stream runs on into the next epoch with a new shuffle; with `loop=False` it 
 document has been read, lanes that ran out emitting fully masked rows with doc id -1 meanwhile, so
 evaluation sees every document exactly once.
 
+A length curriculum (`curriculum=(start, batches)`, training only): over the batcher's first
+`batches` batches a document may start a lane only if its length is at most a cap that grows
+geometrically from `start` tokens to the corpus's longest document; a longer one is passed over in
+this epoch's order (counted in `skipped_for_length`) and read in a later epoch. The cap is a
+function of the batch count, so the stream stays deterministic and resumes exactly. Short
+documents first put more document starts and ends (and more of what a document refers back to
+within reach of truncated backpropagation) in the early steps.
+
 The state is a few ints and two lists per lane, so `state_dict()` is plain JSON and resumes the
 exact stream. A batch is built by one numpy slice copy per lane and document: no per-token Python work.
 """
@@ -65,7 +73,8 @@ class RollingChunkBatcher:
     """Iterate to get `Batch`es; see the module docstring for the contract."""
 
     def __init__(self, corpus, lanes: int, chunk_len: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 *, loop: bool = True, shuffle: bool = True, pad_id: int = 0, pack: bool = False):
+                 *, loop: bool = True, shuffle: bool = True, pad_id: int = 0, pack: bool = False,
+                 curriculum: tuple[int, int] | None = None):
         if lanes < 1 or chunk_len < 1:
             raise DataError(f"lanes and chunk_len must be positive (got {lanes}, {chunk_len})")
         if not 0 <= rank < world_size:
@@ -83,6 +92,14 @@ class RollingChunkBatcher:
         if loop and self.docs_per_epoch == 0:
             raise DataError(f"rank {rank} of {world_size} gets no documents: the corpus has only "
                             f"{self._eligible.size} documents of two or more tokens")
+        self._lengths = lengths
+        start, over = curriculum or (0, 0)
+        if over and (start < 1 or over < 0 or not loop):
+            raise DataError(f"a length curriculum needs a looping stream, a start of 1 token or "
+                            f"more and a batch count >= 0 (got start {start}, {over} batches)")
+        self.curriculum_start, self.curriculum_batches = (int(start), int(over)) if over else (0, 0)
+        self._longest = int(lengths[self._eligible].max()) if self._eligible.size else 0
+        self.skipped_for_length = 0
         self._order_epoch, self._order = -1, self._eligible[:0]
         # Position in the stream.
         self.epoch = 0  # epoch of the next document to be drawn
@@ -183,16 +200,31 @@ class RollingChunkBatcher:
         """The lanes whose document goes on into the next batch."""
         return [b for b, d in enumerate(self._lane_doc) if d >= 0]
 
+    def length_cap(self) -> int | None:
+        """The longest document that may start a lane now (the length curriculum), None: any."""
+        if not self.curriculum_batches or self.batches >= self.curriculum_batches:
+            return None
+        start = min(self.curriculum_start, self._longest)
+        return int(start * (self._longest / start) ** (self.batches / self.curriculum_batches))
+
     def _draw(self) -> int:
-        """The next document of this rank's stream, moving to the next epoch when `loop`; -1 at the end."""
-        order = self.epoch_order(self.epoch)
-        if self.next_pos >= order.size:
-            if not self.loop:
-                return -1
-            self.epoch, self.next_pos = self.epoch + 1, 0
+        """The next document of this rank's stream, moving to the next epoch when `loop`; -1 at the end.
+        Under the length curriculum, documents over the cap are passed over (a whole epoch's worth
+        at most: then the next one is taken whatever its length)."""
+        cap, passed = self.length_cap(), 0
+        while True:
             order = self.epoch_order(self.epoch)
-        self.next_pos += 1
-        return int(order[self.next_pos - 1])
+            if self.next_pos >= order.size:
+                if not self.loop:
+                    return -1
+                self.epoch, self.next_pos = self.epoch + 1, 0
+                order = self.epoch_order(self.epoch)
+            self.next_pos += 1
+            d = int(order[self.next_pos - 1])
+            if cap is None or self._lengths[d] <= cap or passed >= self.docs_per_epoch:
+                return d
+            passed += 1
+            self.skipped_for_length += 1
 
     # ------------------------------------------------------------ resume
 
@@ -204,6 +236,7 @@ class RollingChunkBatcher:
             "lane_doc": list(self._lane_doc), "lane_pos": list(self._lane_pos), "done": self._done,
             "docs_completed": self.docs_completed, "real_tokens": self.real_tokens,
             "total_tokens": self.total_tokens, "batches": self.batches,
+            **({"skipped_for_length": self.skipped_for_length} if self.curriculum_batches else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -215,8 +248,9 @@ class RollingChunkBatcher:
             hint = " (a version-1 state resumes with data.pack=false)" if version == 1 else ""
             raise DataError(f"batcher state version {version!r}, this code reads {STATE_VERSION}{hint}")
         for key, value in self._config().items():
-            if state.get(key) != value:
-                raise DataError(f"batcher state was saved with {key}={state.get(key)!r}, this batcher has "
+            saved = state.get(key, 0 if key.startswith("curriculum") else None)   # none: off
+            if saved != value:
+                raise DataError(f"batcher state was saved with {key}={saved!r}, this batcher has "
                                 f"{key}={value!r}; resume with the same corpus and settings")
         lane_doc, lane_pos = [int(x) for x in state["lane_doc"]], [int(x) for x in state["lane_pos"]]
         if len(lane_doc) != self.lanes or len(lane_pos) != self.lanes:
@@ -228,8 +262,11 @@ class RollingChunkBatcher:
         self._done = bool(state["done"])
         self.docs_completed, self.batches = int(state["docs_completed"]), int(state["batches"])
         self.real_tokens, self.total_tokens = int(state["real_tokens"]), int(state["total_tokens"])
+        self.skipped_for_length = int(state.get("skipped_for_length", 0))
 
     def _config(self) -> dict:
         return {"lanes": self.lanes, "chunk_len": self.chunk_len, "seed": self.seed, "rank": self.rank,
                 "world_size": self.world_size, "shuffle": self.shuffle, "pack": self.pack, "n_docs": int(self._offsets.size - 1),
-                "n_tokens": int(self._offsets[-1])}
+                "n_tokens": int(self._offsets[-1]),
+                # the length curriculum (0, 0: off; a state saved before it existed reads as off)
+                "curriculum_start": self.curriculum_start, "curriculum_batches": self.curriculum_batches}

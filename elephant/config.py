@@ -242,6 +242,12 @@ class DataConfig:
                                      # or the path of a text source: stretches cut from its
                                      # documents of the same split, so that copying the facts is a
                                      # small part of the LM loss, as in real documents
+    length_curriculum_steps: int = 0   # over the first N steps a document may start a lane only
+                                       # if it is no longer than a cap that grows geometrically from
+                                       # length_curriculum_start tokens to the longest document; a
+                                       # longer one waits for a later epoch (data_packing/batcher.py).
+                                       # 0: off. Measured: not yet
+    length_curriculum_start: int = 1024
     pack: bool = False               # training rows hold documents back to back (exact per-token
                                      # boundaries, no padding); false: one document per row, padded.
                                      # Off by default: it pays with the chunk step as CUDA graphs
@@ -255,6 +261,8 @@ class DataConfig:
     def validate(self) -> None:
         _choice(self, "source", ("pycode", "wikitext-103", "wikitext-2", "fineweb", "fineweb-edu",
                                  "text", "bin", "recall"))
+        _non_negative(self, "length_curriculum_steps")
+        _positive(self, "length_curriculum_start")
         _positive(self, "recall_docs", "recall_min_gap", "recall_max_gap", "recall_max_pairs",
                   "recall_max_queries")
         if self.recall_min_gap > self.recall_max_gap:

@@ -149,9 +149,14 @@ class Trainer:
         from data_packing import RollingChunkBatcher
         t = cfg.train
         shards = rt.world * t.grad_accum
+        # the length curriculum counts a lane group's batches: bptt_chunks x memory_windows a step
+        steps = cfg.data.length_curriculum_steps
+        curriculum = ((cfg.data.length_curriculum_start,
+                       steps * cfg.model.bptt_chunks * t.memory_windows) if steps else None)
         self.batchers = [RollingChunkBatcher(self.train_corpus, lanes=t.lanes, chunk_len=t.chunk_len,
                                              seed=t.seed, rank=rt.rank * t.grad_accum + g,
-                                             world_size=shards, pack=cfg.data.pack)
+                                             world_size=shards, pack=cfg.data.pack,
+                                             curriculum=curriculum)
                          for g in range(t.grad_accum)]
         self.iters = [iter(b) for b in self.batchers]
         self.states = [self.init_state() for _ in range(t.grad_accum)]

@@ -255,3 +255,62 @@ def test_resume_refuses_a_different_packing_and_reads_version_1_unpacked():
     RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0).load_state_dict(old)
     with pytest.raises(DataError, match=r"version 1.*data.pack=false"):
         RollingChunkBatcher(corpus_of([5, 6]), lanes=2, chunk_len=4, seed=0, pack=True).load_state_dict(old)
+
+
+# --- the length curriculum: short documents first, the cap a function of the batch count --------
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_length_curriculum_starts_short_documents_first_and_postpones_the_long_ones(pack):
+    # a document may start a lane only under the cap, which grows from 40 tokens to the longest
+    # (~400) over 60 batches; a longer one is passed over, not lost: it comes in a later epoch;
+    # after the curriculum nothing is passed over
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(2, 400, size=80).tolist()
+    batcher = RollingChunkBatcher(corpus_of(lengths), lanes=3, chunk_len=16, seed=5, pack=pack,
+                                  curriculum=(40, 60))
+    caps, started = [], {}
+    for i in range(1000):
+        cap = batcher.length_cap()
+        before = set(d for d in batcher._lane_doc if d >= 0)
+        batch = next(batcher)
+        ids = set(batch.token_doc_ids[batch.starts].tolist()) - before
+        for d in ids:
+            started.setdefault(d, i)
+            assert cap is None or lengths[d] <= cap, (i, d, lengths[d], cap)
+        caps.append(cap)
+    assert caps[0] == 40 and caps[59] < max(lengths) and all(c is None for c in caps[60:])
+    assert all(a <= b for a, b in zip(caps[:59], caps[1:59]))          # it only grows
+    assert batcher.skipped_for_length > 0 and sorted(started) == list(range(80))   # all read
+    early = [lengths[d] for d, i in started.items() if i < 30]
+    assert early and max(early) <= caps[29]
+    skipped = batcher.skipped_for_length
+    for _ in range(50):
+        next(batcher)
+    assert batcher.skipped_for_length == skipped
+
+
+def test_length_curriculum_resumes_exactly_and_refuses_another_curriculum():
+    lengths = np.random.default_rng(1).integers(2, 90, size=40).tolist()
+    make = lambda: RollingChunkBatcher(corpus_of(lengths), lanes=4, chunk_len=7, seed=2,
+                                       curriculum=(4, 50))
+    ran = assert_resumes_identically(make, 23, ("tokens", "reset", "loss_mask", "doc_ids"))
+    assert ran.skipped_for_length > 0
+    state = make().state_dict()
+    with pytest.raises(DataError, match=r"saved with curriculum_batches=50, this batcher has "
+                                        r"curriculum_batches=80"):
+        RollingChunkBatcher(corpus_of(lengths), lanes=4, chunk_len=7, seed=2,
+                            curriculum=(4, 80)).load_state_dict(state)
+    plain = RollingChunkBatcher(corpus_of(lengths), lanes=4, chunk_len=7, seed=2)
+    with pytest.raises(DataError, match=r"saved with curriculum_start=0, this batcher has "
+                                        r"curriculum_start=4"):
+        make().load_state_dict(plain.state_dict())
+    with pytest.raises(DataError, match=r"saved with curriculum_start=4, this batcher has "
+                                        r"curriculum_start=0"):
+        plain.load_state_dict(state)
+    older = {k: v for k, v in plain.state_dict().items() if not k.startswith("curriculum")}
+    plain.load_state_dict(older)   # saved before the curriculum existed: off
+    with pytest.raises(DataError, match=r"length curriculum needs a looping stream"):
+        RollingChunkBatcher(corpus_of(lengths), 4, 7, loop=False, curriculum=(4, 50))
+    # a cap below every document of a rank's epoch cannot stall the stream: one is taken anyway
+    tiny = RollingChunkBatcher(corpus_of([50, 60, 70]), lanes=2, chunk_len=8, curriculum=(1, 1000))
+    assert all(next(tiny).doc_ids.ge(0).any() for _ in range(20))

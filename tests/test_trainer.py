@@ -15,7 +15,7 @@ import torch
 
 import train as train_cli
 from elephant.checkpoint import CheckpointError, load_checkpoint
-from elephant.config import load_config
+from elephant.config import ConfigError, load_config
 from elephant.trainer import Trainer, TrainingStopped, read_log
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,6 +157,34 @@ def test_kept_tokens_train_and_resume_bitwise(tmp_path, corpus_dir):
     Trainer(load_config(ROOT / "configs/tiny.toml", over), resume=True, progress=False).fit()
     again = losses(run)
     assert [again[s] for s in range(3, 7)] == [ref[s] for s in range(3, 7)]   # bitwise
+
+
+def test_length_curriculum_reaches_the_batchers_in_their_batches_and_resumes_bitwise(
+        tmp_path, corpus_dir):
+    # data.length_curriculum_steps: each lane group's batcher counts bptt_chunks x memory_windows
+    # batches a step, so its cap lifts after that many steps; short documents start first; a
+    # resumed run continues the same stream, loss for loss
+    import shutil
+    run = tmp_path / "run"
+    over = overrides(run, corpus_dir, **{"train.max_steps": 6, "train.ckpt_every": 3,
+                                         "train.keep_ckpts": 5, "train.grad_accum": 2,
+                                         "model.bptt_chunks": 2, "model.n_mem": 2,
+                                         "train.memory_windows": 2,
+                                         "data.length_curriculum_steps": 4,
+                                         "data.length_curriculum_start": 400})
+    trainer = Trainer(load_config(ROOT / "configs/tiny.toml", over), progress=False)
+    assert [(b.curriculum_start, b.curriculum_batches) for b in trainer.batchers] == [(400, 16)] * 2
+    trainer.fit()
+    assert all(b.batches == 24 and b.length_cap() is None for b in trainer.batchers)
+    assert sum(b.skipped_for_length for b in trainer.batchers) > 0
+    ref = losses(run)
+    shutil.rmtree(run / "checkpoints" / "step_0000006")
+    (run / "checkpoints" / "latest").write_text("step_0000003\n")
+    Trainer(load_config(ROOT / "configs/tiny.toml", over), resume=True, progress=False).fit()
+    again = losses(run)
+    assert [again[s] for s in range(4, 7)] == [ref[s] for s in range(4, 7)]   # bitwise
+    with pytest.raises(ConfigError, match="data.length_curriculum_start: expected a value > 0"):
+        load_config(ROOT / "configs/tiny.toml", [*over, "data.length_curriculum_start=0"])
 
 
 def test_resume_after_sigkill_is_bitwise_identical(tmp_path, corpus_dir):
