@@ -18,7 +18,8 @@ hybrid-x0    the hybrid whose attention layers also read the token embeddings (m
              hybrid-x0-half, hybrid-x0-quarter: their gain starts at 0.5 or 0.25, not 1
              (model.attn_x0_init);
              hybrid-x0-norm: the sum normalized again (model.attn_x0_norm);
-             hybrid-x0-fixed: from 0.25, held there (model.attn_x0_gain = "fixed").
+             hybrid-x0-fixed: from 0.25, held there (model.attn_x0_gain = "fixed"), as the
+             recipes; hybrid-recall-x0: hybrid-recall with it.
 hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
              in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md):
              whether the trade pays at equal time.
@@ -93,6 +94,11 @@ VARIANTS = {
     # hybrid-x0-quarter with a fixed gain (model.attn_x0_gain): no gradient sum over positions
     "hybrid-x0-fixed": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.25",
                                   "model.attn_x0_gain=fixed"],
+    # the recall recipe's memory design (hybrid-recall) with the recipes' attn_x0: what the
+    # default recipes would train if they took that design (issue 57)
+    "hybrid-recall-x0": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
+                                   "model.kv_keep_drop=0.1", "model.attn_x0=true",
+                                   "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"],
     # hybrid-x0 with the sum normalized again (model.attn_x0_norm): the attention's input at RMS 1
     "hybrid-x0-norm": _HYBRID + ["model.attn_x0=true", "model.attn_x0_norm=true"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
