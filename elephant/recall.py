@@ -459,26 +459,6 @@ def _eval(args) -> int:
     return 0
 
 
-def _stop_after(trainer, seconds: float):
-    """After `seconds`, ask `trainer.fit` to stop as a SIGTERM would (the step ends, a checkpoint
-    is written, --resume goes on), without sending one. Returns the event that cancels it."""
-    import signal
-    import threading
-    done = threading.Event()
-
-    def wait():
-        if done.wait(seconds):
-            return
-        while not done.is_set():   # fit installs its stop request as it starts
-            request = trainer.stop_request
-            if request is not None:
-                request.signum = request.signum or signal.SIGTERM
-                return
-            done.wait(0.05)
-    threading.Thread(target=wait, daemon=True).start()
-    return done
-
-
 def _train(args) -> int:
     from elephant.config import ConfigError, load_config
 
@@ -492,12 +472,7 @@ def _train(args) -> int:
         if cfg.data.source != "recall":
             print(f"note: data.source is {cfg.data.source!r}, not 'recall'", file=sys.stderr)
         trainer = Trainer(cfg, resume=args.resume, progress=False if args.no_progress else None)
-        done = _stop_after(trainer, args.stop_after_s) if args.stop_after_s else None
-        try:
-            trainer.fit()
-        finally:
-            if done is not None:
-                done.set()
+        trainer.fit(stop_after_s=args.stop_after_s)
         if not trainer.rt.main:
             return 0
     else:

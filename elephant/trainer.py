@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -406,20 +407,22 @@ class Trainer:
                         rank=self.rt.rank, world=self.rt.world, pack=self.cfg.data.pack_eval)
 
     # ------------------------------------------------------------------ the run
-    def fit(self) -> dict:
+    def fit(self, stop_after_s: float = 0.0) -> dict:
         """Train to `max_steps`; on SIGTERM or SIGINT finish the step, write a checkpoint and return
-        early (`preempted`: the signal's number, `checkpoint`: the folder written). Releases the run
-        dir when it returns or raises."""
+        early (`preempted`: the signal's number, `checkpoint`: the folder written). With
+        `stop_after_s`, a step that starts later than that many seconds after the call is taken as
+        a SIGTERM's (the same stop, agreed by every rank). Releases the run dir when it returns or
+        raises."""
         try:
             with StopRequest(announce=self.rt.main) as stop, \
                     RunLog(self.run_dir, self.rt.main, self.cfg.train.tensorboard) as log:
                 self.stop_request = stop
-                return self._fit(log, stop)
+                return self._fit(log, stop, time.monotonic() + stop_after_s if stop_after_s else None)
         finally:
             self.stop_request = None
             self.close()
 
-    def _fit(self, log: "RunLog", stop: StopRequest) -> dict:
+    def _fit(self, log: "RunLog", stop: StopRequest, deadline: float | None) -> dict:
         rt, t = self.rt, self.cfg.train
         for record in (self.resume_record, self._data_record()):
             if record is not None:
@@ -439,6 +442,8 @@ class Trainer:
         last_eval, preempted = None, 0
         t0, tokens0 = time.perf_counter(), self.tokens_seen
         while self.step < t.max_steps:
+            if deadline is not None and not stop.signum and time.monotonic() >= deadline:
+                stop.signum = signal.SIGTERM
             out = self.train_step()
             agreed = out.pop("stop", 0)   # several ranks: every rank's stop signal, reduced
             if self.bad_steps >= t.max_bad_steps:
