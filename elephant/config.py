@@ -95,8 +95,8 @@ class ModelConfig:
                                      # RMS (0.02) to the residual stream at init
     attn_x0: bool = False            # every attention layer's input is norm1(x) + g * rmsnorm(x0),
                                      # x0 the stack's input (the token embeddings, and the memory
-                                     # vectors at memory positions), g a learned per-channel gain
-                                     # (from attn_x0_init): the token's own identity reaches the
+                                     # vectors at memory positions), g a gain from attn_x0_init
+                                     # (attn_x0_gain): the token's own identity reaches the
                                      # queries, keys and values at full strength, whatever the
                                      # layers before wrote into the stream. Without it the hybrid
                                      # did not learn to copy under the LM loss among real text
@@ -108,8 +108,8 @@ class ModelConfig:
     attn_x0_gain: str = "channel"    # attn_x0's gain g: "channel" (learned, one per channel),
                                      # "layer" (learned, one per attention layer) or "fixed" (held at
                                      # attn_x0_init; norm1's learned weight still sets the ratio of
-                                     # stream to x0): a learned gain's gradient is a sum over every
-                                     # position of the chunk, which cost 1.8% of the step (H200)
+                                     # stream to x0). The recipes hold it: a lower LM loss at equal
+                                     # time than the learned gain's (docs/RESULTS.md)
     attn_x0_norm: bool = False       # attn_x0's sum normalized again: the attention reads
                                      # norm1(rmsnorm(x) + g * rmsnorm(x0)), RMS ~1 as without x0.
                                      # Measured, not taken: copying learned later than with the
