@@ -249,7 +249,7 @@ def run_variant(name: str, argv: list[str]) -> int:
     from elephant.config import load_config
     from elephant.model import ElephantLM
 
-    hooks = variant(name)[2]
+    _, own, hooks, seed = variant(name)
     config, overrides = argv[0], argv[1:]
 
     class Variant(ElephantLM):
@@ -283,7 +283,7 @@ def run_variant(name: str, argv: list[str]) -> int:
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
     rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate)
-    result = {"variant": name, "overrides": variant(name)[1] + variant(name)[3], "hooks": hooks,
+    result = {"variant": name, "overrides": own + seed, "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
               "lm_recall_128": rows[-1].get("128") if rows else None,

@@ -236,7 +236,7 @@ class RollingChunkBatcher:
             "lane_doc": list(self._lane_doc), "lane_pos": list(self._lane_pos), "done": self._done,
             "docs_completed": self.docs_completed, "real_tokens": self.real_tokens,
             "total_tokens": self.total_tokens, "batches": self.batches,
-            **({"skipped_for_length": self.skipped_for_length} if self.curriculum_batches else {}),
+            "skipped_for_length": self.skipped_for_length,
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -4,9 +4,9 @@
 
 Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
 `cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
-the stack's RMS-normalized input (the token embeddings, the memory vectors) through a learned
-gain, so that the token's identity reaches it whatever the Mamba layers before it wrote. With
-`n_mem > 0` every chunk is framed as
+the stack's RMS-normalized input (the token embeddings, the memory vectors) through a gain
+(learned, or held: `attn_x0_gain`), so that the token's identity reaches it whatever the Mamba
+layers before it wrote. With `n_mem > 0` every chunk is framed as
 [read memory (n_mem) | tokens (T) | write slots (n_mem)] (recurrent memory transformer, Bulatov et
 al. 2022). What the write slots produce becomes the next chunk's read memory through a gated update
 (`update_memory`): each slot keeps its content unless its gate opens, and a gate under
@@ -56,15 +56,13 @@ class Block(nn.Module):
         self.kind = kind
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
-        # attn_x0: the gain of the stack's normalized input added to the attention's input
-        # (set by ElephantLM.reset_parameters)
-        # (attn_x0_gain: "channel" one per channel, "layer" one for the layer, "fixed" a buffer
-        # that training leaves: no gradient, so no sum over every position in the backward)
-        gain = None
-        if kind == "A" and cfg.attn_x0:
-            gain = torch.empty(1 if cfg.attn_x0_gain == "layer" else cfg.d_model)
-        if gain is not None and cfg.attn_x0_gain == "fixed":
-            self.register_buffer("x0_gain", gain)
+        # attn_x0: the gain of the stack's normalized input added to the attention's input (set
+        # by ElephantLM.reset_parameters): one per channel, one for the layer, or (attn_x0_gain
+        # "fixed") a buffer that training leaves
+        gain = (torch.empty(1 if cfg.attn_x0_gain == "layer" else cfg.d_model)
+                if kind == "A" and cfg.attn_x0 else None)
+        if cfg.attn_x0_gain == "fixed":
+            self.register_buffer("x0_gain", gain)   # None: no buffer, as no parameter below
         else:
             self.x0_gain = None if gain is None else nn.Parameter(gain)
         self.x0_norm = cfg.attn_x0_norm
