@@ -19,7 +19,8 @@ hybrid-x0    the hybrid whose attention layers also read the token embeddings (m
              (model.attn_x0_init);
              hybrid-x0-norm: the sum normalized again (model.attn_x0_norm);
              hybrid-x0-fixed: from 0.25, held there (model.attn_x0_gain = "fixed"), as the
-             recipes; hybrid-recall-x0: hybrid-recall with it.
+             recipes; hybrid-recall-x0: hybrid-recall with it; hybrid-keep-x0: hybrid-keep
+             with it (kept tokens, no other part of the recall design).
 hybrid-bf16  the hybrid with its residual stream in bf16 (model.residual=autocast: ~4% more steps
              in the same minutes; 0.012 nats worse at an equal 600 steps, docs/RESULTS.md):
              whether the trade pays at equal time.
@@ -99,6 +100,10 @@ VARIANTS = {
     "hybrid-recall-x0": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
                                    "model.kv_keep_drop=0.1", "model.attn_x0=true",
                                    "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"],
+    # hybrid-x0-fixed with 128 kept tokens per attention layer: the part that carried a fact past
+    # the window when the recall recipe trained on every byte (its memory slots did not)
+    "hybrid-keep-x0": _HYBRID + ["model.kv_keep=128", "model.attn_x0=true",
+                                 "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"],
     # hybrid-x0 with the sum normalized again (model.attn_x0_norm): the attention's input at RMS 1
     "hybrid-x0-norm": _HYBRID + ["model.attn_x0=true", "model.attn_x0_norm=true"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
