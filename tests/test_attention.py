@@ -306,8 +306,14 @@ def test_segment_layout_bounds():
     W, M, S = 5, 3, 9
     n_valid = torch.tensor([5, 0, 2, 3])
     room = 8                                                        # 6 inner starts: 2 to spare
-    idx, _, _, _, cu_q, cu_k = segment_layout(SEGS, n_valid, W, M, room)
+    idx, tok_row, win_row, _, _, cu_q, cu_k = segment_layout(SEGS, n_valid, W, M, room)
     total = 4 * (W + S) + room * M
+    # each chunk key and valid window slot is gathered from its own source row; invalid slots
+    # point past the layout (the zero row of the window's gradient)
+    assert idx[tok_row].tolist() == list(range(4 * W, 4 * (W + S)))
+    valid = (torch.arange(W)[None, :] >= (W - n_valid)[:, None]).flatten()
+    assert idx[win_row[valid]].tolist() == torch.arange(4 * W)[valid].tolist()
+    assert (win_row[~valid] == total).all()
     assert idx.shape == (total,) and cu_q.dtype == cu_k.dtype == torch.int32
     n_q, n_k = cu_q.diff().tolist(), cu_k.diff().tolist()
     # lane 0: 5 valid slots + 9 tokens; lane 1: 2 tokens, then [3 prefix keys | 3], [3 | 4]; ...

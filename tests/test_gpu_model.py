@@ -138,15 +138,17 @@ def test_packed_fast_model_equals_reference_model(n_mem, conv_form, monkeypatch)
     assert_fast_equals_reference(model, tokens, starts)
 
 
-@pytest.mark.parametrize("n_mem", [0, 4])
-def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem):
+@pytest.mark.parametrize("n_mem, kv_keep", [(0, 0), (4, 0), (4, 16)])
+def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem, kv_keep):
     """bf16, the trainer's way (the inner starts counted on the host): packed chunks whose attention
     runs by the variable-length kernel, a sequence per document, give the masked path's logits and
     gradients (the same model with the count unknown); the variable-length kernel ran for the
-    chunks whose starts fit its room, the masked path for the other."""
+    chunks whose starts fit its room, the masked path for the other. With kept tokens, the
+    kernel reads them with the window (attention.with_kept_first)."""
     from elephant.layers import attention
     torch.manual_seed(0)
-    model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, layers="AMA", bptt_chunks=3)).cuda()
+    model = ElephantLM(cfg(n_mem=n_mem, kv_window=64, kv_keep=kv_keep, kv_keep_noise=0.0,
+                           layers="AMA", bptt_chunks=3)).cuda()   # no noise: both runs keep alike
     tokens = torch.randint(0, 512, (3, 4, 96), device="cuda")
     starts = random_starts(3, 4, 96, 60)          # 5, 6 and 11 inner starts: the last over the room
     calls = []

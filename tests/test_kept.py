@@ -216,3 +216,67 @@ def test_free_memory_scores_are_the_unrotated_dot_product_at_any_query_position(
         assert torch.allclose(got, want, atol=1e-12)
         scores.append(got[..., free])
     assert torch.allclose(scores[0], scores[1], atol=1e-12)      # memory: the same from any position
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kept_tokens_by_the_varlen_kernel_equal_the_masked_path(monkeypatch, packed):
+    """With kept tokens, attention reads [kept | window] by the variable-length kernel (its kernel
+    replaced by what FlashAttention computes, as on the GPU), as it reads a window alone: the
+    logits, states and gradients of the masked path, over chunks where kept tokens are hidden,
+    then visible, with lanes whose documents start at chunk starts and (packed) inside chunks.
+    Each attention layer makes its own packed layout: its kept tokens are its own."""
+    from elephant.layers import attention
+    from test_attention import varlen_reference
+    model = make(layers="AMA", n_mem=2, kv_window=4, kv_keep=2)
+    B, T, n = 3, 4, 6
+    gen = torch.Generator().manual_seed(5)
+    chunks = torch.randint(0, V, (n, B, T), generator=gen)
+    starts = [None] * n
+    if packed:
+        for c, (lane, col) in {2: (1, 2), 4: (0, 1), 5: (2, 3)}.items():
+            starts[c] = torch.zeros(B, T, dtype=torch.bool)
+            starts[c][lane, col] = True
+
+    def run():
+        model.zero_grad()
+        state, outs = None, []
+        for c in range(n):
+            logits, state = model(chunks[c], state, starts=starts[c])
+            outs.append(logits)
+        sum(o.square().sum() for o in outs).backward()
+        return outs, state, {k: p.grad.clone() for k, p in model.named_parameters()
+                             if p.grad is not None}
+
+    want = run()
+    visible = model.blocks[0].mixer.kept_tokens(want[1].kv[0], want[1].pos)[2]
+    assert visible.any() and not visible.all()             # some kept tokens read, some hidden
+    calls, layouts = [], []
+    plain_varlen, plain_segments = attention.attend_varlen, attention.attend_segments_varlen
+    plain_layout = attention.segment_layout
+
+    def counted(fn):
+        def call(*args, **kw):
+            calls.append(fn.__name__)
+            return fn(*args, **kw)
+        return call
+
+    def counted_layout(*args):
+        layouts.append(args[2])                                # the cache's slots: K + W
+        return plain_layout(*args)
+    monkeypatch.setattr(attention, "varlen_supported", lambda q, v: True)
+    monkeypatch.setattr(attention, "flash_varlen", varlen_reference)
+    monkeypatch.setattr(attention, "attend_varlen", counted(plain_varlen))
+    monkeypatch.setattr(attention, "attend_segments_varlen", counted(plain_segments))
+    monkeypatch.setattr(attention, "segment_layout", counted_layout)
+    got = run()
+    # every chunk of both attention layers by the kernel: packed ones by their layout
+    inner = sum(s is not None for s in starts)
+    assert calls.count("attend_varlen") == 2 * (n - inner) and len(calls) == 2 * n
+    assert layouts == [2 + 4] * 2 * inner                  # one layout per layer and packed chunk
+    for g, w in zip(got[0], want[0]):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    for name, t in got[1].tensors().items():
+        torch.testing.assert_close(t, want[1].tensors()[name], rtol=1e-10, atol=1e-10, msg=name)
+    assert got[2].keys() == want[2].keys() and "blocks.0.mixer.keep_w" in got[2]
+    for name, g in got[2].items():
+        torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)

@@ -145,3 +145,21 @@ def test_supported_shapes():
     assert rotary_triton.supported(y, 4, 16)
     assert not rotary_triton.supported(y, 3, 16) and not rotary_triton.supported(y, 4, 12)
     assert not rotary_triton.supported(y.double(), 4, 16)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_project_by_the_kernel_also_gives_the_keys_before_rotary(monkeypatch, qk_norm):
+    """Kept tokens store each key before rotary (`project(raw=True)`). By the kernel, project
+    gives them too, as the plain path does (the same ops on the same rows), beside the kernel's
+    q, k and v; the raw keys carry no gradient there (kept tokens are carried without one)."""
+    cfg, attn = make_layer(qk_norm=qk_norm)
+    x, pos = inputs(cfg)
+    want = attn.project(x, pos, raw=True)                           # CPU: the plain path
+    monkeypatch.setattr(attn, "use_fused", lambda y: True)
+    got = attn.project(x, pos, raw=True)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got[:3], want[:3]):
+        assert rel(a, b) < 1e-5
+    torch.testing.assert_close(got[3], want[3], rtol=0, atol=0)
+    assert not got[3].requires_grad
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], fused_project(attn, x, pos)))

@@ -6,17 +6,19 @@ Every query of the chunk sees the valid slots of its lane's cache (keys and valu
 chunks, rotated with their own absolute positions, carrying no gradient) and the keys j <= i of
 the chunk. Rotary angles come from `pos` (B, S), so positions run on per lane across chunks and a
 cached key keeps its position; a negative position means "not rotated" (memory tokens). With kept
-tokens (model.kv_keep, `kept=`), the layer's kept keys/values come before the window: rotated at
-a position just before the window (so at the same distance from the chunk however old they are),
-values scaled by sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"),
+tokens (model.kv_keep, `kept=`), the layer's kept keys/values join the window as one cache (the
+invalid slots of both moved to its front, `with_kept_first`): rotated at a position just before the
+window (so at the same distance from the chunk however old they are), values scaled by
+sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"),
 every query scores the memory tokens' keys without rotary (`free_scores`: one kernel call on
 doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which a flash kernel takes only as variable-length sequences. So:
   * no cache:     SDPA with is_causal=True (flash / cuDNN on GPU);
-  * with a cache whose valid slots are a suffix of the window (KVCache's invariant; no kept
-                  tokens), on CUDA in 16 bits: FlashAttention-2's variable-length kernel, no mask
+  * with a cache whose valid slots are a suffix of the window (KVCache's invariant; with kept
+                  tokens, `with_kept_first`'s), on CUDA in 16 bits, where q and v have one head
+                  dim (not position-free memory): FlashAttention-2's variable-length kernel, no mask
                   (`attend_varlen`, see VARLEN);
   * otherwise with a cache: SDPA with the explicit boolean mask (B, 1, S, W + S) (`masked_sdpa`:
                   on GPU the keys padded to a multiple of KEY_ALIGN; also the reference path,
@@ -358,6 +360,7 @@ def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int) -> t
     the number of segments s > 0 over all lanes (not checked). The keys are gathered from the rows
     [window (B * W) | chunk (B * S) | prefix (M) | a zero row] into total = B * (W + S) + room * M
     rows. Returns idx (total,) the source row of each; tok_row (B * S,) the row of each chunk key;
+    win_row (B * W,) the row of each window slot (`total` for an invalid one, gathered nowhere);
     pre_row (room * M,) the rows of the prefix copies (room of them, the unused ones at rows 0..M-1)
     and pre_used (room,) which are used; cu_q, cu_k (n + 1,) int32 of n sequences over the B * S
     queries in lane order, none longer than max(W, M) + S keys."""
@@ -403,32 +406,36 @@ def segment_layout(seg: Tensor, n_valid: Tensor, W: int, M: int, room: int) -> t
     after = (torch.arange(n_seq + 2, device=dev) - (B + extra.sum())).clamp_min(0)  # past the documents
     cu_k = (keys.sum() + after * max_k).clamp_max(total)
     cu_k.scatter_(0, seq.flatten(), k_first.flatten())
-    return (idx[:total], tok_row.flatten(), pre_row, pre_used, cu_q[:n_seq + 1].to(torch.int32),
-            cu_k[:n_seq + 1].to(torch.int32))
+    return (idx[:total], tok_row.flatten(), win_row.flatten(), pre_row, pre_used,
+            cu_q[:n_seq + 1].to(torch.int32), cu_k[:n_seq + 1].to(torch.int32))
 
 
 class _GatherRows(torch.autograd.Function):
     """rows [window | chunk | prefix | a zero row] gathered by idx; the gradient taken back by
-    gathers (every chunk row has one place, the prefix one per used copy): no scatter-add."""
+    gathers (every chunk row and valid window slot has one place, the prefix one per used copy):
+    no scatter-add. The window has a gradient only where it holds kept tokens (their values carry
+    their keep score's)."""
 
     @staticmethod
     def forward(ctx, chunk: Tensor, prefix: Tensor, window: Tensor, idx: Tensor, tok_row: Tensor,
-                pre_row: Tensor, pre_used: Tensor) -> Tensor:
-        ctx.save_for_backward(tok_row, pre_row, pre_used)
+                win_row: Tensor, pre_row: Tensor, pre_used: Tensor) -> Tensor:
+        ctx.save_for_backward(tok_row, win_row, pre_row, pre_used)
         ctx.M = prefix.shape[0]
         zero = chunk.new_zeros(1, *chunk.shape[1:])
         return torch.cat([window, chunk, prefix, zero]).index_select(0, idx)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        tok_row, pre_row, pre_used = ctx.saved_tensors
+        tok_row, win_row, pre_row, pre_used = ctx.saved_tensors
         d_chunk = grad.index_select(0, tok_row)
-        d_prefix = None
+        d_prefix = d_window = None
         if ctx.M and ctx.needs_input_grad[1]:
             copies = grad.index_select(0, pre_row).view(-1, ctx.M, *grad.shape[1:])
             copies = copies.to(torch.promote_types(grad.dtype, torch.float32))  # summed in fp32 at least
             d_prefix = (copies * pre_used.view(-1, 1, 1, 1)).sum(0).to(grad.dtype)
-        return d_chunk, d_prefix, None, None, None, None, None
+        if ctx.needs_input_grad[2]:   # an invalid slot's row is `total`: the zero row
+            d_window = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])]).index_select(0, win_row)
+        return d_chunk, d_prefix, d_window, None, None, None, None, None
 
 
 def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: int,
@@ -453,7 +460,7 @@ def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: i
         layout = segment_layout(seg, n_valid, W, M, room)
         if layouts is not None:
             layouts[key] = layout
-    idx, tok_row, pre_row, pre_used, cu_q, cu_k = layout
+    idx, tok_row, win_row, pre_row, pre_used, cu_q, cu_k = layout
 
     def rows(chunk: Tensor, cache: Tensor | None, prefix: Tensor | None) -> Tensor:
         window = (chunk.new_zeros(0, H, hd) if cache is None
@@ -461,7 +468,7 @@ def attend_segments_varlen(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, room: i
         pre = (chunk.new_zeros(0, H, hd) if prefix is None
                else prefix[0].to(chunk.dtype).transpose(0, 1))                   # (M, H, hd)
         return _GatherRows.apply(chunk.transpose(1, 2).reshape(B * S, H, hd), pre, window, idx,
-                                 tok_row, pre_row, pre_used)
+                                 tok_row, win_row, pre_row, pre_used)
 
     Q = q.transpose(1, 2).reshape(B * S, H, hd)
     out = (kernel or flash_varlen)(Q, rows(k, cache_k, prefix_k), rows(v, cache_v, prefix_v), cu_q,
@@ -491,6 +498,22 @@ def pad_sequence_keys(k: Tensor) -> Tensor:
 def pad_memory_keys(k: Tensor) -> Tensor:
     """Memory keys before rotary (..., hd) as `free_scores` keys: [0, k]."""
     return torch.cat([torch.zeros_like(k), k], dim=-1)
+
+
+def with_kept_first(kept_k: Tensor, kept_v: Tensor, kept_valid: Tensor, cache_k: Tensor,
+                    cache_v: Tensor, cache_valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The kept tokens (B, H, K, hd), (B, K) and the window (B, H, W, hd), (B, W) as one cache of
+    K + W slots whose valid ones are the last of each lane's, in their order: kept tokens first,
+    then the window. The window's valid slots are a suffix of it (KVCache), the kept tokens' are
+    not; moving the invalid slots to the front (a stable sort, one gather) lets the
+    variable-length kernel read the cache, as it reads a window. Which slot holds a key does not
+    change what a query computes: each key carries its position in its rotation, and the cache's
+    valid keys are all visible to every query of the lane's first document."""
+    valid = torch.cat([kept_valid, cache_valid], dim=1)                       # (B, K + W)
+    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices      # invalid first
+    idx = order[:, None, :, None]
+    k, v = torch.cat([kept_k, cache_k], dim=2), torch.cat([kept_v, cache_v], dim=2)
+    return (k.gather(2, idx.expand_as(k)), v.gather(2, idx.expand_as(v)), valid.gather(1, order))
 
 
 # ------------------------------------------------------------------------------- the layer
@@ -542,6 +565,16 @@ class Attention(nn.Module):
         v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
         return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
 
+    def use_fused(self, y: Tensor) -> bool:
+        """Whether `project` makes q, k and v of the projection output y by the kernel
+        (rotary_triton: on CUDA, unless `fused_qkv` is off)."""
+        return self.fused_qkv and y.is_cuda and rotary_triton.supported(y, self.n_heads, self.head_dim)
+
+    def _normed(self, t: Tensor, norm: nn.RMSNorm | None, work: torch.dtype) -> Tensor:
+        """Query or key heads t (..., hd) in the `work` dtype, RMS-normalized with `norm` (qk_norm)."""
+        t = t.to(work)
+        return t if norm is None else F.rms_norm(t, (self.head_dim,), norm.weight.to(work), norm.eps)
+
     def project(self, x: Tensor, pos: Tensor, raw: bool = False, raw_q: bool = False):
         """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
         shared by the chunk forward and the generation step. `raw`: also the keys before rotary;
@@ -549,21 +582,22 @@ class Attention(nn.Module):
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         y = self.qkv(x)                                                          # (B, S, 3D)
-        if (self.fused_qkv and y.is_cuda and not (raw or raw_q)
-                and rotary_triton.supported(y, H, hd)):
+        dtype = y.dtype
+        work = torch.promote_types(dtype, torch.float32)  # norm and rotary in float32 (or 64)
+        if not raw_q and self.use_fused(y):
             cos, sin = rotary_cos_sin(pos, hd, self.rope_base, torch.float32, self.rope_max_period)
             norm = self.q_norm is not None
-            return rotary_triton.qkv_prepare(
+            out = rotary_triton.qkv_prepare(
                 y, cos.squeeze(1), sin.squeeze(1), self.q_norm.weight if norm else None,
                 self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, H)
+            if not raw:
+                return out
+            with torch.no_grad():  # the keys before rotary, for kept tokens (carried without gradient)
+                k_raw = self._normed(y.detach().view(B, S, 3, H, hd)[:, :, 1].transpose(1, 2),
+                                     self.k_norm, work)
+            return (*out, k_raw.to(dtype))
         q, k, v = y.view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)     # (B, H, S, hd)
-        dtype = v.dtype
-        work = torch.promote_types(dtype, torch.float32)  # norm and rotary in float32 (or 64)
-        q, k = q.to(work), k.to(work)
-        if self.q_norm is not None:
-            eps = self.q_norm.eps
-            q = F.rms_norm(q, (hd,), self.q_norm.weight.to(work), eps)
-            k = F.rms_norm(k, (hd,), self.k_norm.weight.to(work), eps)
+        q, k = self._normed(q, self.q_norm, work), self._normed(k, self.k_norm, work)
         cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work, self.rope_max_period)
         out = apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
         if raw_q:
@@ -595,21 +629,19 @@ class Attention(nn.Module):
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
         if cache_k is not None:   # the window carries no gradient (Transformer-XL)
             cache_k, cache_v = cache_k.detach(), cache_v.detach()
-            if kept is not None:  # kept tokens first; their values carry the keep score's gradient
-                kk, kv, kvalid = self.kept_tokens(kept, start)
-                cache_k, cache_v = torch.cat([kk, cache_k], dim=2), torch.cat([kv, cache_v], dim=2)
-                cache_valid = torch.cat([kvalid, cache_valid], dim=1)
+            if kept is not None:  # kept tokens and window as one cache, its valid slots last
+                cache_k, cache_v, cache_valid = with_kept_first(*self.kept_tokens(kept, start),
+                                                                cache_k, cache_v, cache_valid)
         qa, ka = q, k
         if free is not None:    # the scores on doubled head dims; the window keeps the rotated k
             qa, ka = free_scores(q, raw[1], k, raw[0], free)
             cache_k = None if cache_k is None else pad_sequence_keys(cache_k)
             prefix_k = None if prefix_k is None else pad_memory_keys(prefix_k)
-        if seg is None:
-            # the window's valid slots are a suffix of it (KVCache), the kept tokens' are not
+        if seg is None:   # the cache's valid slots are a suffix of each lane's (KVCache, with_kept_first)
             y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend,
-                       valid_suffix=kept is None)                              # (B, H, S, hd)
-        else:
+                       valid_suffix=True)                                      # (B, H, S, hd)
+        else:             # a layer's own kept tokens: its valid slots are not its neighbours'
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
-                                room=room if kept is None else 0, layouts=layouts)
+                                room=room, layouts=layouts if kept is None else None)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
