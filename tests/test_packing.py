@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from elephant.config import ModelConfig
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
-from tiny_lm import tiny_lm
+from tiny_lm import assert_same_run, chunks_with_grads, tiny_lm
 
 V = 97
 
@@ -410,14 +410,7 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
     starts[1][1, 2] = False                                           # lane 1: one start
 
     def run():
-        model.zero_grad()
-        state, outs = None, []
-        for c in range(3):
-            logits, state = model(chunks[c], state, starts=starts[c])
-            outs.append(logits)
-        sum(o.square().sum() for o in outs).backward()
-        return outs, state, {n: p.grad.clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
+        return chunks_with_grads(model, chunks, starts)
 
     want = run()
     calls, made = [], []
@@ -437,13 +430,7 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
     got = run()
     assert calls == [B * attention.SEGMENT_ROOM] * 4                  # two A layers, two chunks
     assert made == [B * attention.SEGMENT_ROOM] * 2                   # one layout a chunk
-    for g, w in zip(got[0], want[0]):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
-    for name, t in got[1].tensors().items():
-        torch.testing.assert_close(t, want[1].tensors()[name], rtol=1e-10, atol=1e-10)
-    assert got[2].keys() == want[2].keys()
-    for name, g in got[2].items():
-        torch.testing.assert_close(g, want[2][name], rtol=1e-10, atol=1e-10, msg=name)
+    assert_same_run(got, want)
 
 
 @pytest.mark.parametrize("compiled, attn_x0", [(False, False), (True, False), (True, True)])
