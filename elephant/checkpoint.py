@@ -322,13 +322,13 @@ def init_from(path: str | Path, model: torch.nn.Module, model_config: dict) -> P
     """Load the weights of the checkpoint at `path` (itself or a run dir) into `model`, a model
     built from `model_config` (train.init_from: a new stage from another run's weights); the
     checkpoint's model settings must be the same, those that only shape training aside
-    (TRAINING_ONLY_MODEL_KEYS: a stage may, say, drop kept tokens less often or backpropagate
+    (config.stage_free_keys: a stage may, say, drop kept tokens less often or backpropagate
     through more chunks). Returns the checkpoint's folder."""
-    from .config import TRAINING_ONLY_MODEL_KEYS
+    from .config import stage_free_keys
 
     ckpt = find_checkpoint(path)
     check_model_config(read_meta(ckpt), model_config, f"train.init_from={path}",
-                       "start from it with the same model.* settings", TRAINING_ONLY_MODEL_KEYS)
+                       "start from it with the same model.* settings", stage_free_keys(model_config))
     load_weights(ckpt, model)
     return ckpt
 

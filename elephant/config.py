@@ -36,6 +36,15 @@ TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "bptt_chu
                                       "mamba_out_scale", "attn_x0_init"})
 
 
+def stage_free_keys(model: dict) -> frozenset[str]:
+    """The model keys a new stage of a model configured by `model` (a ModelConfig's dict) may
+    change: TRAINING_ONLY_MODEL_KEYS, except attn_x0_init under a held gain (attn_x0_gain
+    "fixed"), where it is the gain the weights compute with, not where learning starts."""
+    if model.get("attn_x0") and model.get("attn_x0_gain") == "fixed":
+        return TRAINING_ONLY_MODEL_KEYS - {"attn_x0_init"}
+    return TRAINING_ONLY_MODEL_KEYS
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50304

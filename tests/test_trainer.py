@@ -356,6 +356,31 @@ def test_a_model_setting_added_later_is_taken_at_its_default_from_an_older_check
                            "ckpt", "hint", free)
 
 
+def test_a_new_stage_may_not_change_a_held_x0_gain(tmp_path):
+    # attn_x0_init is where a learned gain starts (a new stage may change it, as it changes
+    # nothing the weights compute), but a held gain's value (attn_x0_gain "fixed", a buffer in
+    # the checkpoint): changed at a new stage it would be loaded over without a word, so it is
+    # refused by name
+    from elephant.checkpoint import init_from, save_checkpoint
+    from elephant.config import TRAINING_ONLY_MODEL_KEYS, ModelConfig, stage_free_keys
+    from elephant.model import ElephantLM
+    for gain, free in (("channel", True), ("layer", True), ("fixed", False)):
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=2, layers="MA", d_mlp=32, d_state=16,
+                          mamba_head_dim=16, attn_x0=True, attn_x0_init=0.25, attn_x0_gain=gain)
+        assert ("attn_x0_init" in stage_free_keys(cfg.to_dict())) == free
+        assert stage_free_keys(cfg.to_dict()) <= TRAINING_ONLY_MODEL_KEYS
+        ckpt = save_checkpoint(tmp_path / gain, 1, ElephantLM(cfg), {},
+                               {"config": {"model": cfg.to_dict()}})
+        other = cfg.to_dict() | {"attn_x0_init": 0.5}
+        if free:
+            init_from(ckpt, ElephantLM(ModelConfig(**other)), other)
+        else:
+            with pytest.raises(CheckpointError, match=r"attn_x0_init=0.25 there, 0.5 here"):
+                init_from(ckpt, ElephantLM(ModelConfig(**other)), other)
+    # without attn_x0 the key computes nothing, and stays free
+    assert "attn_x0_init" in stage_free_keys(ModelConfig(attn_x0_gain="fixed").to_dict())
+
+
 def test_init_from_starts_a_new_stage_from_another_runs_weights(tmp_path, corpus_dir, capsys):
     # a curriculum's next stage: the weights of run A, a fresh optimizer, data stream and step count
     first = tmp_path / "a"
