@@ -323,17 +323,18 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
         data = config["data"]
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
             filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
-        r = evaluate_recall(model, tokenizer, distances if ckpt == ckpts[0]
-                            else sorted({min(distances), *every}),
-                            lanes, config["train"]["chunk_len"],
-                            torch.device(device), 1, 1234, autocast, progress=False, filler=filler)
-        rows.append({"step": step, **{k: v["accuracy"] for k, v in r["by_distance"].items()}})
-        for part in ablate if ckpt == ckpts[0] else ():
-            r = evaluate_recall(model, tokenizer, [d for d in distances if d > min(distances)],
-                                lanes, config["train"]["chunk_len"], torch.device(device), 1,
-                                1234, autocast, progress=False, filler=filler, ablation=part)
-            rows[-1].update({f"{k} without {part}": v["accuracy"]
-                             for k, v in r["by_distance"].items()})
+
+        def accuracy(at: list[int], **ablation) -> dict:
+            r = evaluate_recall(model, tokenizer, at, lanes, config["train"]["chunk_len"],
+                                torch.device(device), 1, 1234, autocast, progress=False,
+                                filler=filler, **ablation)
+            return {k: v["accuracy"] for k, v in r["by_distance"].items()}
+        last = ckpt == ckpts[0]
+        rows.append({"step": step,
+                     **accuracy(distances if last else sorted({min(distances), *every}))})
+        for part in ablate if last else ():
+            past = accuracy([d for d in distances if d > min(distances)], ablation=part)
+            rows[-1].update({f"{k} without {part}": a for k, a in past.items()})
     return sorted(rows, key=lambda r: r["step"])
 
 

@@ -75,6 +75,11 @@ SHAPE = ["model.vocab_size=320", "model.d_model=512", "model.n_heads=8", "model.
 # the hybrid: MAMMAMMA, 8 memory tokens, KV window 512, BPTT 2, 32 lanes of 512 bytes
 _HYBRID = ["model.layers=MAMMAMMA", "model.n_mem=8", "model.kv_window=512", "model.bptt_chunks=2",
            "train.chunk_len=512", "train.lanes=32"]
+# the recall recipe's memory: 16 position-free slots, 128 kept tokens dropped after 1 chunk in 10
+_RECALL_MEMORY = ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
+                  "model.kv_keep_drop=0.1"]
+# the recipes' attn_x0: the gain held at 0.25
+_X0_HELD = ["model.attn_x0=true", "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"]
 VARIANTS = {
     "hybrid": _HYBRID,
     # the hybrid with memory-only backpropagation over 4 windows per step (train.memory_windows)
@@ -85,25 +90,20 @@ VARIANTS = {
     "hybrid-free": _HYBRID + ["model.kv_keep=128", "model.mem_rotary=free"],
     # the recall recipe's memory as it is now: hybrid-free with 16 memory slots and the kept
     # tokens dropped after 1 chunk in 10 in training (model.kv_keep_drop)
-    "hybrid-recall": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
-                                "model.kv_keep_drop=0.1"],
+    "hybrid-recall": _HYBRID + _RECALL_MEMORY,
     # the hybrid whose attention layers also read the stack's normalized input (model.attn_x0),
     # its gain started at 1, 0.5 or 0.25
     "hybrid-x0": _HYBRID + ["model.attn_x0=true"],
     "hybrid-x0-half": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.5"],
     "hybrid-x0-quarter": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.25"],
     # hybrid-x0-quarter with a fixed gain (model.attn_x0_gain): no gradient sum over positions
-    "hybrid-x0-fixed": _HYBRID + ["model.attn_x0=true", "model.attn_x0_init=0.25",
-                                  "model.attn_x0_gain=fixed"],
+    "hybrid-x0-fixed": _HYBRID + _X0_HELD,
     # the recall recipe's memory design (hybrid-recall) with the recipes' attn_x0: what the
     # default recipes would train if they took that design (issue 57)
-    "hybrid-recall-x0": _HYBRID + ["model.n_mem=16", "model.kv_keep=128", "model.mem_rotary=free",
-                                   "model.kv_keep_drop=0.1", "model.attn_x0=true",
-                                   "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"],
+    "hybrid-recall-x0": _HYBRID + _RECALL_MEMORY + _X0_HELD,
     # hybrid-x0-fixed with 128 kept tokens per attention layer: the part that carried a fact past
     # the window when the recall recipe trained on every byte (its memory slots did not)
-    "hybrid-keep-x0": _HYBRID + ["model.kv_keep=128", "model.attn_x0=true",
-                                 "model.attn_x0_init=0.25", "model.attn_x0_gain=fixed"],
+    "hybrid-keep-x0": _HYBRID + ["model.kv_keep=128"] + _X0_HELD,
     # hybrid-x0 with the sum normalized again (model.attn_x0_norm): the attention's input at RMS 1
     "hybrid-x0-norm": _HYBRID + ["model.attn_x0=true", "model.attn_x0_norm=true"],
     # the hybrid with its residual stream in autocast's dtype (bf16)
