@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,10 @@ def test_a_recipe_starts_from_its_base_and_replaces_what_it_sets(tmp_path):
     from elephant.config import ConfigError
     stage2 = load_config(ROOT / "configs/recall-stage2.toml")
     first = load_config(ROOT / "configs/recall.toml")
-    assert stage2.model == first.model and stage2.data == first.data       # the base's, untouched
+    assert stage2.model == first.model                                      # the base's, untouched
+    # and its data but the length curriculum, which a stage from trained weights turns off
+    assert first.data.length_curriculum_steps > 0 and stage2.data.length_curriculum_steps == 0
+    assert replace(stage2.data, length_curriculum_steps=first.data.length_curriculum_steps) == first.data
     assert (stage2.optim.muon_lr, stage2.train.max_steps) == (first.optim.muon_lr / 2, 180)
     assert stage2.train.lanes == first.train.lanes and stage2.train.init_from == "runs/recall"
     # a base in another folder, chained, then overridden on the command line
