@@ -52,6 +52,10 @@ def parse(argv):
                         "2048, 2K; a multiple of the chunk length), as if a new document started "
                         "there; the loss by position stays by the position in the document "
                         "(default 0: carried to the end)")
+    p.add_argument("--kv-keep", type=int, default=None, metavar="K",
+                   help="kept tokens per attention layer (model.kv_keep), in place of the number "
+                        "the model trained with: more keep what the keep score chose through a "
+                        "longer stream (a model trained with kept tokens only)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -119,7 +123,10 @@ def run(args) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     progress = not args.no_progress and sys.stderr.isatty()
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device)
+    if args.kv_keep is not None and args.push_to_hub:
+        raise HubError("--kv-keep with --push-to-hub: the pushed model would not say which kept "
+                       "tokens its figures were measured with; push without --kv-keep")
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep)
     split = canonical_split(args.split)
 
     data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
@@ -165,6 +172,7 @@ def run(args) -> int:
                     side=device.type == "cuda" if args.side is None else args.side,
                     reset_every=reset_every)
     ours.update(parameters=model.num_params(), chunk_len=chunk_len, reset_every=reset_every,
+                kv_keep=model.cfg.kv_keep,
                 context=f"reset every {reset_every} tokens" if reset_every else "unlimited (recurrent)",
                 source=data.source, split=split)
     results = {"elephant": ours}
@@ -220,7 +228,7 @@ def run_generate(args) -> int:
         raise GenerationError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep)
     if args.tokenizer:
         from data_packing import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer)

@@ -282,7 +282,9 @@ def run_variant(name: str, argv: list[str]) -> int:
     from elephant.recall import label
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
-    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate)
+    keep_eval = [int(k) for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
+    rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate,
+                 keep_eval)
     result = {"variant": name, "overrides": own + seed, "hooks": hooks,
               "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
               "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
@@ -299,12 +301,13 @@ KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the resu
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int,
-          every: list[int] = (), ablate: list[str] = ()) -> list[dict]:
+          every: list[int] = (), ablate: list[str] = (), keep_eval: list[int] = ()) -> list[dict]:
     """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` (and at
     `every`) for each, at all of them for the last (a long distance costs a pass over that many
     bytes). The last is also scored past the shortest distance with each part of `ablate`
     (elephant.recall.ABLATIONS: memory, keep, kv, ssm) dropped after every chunk, under keys like
-    "4K without memory": which carried part holds the fact."""
+    "4K without memory": which carried part holds the fact; and read with each number of kept
+    tokens in `keep_eval` (from_pretrained(kv_keep=)), under keys like "1M with 2048 kept"."""
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
@@ -324,7 +327,7 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
             filler = filler_for(data["recall_filler"], "test", bool(data.get("site_packages")))
 
-        def accuracy(at: list[int], **ablation) -> dict:
+        def accuracy(at: list[int], model=model, **ablation) -> dict:
             r = evaluate_recall(model, tokenizer, at, lanes, config["train"]["chunk_len"],
                                 torch.device(device), 1, 1234, autocast, progress=False,
                                 filler=filler, **ablation)
@@ -332,9 +335,14 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
         last = ckpt == ckpts[0]
         rows.append({"step": step,
                      **accuracy(distances if last else sorted({min(distances), *every}))})
+        past = [d for d in distances if d > min(distances)]
         for part in ablate if last else ():
-            past = accuracy([d for d in distances if d > min(distances)], ablation=part)
-            rows[-1].update({f"{k} without {part}": a for k, a in past.items()})
+            rows[-1].update({f"{k} without {part}": a
+                             for k, a in accuracy(past, ablation=part).items()})
+        for kept in keep_eval if last else ():
+            wider = from_pretrained(ckpt, device=device, kv_keep=kept)[0]
+            rows[-1].update({f"{k} with {kept} kept": a
+                             for k, a in accuracy(past, model=wider).items()})
     return sorted(rows, key=lambda r: r["step"])
 
 
@@ -467,6 +475,9 @@ def main() -> int:
     p.add_argument("--ablate", default=os.environ.get("COPY_ABLATE", ""),
                    help="carried parts (memory, keep, kv, ssm) each dropped after every chunk in a "
                         "second scoring of the last checkpoint past the shortest distance")
+    p.add_argument("--keep-eval", default=os.environ.get("COPY_KEEP_EVAL", ""),
+                   help="numbers of kept tokens (e.g. 512,2048) the last checkpoint is also read "
+                        "with past the shortest distance, in place of its trained model.kv_keep")
     p.add_argument("--eval-lanes", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results/copy_study")
     p.add_argument("--runs", default="runs/copy_study")
@@ -523,7 +534,8 @@ def main() -> int:
     procs = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1", COPY_OUT=str(out), COPY_DISTANCES=args.distances,
                COPY_LANES=str(8 if args.cpu_smoke else args.eval_lanes),
-               COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances, COPY_ABLATE=args.ablate)
+               COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances, COPY_ABLATE=args.ablate,
+               COPY_KEEP_EVAL=args.keep_eval)
     t0 = time.time()
     for n in names:
         run_dir = runs / n

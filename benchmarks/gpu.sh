@@ -63,7 +63,8 @@
 #           variants and distances; issue 57's levers beside the recipe:
 #           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536;
 #           COPY_EVERY=4096 scores that distance at every checkpoint, COPY_ABLATE=memory,keep the
-#           last checkpoint again with each part dropped after every chunk
+#           last checkpoint again with each part dropped after every chunk, COPY_KEEP_EVAL=512,2048
+#           the same with that many kept tokens instead of the trained number
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).

@@ -246,10 +246,12 @@ def _metrics_table(metrics: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # load
 def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cpu",
-                    revision: str | None = None):
+                    revision: str | None = None, kv_keep: int | None = None):
     """Load (model in eval mode on `device`, tokenizer or None, config dict) from an export
     folder, a Hub id ("user/name", downloaded with huggingface_hub.snapshot_download), a training
-    run dir or a checkpoint folder."""
+    run dir or a checkpoint folder. `kv_keep`: how many kept tokens each attention layer holds
+    here, in place of the number it trained with (`with_kept_capacity`); the config returned
+    says so."""
     folder = _resolve(dir_or_repo_id, revision)
     if (folder / CONFIG).is_file():
         config = read_config(folder / CONFIG)
@@ -258,8 +260,25 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
     else:
         config, weights = _checkpoint_config(folder)
         tokenizer = _load_tokenizer_spec(config, folder)
+    if kv_keep is not None:
+        config = with_kept_capacity(config, kv_keep, str(dir_or_repo_id))
     model = build_model(config, weights)
     return model.to(device).eval(), tokenizer, config
+
+
+def with_kept_capacity(config: dict, kv_keep: int, name: str) -> dict:
+    """`config` with model.kv_keep = `kv_keep`. The kept tokens are chosen by a learned score of
+    each token alone and read at a fixed distance, so the weights do not depend on how many are
+    kept: a model trained with K may read with more, to keep a fact through a longer stream
+    (HubError for a model trained without kept tokens, which has no score, or a count below 1)."""
+    trained = int(config["model"].get("kv_keep", 0))
+    if kv_keep < 1:
+        raise HubError(f"kv_keep {kv_keep}: expected at least 1 kept token (to drop them all, "
+                       "evaluate with the kept tokens ablated instead)")
+    if not trained:
+        raise HubError(f"{name}: trained without kept tokens (model.kv_keep 0), so it has no keep "
+                       f"score to choose {kv_keep} of them")
+    return {**config, "model": {**config["model"], "kv_keep": kv_keep}}
 
 
 def read_config(path: Path) -> dict:

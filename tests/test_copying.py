@@ -90,8 +90,9 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
         (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
     asked = {}
 
-    def load(ckpt, device):
-        return ckpt, None, {"train": {"chunk_len": 64}, "data": {}}
+    def load(ckpt, device, kv_keep=None):
+        return (ckpt if kv_keep is None else ckpt / f"kept{kv_keep}"), None, \
+            {"train": {"chunk_len": 64}, "data": {}}
 
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
         asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
@@ -111,6 +112,10 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, ablate=["memory", "keep"])
     assert asked[("step_0000300", "memory")] == asked[("step_0000300", "keep")] == [4096, 65536]
     assert len(asked) == 5 and rows[-1]["64K without memory"] == 0.65536 and "4K without keep" in rows[-1]
+    asked.clear()   # --keep-eval: the last checkpoint again past the shortest distance, more kept tokens
+    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, keep_eval=[512, 2048])
+    assert asked["kept512"] == asked["kept2048"] == [4096, 65536] and len(asked) == 5
+    assert rows[-1]["64K with 2048 kept"] == 0.65536 and "4K with 512 kept" in rows[-1]
 
 
 def test_copy_study_variant_names_carry_a_seed():

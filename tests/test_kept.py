@@ -268,3 +268,52 @@ def test_kept_tokens_by_the_varlen_kernel_equal_the_masked_path(monkeypatch, pac
     assert layouts == [2 + 4] * 2 * inner                  # one layout per layer and packed chunk
     assert "blocks.0.mixer.keep_w" in got[2]
     assert_same_run(got, want)
+
+
+def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_they_do_not_fill(tmp_path):
+    """model.kv_keep is a capacity, not part of the weights (from_pretrained(kv_keep=)): a model
+    trained with 2 kept tokens, read with 6, keeps the 2 it kept and more; read with more slots
+    than tokens ever leave its window, it computes what any larger capacity computes."""
+    from elephant.hub import HubError, from_pretrained, save_pretrained
+    T, n = 4, 6   # 6 chunks of 4 through a window of 4
+    model = make(seed=3, kv_keep=2)
+    with torch.no_grad():   # a keep score that ranks the tokens by id, so no two tie
+        model.blocks[0].mixer.keep_w.copy_(torch.randn(model.cfg.d_model, dtype=torch.float64))
+    save_pretrained(model, tmp_path / "m")
+    chunks = torch.randint(0, V, (n, 2, T), generator=torch.Generator().manual_seed(1))
+
+    def run(kv_keep):
+        m, _, config = from_pretrained(tmp_path / "m", kv_keep=kv_keep)
+        assert m.cfg.kv_keep == config["model"]["kv_keep"] == kv_keep
+        state, logits = None, []
+        for c in chunks:
+            out, state = m.double()(c, state)
+            logits.append(out)
+        kv = state.kv[0]
+        kept = [set(kv.keep_pos[b][kv.keep_valid[b]].tolist()) for b in range(2)]
+        return torch.stack(logits), kept
+
+    small, kept2 = run(2)
+    torch.testing.assert_close(small, torch.stack([model(c, s)[0] for c, s in
+                                                   zip(chunks, _states(model, chunks))]))
+    more, kept6 = run(6)
+    assert all(len(k) == 2 for k in kept2) and all(len(k) == 6 for k in kept6)
+    assert all(a < b for a, b in zip(kept2, kept6))         # the 2 best are among the 6 best
+    assert not torch.allclose(small[-1], more[-1])           # and the 4 more are read
+    big, kept_all = run(n * T)                               # room for every token read
+    assert all(len(k) == n * T for k in kept_all)           # (those still in the window hidden)
+    torch.testing.assert_close(big, run(64)[0], rtol=1e-12, atol=1e-12)   # empty slots: rounding
+    with pytest.raises(HubError, match="at least 1 kept token"):
+        from_pretrained(tmp_path / "m", kv_keep=0)
+    save_pretrained(make(kv_keep=0), tmp_path / "none")
+    with pytest.raises(HubError, match="trained without kept tokens"):
+        from_pretrained(tmp_path / "none", kv_keep=4)
+
+
+def _states(model, chunks):
+    """The state before each chunk of `chunks` run in order through `model`."""
+    state, out = None, []
+    for c in chunks:
+        out.append(state)
+        _, state = model(c, state)
+    return out

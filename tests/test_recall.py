@@ -55,10 +55,12 @@ def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     assert 0 <= result["mem_gate_closed_frac"] <= 1
     assert result["recall_1K"] == result["by_distance"]["1K"]["accuracy"] and "recall_64" in result
     assert result["device"] == "cpu" and result["command"].startswith("python -m elephant.recall train")
-    # the same checkpoint again, every document read from position 1M
+    assert result["kv_keep"] == 128                      # the recipe's kept tokens
+    # the same checkpoint again, every document read from position 1M, with 4x the kept tokens
     code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
-                 "--offset", "1M", "--no-progress", "--json", str(out)])
+                 "--offset", "1M", "--kv-keep", "512", "--no-progress", "--json", str(out)])
     assert code == 0 and json.loads(out.read_text())["offset"] == 1024 ** 2
+    assert json.loads(out.read_text())["kv_keep"] == 512
     # the same checkpoint again, with the KV window dropped after every chunk
     code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
                  "--ablate", "kv", "--no-progress"])
