@@ -283,17 +283,24 @@ def run_variant(name: str, argv: list[str]) -> int:
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
     keep_eval = [int(k) for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
+    out = Path(os.environ["COPY_OUT"], f"{name}.json")
+
+    def write(rows: list[dict], partial: bool) -> None:
+        result = {"variant": name, "overrides": own + seed, "hooks": hooks,
+                  "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
+                  "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99),
+                                             None),
+                  "lm_recall_128": rows[-1].get("128") if rows else None,
+                  # the last checkpoint's accuracy past the window, where scored (issue 57's keys)
+                  **{f"lm_recall_{KEYS[d]}": rows[-1].get(label(d)) for d in distances
+                     if d in KEYS and rows},
+                  "copy": rows[-1].get("copy") if rows else None}
+        if partial:   # what a call cut short while scoring still returns
+            result["partial"] = True
+        out.write_text(json.dumps(result, indent=1))
     rows = score(run_dir, device, distances, int(os.environ["COPY_LANES"]), every, ablate,
-                 keep_eval)
-    result = {"variant": name, "overrides": own + seed, "hooks": hooks,
-              "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
-              "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99), None),
-              "lm_recall_128": rows[-1].get("128") if rows else None,
-              # the last checkpoint's accuracy past the window, where scored (issue 57's keys)
-              **{f"lm_recall_{KEYS[d]}": rows[-1].get(label(d)) for d in distances
-                 if d in KEYS and rows},
-              "copy": rows[-1].get("copy") if rows else None}
-    Path(os.environ["COPY_OUT"], f"{name}.json").write_text(json.dumps(result, indent=1))
+                 keep_eval, scored=lambda rows: write(rows, partial=True))
+    write(rows, partial=False)
     return 0
 
 
@@ -301,13 +308,15 @@ KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the resu
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int,
-          every: list[int] = (), ablate: list[str] = (), keep_eval: list[int] = ()) -> list[dict]:
+          every: list[int] = (), ablate: list[str] = (), keep_eval: list[int] = (),
+          scored=None) -> list[dict]:
     """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` (and at
     `every`) for each, at all of them for the last (a long distance costs a pass over that many
     bytes). The last is also scored past the shortest distance with each part of `ablate`
     (elephant.recall.ABLATIONS: memory, keep, kv, ssm) dropped after every chunk, under keys like
     "4K without memory": which carried part holds the fact; and read with each number of kept
-    tokens in `keep_eval` (from_pretrained(kv_keep=)), under keys like "1M with 2048 kept"."""
+    tokens in `keep_eval` (from_pretrained(kv_keep=)), under keys like "1M with 2048 kept".
+    `scored(rows)` is called after each pass with the rows so far, oldest first."""
     import torch
     from elephant.checkpoint import step_folders
     from elephant.hub import from_pretrained
@@ -315,6 +324,10 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
 
     rows, filler = [], None
     ckpts = step_folders(run_dir / "checkpoints")   # newest first
+
+    def report() -> None:
+        if scored:
+            scored(sorted(rows, key=lambda r: r["step"]))
     for ckpt in ckpts:
         model, tokenizer, config = from_pretrained(ckpt, device=device)
         autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" else None
@@ -322,6 +335,7 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
         if os.environ.get("COPY_CORPUS") == "copy":
             rows.append({"step": step, "copy": copy_accuracy(model, config["train"]["chunk_len"],
                                                              device)})
+            report()
             continue
         data = config["data"]
         if filler is None and data.get("recall_filler"):   # held-out documents of the same text
@@ -335,14 +349,17 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
         last = ckpt == ckpts[0]
         rows.append({"step": step,
                      **accuracy(distances if last else sorted({min(distances), *every}))})
+        report()
         past = [d for d in distances if d > min(distances)]
         for part in ablate if last else ():
             rows[-1].update({f"{k} without {part}": a
                              for k, a in accuracy(past, ablation=part).items()})
+            report()
         for kept in keep_eval if last else ():
             wider = from_pretrained(ckpt, device=device, kv_keep=kept)[0]
             rows[-1].update({f"{k} with {kept} kept": a
                              for k, a in accuracy(past, model=wider).items()})
+            report()
     return sorted(rows, key=lambda r: r["step"])
 
 

@@ -113,7 +113,11 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert asked[("step_0000300", "memory")] == asked[("step_0000300", "keep")] == [4096, 65536]
     assert len(asked) == 5 and rows[-1]["64K without memory"] == 0.65536 and "4K without keep" in rows[-1]
     asked.clear()   # --keep-eval: the last checkpoint again past the shortest distance, more kept tokens
-    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, keep_eval=[512, 2048])
+    passes = []     # scored: the rows so far after every pass (what a call cut short returns)
+    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, keep_eval=[512, 2048],
+                 scored=lambda rows: passes.append([dict(r) for r in rows]))
+    assert len(passes) == 5 and passes[-1] == rows and [len(p) for p in passes] == [1, 1, 1, 2, 3]
+    assert "64K with 512 kept" in passes[1][0] and "64K with 2048 kept" not in passes[1][0]
     assert asked["kept512"] == asked["kept2048"] == [4096, 65536] and len(asked) == 5
     assert rows[-1]["64K with 2048 kept"] == 0.65536 and "4K with 512 kept" in rows[-1]
 
