@@ -269,8 +269,9 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
 def with_kept_capacity(config: dict, kv_keep: int, name: str) -> dict:
     """`config` with model.kv_keep = `kv_keep`. The kept tokens are chosen by a learned score of
     each token alone and read at a fixed distance, so the weights do not depend on how many are
-    kept: a model trained with K may read with more, to keep a fact through a longer stream
-    (HubError for a model trained without kept tokens, which has no score, or a count below 1)."""
+    kept: a model trained with K may read with more, so that what it keeps can outlast a longer
+    stream (HubError for a model trained without kept tokens, which has no score, or a count
+    below 1)."""
     trained = int(config["model"].get("kv_keep", 0))
     if kv_keep < 1:
         raise HubError(f"kv_keep {kv_keep}: expected at least 1 kept token (to drop them all, "
