@@ -284,10 +284,11 @@ def run_variant(name: str, argv: list[str]) -> int:
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
     keep_eval = [int(k) for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
     out = Path(os.environ["COPY_OUT"], f"{name}.json")
+    curve = losses(run_dir)   # training is over: read its log once for every write below
 
     def write(rows: list[dict], partial: bool) -> None:
         result = {"variant": name, "overrides": own + seed, "hooks": hooks,
-                  "layers": cfg.model.layers, "recall": rows, "losses": losses(run_dir),
+                  "layers": cfg.model.layers, "recall": rows, "losses": curve,
                   "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99),
                                              None),
                   "lm_recall_128": rows[-1].get("128") if rows else None,

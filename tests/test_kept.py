@@ -282,20 +282,23 @@ def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_th
     save_pretrained(model, tmp_path / "m")
     chunks = torch.randint(0, V, (n, 2, T), generator=torch.Generator().manual_seed(1))
 
+    def stream(m):
+        """The logits of `chunks` run in order through m with carried state, and the positions
+        each lane keeps at the end."""
+        state, logits = None, []
+        for c in chunks:
+            out, state = m(c, state)
+            logits.append(out)
+        kv = state.kv[0]
+        return torch.stack(logits), [set(kv.keep_pos[b][kv.keep_valid[b]].tolist()) for b in range(2)]
+
     def run(kv_keep):
         m, _, config = from_pretrained(tmp_path / "m", kv_keep=kv_keep)
         assert m.cfg.kv_keep == config["model"]["kv_keep"] == kv_keep
-        state, logits = None, []
-        for c in chunks:
-            out, state = m.double()(c, state)
-            logits.append(out)
-        kv = state.kv[0]
-        kept = [set(kv.keep_pos[b][kv.keep_valid[b]].tolist()) for b in range(2)]
-        return torch.stack(logits), kept
+        return stream(m.double())
 
     small, kept2 = run(2)
-    torch.testing.assert_close(small, torch.stack([model(c, s)[0] for c, s in
-                                                   zip(chunks, _states(model, chunks))]))
+    torch.testing.assert_close(small, stream(model)[0])   # as trained: the model it was saved from
     more, kept6 = run(6)
     assert all(len(k) == 2 for k in kept2) and all(len(k) == 6 for k in kept6)
     assert all(a < b for a, b in zip(kept2, kept6))         # the 2 best are among the 6 best
@@ -308,12 +311,3 @@ def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_th
     save_pretrained(make(kv_keep=0), tmp_path / "none")
     with pytest.raises(HubError, match="trained without kept tokens"):
         from_pretrained(tmp_path / "none", kv_keep=4)
-
-
-def _states(model, chunks):
-    """The state before each chunk of `chunks` run in order through `model`."""
-    state, out = None, []
-    for c in chunks:
-        out.append(state)
-        _, state = model(c, state)
-    return out
