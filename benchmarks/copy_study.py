@@ -15,8 +15,11 @@ projections, a plain GLU), a hook applied to the model before its optimizers are
 Writes `<out>/<variant>.json` (the training log's losses, recall by step) and `<out>/summary.json`
 (device, versions, date, command, and per variant the last checkpoint's accuracy at 128 tokens,
 `lm_recall_128` (or `copy`), and the first step that reached 0.99 there; `lm_recall_4k`, `_64k`
-and `_1m` where --distances holds 4096, 65536 or 1048576). `--cpu-smoke` runs a
-tiny version on the CPU.
+and `_1m` where --distances holds 4096, 65536 or 1048576). With kept tokens (model.kv_keep) each
+distance also has "<d> held": the share of the fact's value still among the kept tokens that the
+answer's chunk reads (lost from them, or kept and not read). COPY_WEIGHTS=<folder> saves each
+run's last weights there before scoring (save_weights); `--score <folder>` scores such weights
+in a later call, without training. `--cpu-smoke` runs a tiny version on the CPU.
 """
 from __future__ import annotations
 
@@ -117,6 +120,8 @@ VARIANTS = {
     "x0-layer": (["model.attn_x0=true", "model.attn_x0_init=0.25", "model.attn_x0_gain=layer"], []),
     "x0-norm": (["model.attn_x0=true", "model.attn_x0_norm=true"], []),   # the sum normalized again
     "no-x0": (["model.attn_x0=false"], []),       # a recipe shape without it
+    # the recall recipe's kept tokens never dropped in training (its kv_keep_drop is 0.1)
+    "keep-drop-0": (["model.kv_keep_drop=0"], []),
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
@@ -272,6 +277,8 @@ def run_variant(name: str, argv: list[str]) -> int:
     trainer = trainer_mod.Trainer(cfg, progress=False)
     trainer.fit()
     del trainer
+    if os.environ.get("COPY_WEIGHTS"):   # before scoring: a call cut short still returns them
+        save_weights(Path(cfg.train.run_dir), Path(os.environ["COPY_WEIGHTS"]), name)
     # scored here, in parallel with the other variants: the parent's deadline (SIGTERM) ends
     # training only, so a variant still scoring at the deadline goes on
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -306,6 +313,43 @@ def run_variant(name: str, argv: list[str]) -> int:
 
 
 KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the result keys
+
+PART = 15 * 2 ** 20   # the device machine returns files of at most 16 MiB
+
+
+def save_weights(run_dir: Path, out: Path, name: str) -> Path:
+    """The run's newest checkpoint, weights and meta.json only, as a gzipped tar cut into parts
+    of 15 MiB in `out`/w-<name> ("@" written "-s": the name comes back from the device machine),
+    so that a later call can score it without training again (load_weights)."""
+    import io
+    import tarfile
+    from elephant.checkpoint import step_folders
+    ckpt = step_folders(run_dir / "checkpoints")[0]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for f in ("meta.json", "model.safetensors"):
+            tar.add(ckpt / f, arcname=f"{ckpt.name}/{f}")
+    folder = out / f"w-{name.replace('@', '-s')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = buf.getvalue()
+    for i in range(0, len(data), PART):
+        (folder / f"part.{i // PART:02d}").write_bytes(data[i:i + PART])
+    return folder
+
+
+def load_weights(folder: Path, run_dir: Path) -> Path:
+    """The checkpoint folder that save_weights' parts in `folder` hold, unpacked under
+    `run_dir`/checkpoints (from_pretrained reads it, or the run dir)."""
+    import io
+    import tarfile
+    parts = sorted(folder.glob("part.*"))
+    if not parts:
+        raise FileNotFoundError(f"{folder}: no part.* files of saved weights")
+    data = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        names = {m.name.split("/")[0] for m in tar.getmembers()}
+        tar.extractall(run_dir / "checkpoints", filter="data")
+    return run_dir / "checkpoints" / names.pop()
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int,
@@ -346,7 +390,9 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
             r = evaluate_recall(model, tokenizer, at, lanes, config["train"]["chunk_len"],
                                 torch.device(device), 1, 1234, autocast, progress=False,
                                 filler=filler, **ablation)
-            return {k: v["accuracy"] for k, v in r["by_distance"].items()}
+            # and the share of the fact's value the kept tokens still held there ("4K held")
+            return {**{k: v["accuracy"] for k, v in r["by_distance"].items()},
+                    **{f"{k} held": v["kept"] for k, v in r["by_distance"].items() if "kept" in v}}
         last = ckpt == ckpts[0]
         rows.append({"step": step,
                      **accuracy(distances if last else sorted({min(distances), *every}))})
@@ -476,6 +522,36 @@ def cpu_probe(args) -> dict:
             "first_step_at_0.99": next((c["step"] for c in curve if c["copy"] >= 0.99), None)}
 
 
+def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
+    """--score: the saved weights in `folder` scored as the last checkpoint of a run is."""
+    import torch
+    from benchmarks.common import environment
+    name = folder.name.removeprefix("w-")
+    run_dir = runs / name
+    ckpt = load_weights(folder, run_dir)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu"
+    distances = sorted(int(d) for d in args.distances.split(","))
+    result = {"command": " ".join(["python benchmarks/copy_study.py", *sys.argv[1:]]),
+              "variant": name, "weights": str(folder), "step": int(ckpt.name.split("_")[-1]),
+              **environment(torch.device(device))}
+    path = out / f"{name}-scored.json"
+
+    def write(rows: list[dict], partial: bool) -> None:
+        last = rows[-1] if rows else {}
+        path.write_text(json.dumps({**result, "recall": last, "partial": partial,
+                                    **{f"lm_recall_{KEYS[d]}": last.get(label(d)) for d in distances
+                                       if d in KEYS}}, indent=1))
+    from elephant.recall import label
+    lanes = 8 if args.cpu_smoke else args.eval_lanes
+    ablate = [a for a in args.ablate.split(",") if a]
+    keep_eval = [int(k) for k in args.keep_eval.split(",") if k]
+    rows = score(run_dir, device, distances, lanes, (), ablate, keep_eval,
+                 scored=lambda rows: write(rows, partial=True))
+    write(rows, partial=False)
+    print(name, json.dumps(rows[-1]), flush=True)
+    return 0
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--variant":
         return run_variant(sys.argv[2], sys.argv[3:])
@@ -497,6 +573,10 @@ def main() -> int:
                    help="numbers of kept tokens (e.g. 512,2048) the last checkpoint is also read "
                         "with past the shortest distance, in place of its trained model.kv_keep")
     p.add_argument("--eval-lanes", type=int, default=64)
+    p.add_argument("--score", metavar="FOLDER",
+                   help="no training: score the weights an earlier call saved (COPY_WEIGHTS: a "
+                        "folder w-<variant> of parts) at --distances, --ablate and --keep-eval, "
+                        "into <out>/<variant>-scored.json")
     p.add_argument("--out", default="benchmarks/results/copy_study")
     p.add_argument("--runs", default="runs/copy_study")
     p.add_argument("--corpus", default="recall", choices=("recall", "copy"),
@@ -539,6 +619,8 @@ def main() -> int:
         return 0
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
+    if args.score:
+        return score_saved(args, Path(args.score), out, runs)
     shape = SHAPES[args.shape]
     config, shape_overrides = shape[1], shape[2:]
     from elephant.config import load_config

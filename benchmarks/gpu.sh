@@ -64,7 +64,11 @@
 #           COPY_SHAPE=recall-recipe-text:hybrid+mem-windows-4+gate-half-open:128+4096+65536;
 #           COPY_EVERY=4096 scores that distance at every checkpoint, COPY_ABLATE=memory,keep the
 #           last checkpoint again with each part dropped after every chunk, COPY_KEEP_EVAL=512,2048
-#           the same with that many kept tokens instead of the trained number
+#           the same with that many kept tokens instead of the trained number; COPY_WEIGHTS=$OUT
+#           returns each run's last weights (w-<variant>/part.*: 2 files a variant; at most 8
+#           files come back) before it is scored, for a later call to score without training:
+#   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
+#           COPY_KEEP_EVAL, one process each, at once
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -358,6 +362,18 @@ for stage in $stages; do
       done
       wait
       for spec in ${shapes//,/ }; do tail -15 "$LOGS/copy_study_${spec%%:*}.log"; done ;;
+    copy-score)
+      # weights an earlier copy call saved (COPY_WEIGHTS=$OUT there: folders w-<variant> of parts),
+      # carried back in COPY_SCORE_DIRS (default runs/w-*), each scored at once at COPY_DISTANCES
+      # with COPY_ABLATE and COPY_KEEP_EVAL, no training
+      for w in ${COPY_SCORE_DIRS:-runs/w-*}; do
+        n=$(basename $w)
+        timeout ${COPY_SCORE_TIMEOUT:-540} python benchmarks/copy_study.py --score $w \
+          --distances ${COPY_DISTANCES:-128,65536,1048576} --out $RES/copy_study_scored \
+          --runs /tmp/copy_scored > "$LOGS/copy_score_$n.log" 2>&1 &
+      done
+      wait
+      tail -n 3 "$LOGS"/copy_score_*.log ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

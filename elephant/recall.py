@@ -107,6 +107,11 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     total_at = np.zeros((n_q, n_digits))
     all_right = np.ones((lanes, n_q), dtype=bool)
     actual = np.array([[q.distance for q in d.queries] for d in docs])      # (lanes, n_q)
+    # the chunk whose input holds each answer's first target's input token, per lane and query
+    asked = np.array([[(q.answer_start - 1) // chunk_len for q in d.queries] for d in docs])
+    kept_layers = [i for i, b in enumerate(model.blocks) if b.kind == "A"] if model.cfg.kv_keep else []
+    kept = np.zeros((lanes, n_q, len(kept_layers)))   # share of the fact's value tokens kept
+    kept_any = np.zeros((lanes, n_q))                 # ... by at least one attention layer
 
     state = model.init_state(lanes, device=device)
     state.pos += offset
@@ -122,6 +127,8 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
         bar = tqdm(total=n_chunks, desc="recall", unit=" chunks", dynamic_ncols=True)
     for c in range(n_chunks):
         a = c * chunk_len
+        if kept_layers and (asked == c).any():
+            _kept_fact(state, kept_layers, docs, asked == c, offset, kept, kept_any)
         inp = torch.from_numpy(tokens[:, a:a + chunk_len]).to(device, non_blocking=True)
         with autocast() if autocast else nullcontext():
             logits, state = model(inp, state, reset if c == 0 else None)
@@ -161,6 +168,10 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
             "mean_actual_distance": float(actual[:, j].mean()),
             # accuracy of the answer's first, second, ... token: where in a value recall fails
             "by_place": [float(c / max(n, 1)) for c, n in zip(correct_at[j], total_at[j])]}
+        if kept_layers:
+            # where a fact past the window is lost: dropped from the kept tokens, or kept and not read
+            by_distance[label(d)]["kept"] = float(kept_any[:, j].mean())
+            by_distance[label(d)]["kept_by_layer"] = [float(x) for x in kept[:, j].mean(0)]
     out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "offset": offset,
            "lanes": lanes,
            "chunk_len": chunk_len,
@@ -172,6 +183,24 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
         out["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         out["peak_mem_gb_at"] = peak
     return out
+
+
+def _kept_fact(state, layers: list[int], docs, now: np.ndarray, offset: int, kept: np.ndarray,
+               kept_any: np.ndarray) -> None:
+    """For each (lane, query) marked in `now` (lanes, n_q), whose answer the next chunk reads:
+    the share of the value tokens of the key's previous mention (the fact, or the last answer)
+    among the kept tokens of each attention layer in `layers` (model.kv_keep) that `state`
+    carries into that chunk, into kept[lane, query, layer], and by any layer into
+    kept_any[lane, query]."""
+    pos = [state.kv[i].keep_pos.cpu().numpy() for i in layers]            # (B, K) each
+    valid = [state.kv[i].keep_valid.cpu().numpy() for i in layers]
+    for b, j in zip(*np.nonzero(now)):
+        q = docs[b].queries[j]
+        last = q.answer_start - q.distance + offset          # the mention's last value token
+        span = np.arange(last - q.answer_len + 1, last + 1)
+        held = [np.isin(span, p[b][v[b]]) for p, v in zip(pos, valid)]
+        kept[b, j] = [h.mean() for h in held]
+        kept_any[b, j] = np.logical_or.reduce(held).mean()
 
 
 def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int,
@@ -418,6 +447,9 @@ def format_table(result: dict, title: str = "") -> str:
     acc = "| digit accuracy | " + " | ".join(f"{r['accuracy']:.3f}" for r in rows.values()) + " |"
     ex = "| exact answers | " + " | ".join(f"{r['exact']:.3f}" for r in rows.values()) + " |"
     lines = ([title] if title else []) + [head, sep, acc, ex]
+    if all("kept" in r for r in rows.values()):
+        lines.append("| fact's value kept | " + " | ".join(f"{r['kept']:.3f}" for r in rows.values())
+                     + " |")
     extra = (f"chance {result['chance']:.2f} per digit; {result['lanes']} documents x "
              f"{result['pairs']} fact(s); {result['tokens'] / 1e6:.1f}M tokens streamed at "
              f"{result['tokens_per_s'] / 1e3:,.0f}k tokens/s")

@@ -8,6 +8,7 @@ project's own (Muon for the hidden matrices, Adam for the rest). GPU studies of 
 at the recipes' widths, with real text around the fact (where the hybrid needs model.attn_x0):
 benchmarks/copy_study.py, docs/RESULTS.md.
 """
+import json
 import random
 
 import pytest
@@ -96,7 +97,8 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
 
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
         asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
-        return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5} for d in distances}}
+        return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5, "kept": d / 1e6}
+                                for d in distances}}
     monkeypatch.setattr(elephant.hub, "from_pretrained", load)
     monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)
     monkeypatch.delenv("COPY_CORPUS", raising=False)
@@ -104,7 +106,9 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert [r["step"] for r in rows] == [100, 200, 300]
     assert asked == {"step_0000100": [128], "step_0000200": [128],
                      "step_0000300": [4096, 128, 65536]}
-    assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536}
+    # with the share of the fact's value the kept tokens held at each distance
+    assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536,
+                        "128 held": 0.000128, "4K held": 0.004096, "64K held": 0.065536}
     asked.clear()   # --every-distances: these at every checkpoint too
     score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, every=[4096])
     assert asked["step_0000100"] == asked["step_0000200"] == [128, 4096]
@@ -120,6 +124,30 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert "64K with 512 kept" in passes[1][0] and "64K with 2048 kept" not in passes[1][0]
     assert asked["kept512"] == asked["kept2048"] == [4096, 65536] and len(asked) == 5
     assert rows[-1]["64K with 2048 kept"] == 0.65536 and "4K with 512 kept" in rows[-1]
+
+
+def test_copy_study_saves_a_runs_weights_in_parts_that_a_later_call_scores(tmp_path, monkeypatch):
+    # COPY_WEIGHTS: the newest checkpoint's weights and meta.json, in parts small enough to come
+    # back from the device machine, named without "@"; load_weights puts them back byte for byte
+    import benchmarks.copy_study as study
+    monkeypatch.setattr(study, "PART", 1000)
+    run = tmp_path / "run"
+    for step, size in ((100, 10), (200, 5000)):
+        ckpt = run / "checkpoints" / f"step_{step:07d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(json.dumps({"step": step}))
+        (ckpt / "model.safetensors").write_bytes(random.Random(step).randbytes(size))
+        (ckpt / "rank0.safetensors").write_bytes(b"optimizer")   # not needed to score: left out
+    folder = study.save_weights(run, tmp_path / "out", "hybrid@4")
+    assert folder.name == "w-hybrid-s4" and len(list(folder.glob("part.*"))) > 1
+    assert all(f.stat().st_size <= 1000 for f in folder.iterdir())
+    ckpt = study.load_weights(folder, tmp_path / "again")
+    assert ckpt == tmp_path / "again" / "checkpoints" / "step_0000200"
+    assert sorted(f.name for f in ckpt.iterdir()) == ["meta.json", "model.safetensors"]
+    for f in ckpt.iterdir():
+        assert f.read_bytes() == (run / "checkpoints" / "step_0000200" / f.name).read_bytes()
+    with pytest.raises(FileNotFoundError, match="no part"):
+        study.load_weights(tmp_path / "out", tmp_path / "x")
 
 
 def test_copy_study_variant_names_carry_a_seed():

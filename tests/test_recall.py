@@ -37,6 +37,29 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.08 and 0.09
 
 
+def test_recall_reports_which_share_of_the_facts_value_the_kept_tokens_still_hold():
+    # Kept tokens (model.kv_keep) are chosen from every chunk's tokens; with room for every token
+    # of the documents each one is kept, so the fact's value is held at every distance past the
+    # window (also from a rotary offset); dropped after every chunk, none is; with 2 slots per
+    # layer at most 2 of the value's 3 tokens can be
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+
+    def run(keep: int, **kw) -> dict:
+        cfg = ModelConfig(vocab_size=128, d_model=32, n_heads=2, layers="AMA", d_mlp=64, n_mem=0,
+                          kv_window=32, kv_keep=keep, d_state=16, mamba_head_dim=16, ssd_chunk=16)
+        torch.manual_seed(0)
+        return evaluate_recall(ElephantLM(cfg), ByteTokenizer(), [80, 200], 4, 32, cpu, digits=3,
+                               **kw)["by_distance"]
+    for offset in (0, 1000):
+        for row in run(512, offset=offset).values():
+            assert row["kept"] == 1.0 and row["kept_by_layer"] == [1.0, 1.0], row
+    for row in run(512, ablation="keep").values():
+        assert row["kept"] == 0.0, row
+    for row in run(2).values():
+        assert max(row["kept_by_layer"]) <= 2 / 3, row
+
+
 def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     out = tmp_path / "recall.json"
     code = main(["train", "--config", "configs/recall.toml", "--distances", "64,1K", "--lanes", "2",
