@@ -650,7 +650,10 @@ def main() -> int:
         procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      cwd=ROOT), log)
     stopped = False
-    while any(pr.poll() is None for pr, _ in procs.values()):
+    # the call's own limit (gpu.sh's timeout): stop waiting and sum up what the variants wrote
+    cut: list[float] = []
+    signal.signal(signal.SIGTERM, lambda *_: cut.append(time.time()))
+    while not cut and any(pr.poll() is None for pr, _ in procs.values()):
         if args.deadline_s and time.time() - t0 > args.deadline_s and not stopped:
             for n, (pr, _) in procs.items():   # those still training: checkpoint, then score
                 if pr.poll() is None and not (out / f"{n}.json").exists():
@@ -663,6 +666,8 @@ def main() -> int:
     device = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
     summary = {"command": " ".join(["python benchmarks/copy_study.py", *sys.argv[1:]]),
                "shape": args.shape, "steps": args.steps, "train_seconds": train_s,
+               # a variant still running when the parent was stopped: its last partial result
+               "cut_short": bool(cut),
                "variants": {}, **environment(torch.device(device))}
     for n in names:
         path = out / f"{n}.json"
