@@ -120,8 +120,12 @@ VARIANTS = {
     "x0-layer": (["model.attn_x0=true", "model.attn_x0_init=0.25", "model.attn_x0_gain=layer"], []),
     "x0-norm": (["model.attn_x0=true", "model.attn_x0_norm=true"], []),   # the sum normalized again
     "no-x0": (["model.attn_x0=false"], []),       # a recipe shape without it
-    # the recall recipe's kept tokens never dropped in training (its kv_keep_drop is 0.1)
+    # the recall recipe's kept tokens never dropped in training (its kv_keep_drop is 0.1), or
+    # dropped more often; and 4x as many kept tokens, trained so (read with more than it trained
+    # with, the recipe's model recalled worse: docs/RESULTS.md)
     "keep-drop-0": (["model.kv_keep_drop=0"], []),
+    "keep-drop-0.25": (["model.kv_keep_drop=0.25"], []),
+    "keep-512": (["model.kv_keep=512"], []),
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
