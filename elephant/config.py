@@ -31,7 +31,7 @@ def parse_count(text: str) -> int:
 
 # Model settings that shape how a model is trained or initialised, not what its weights compute: a
 # new stage (train.init_from) may change them.
-TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "bptt_chunks",
+TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost", "bptt_chunks",
                                       "mem_write_cost", "mem_gate_init", "init_std", "embed_std",
                                       "mamba_out_scale", "attn_x0_init"})
 
@@ -80,6 +80,11 @@ class ModelConfig:
                                      # tokens are dropped (every layer; later tokens refill the set), as
                                      # when a long stream displaces them, so that the memory must learn
                                      # to carry what they hold (docs/RESULTS.md)
+    kv_keep_cost: float = 0.0        # training only (the LM loss): loss per token per unit of the mean
+                                     # gate, sigmoid(keep score), of the kept tokens a lane carries out
+                                     # of each BPTT window. A kept token no query reads gets no
+                                     # gradient from the loss; this one lowers its score, so that
+                                     # what is kept is what is read (docs/RESULTS.md)
     rope_base: float = 10000.0
     rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
                                      # not rotated (partial rotary): angles that training documents
@@ -160,7 +165,7 @@ class ModelConfig:
         _choice(self, "mem_update", ("gated", "replace"))
         _choice(self, "mem_rotary", ("none", "chunk", "free"))
         _choice(self, "residual", ("float32", "autocast"))
-        _non_negative(self, "mem_write_cost")
+        _non_negative(self, "mem_write_cost", "kv_keep_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")
         if not self.layers or set(self.layers) - {"M", "A"}:

@@ -559,6 +559,24 @@ class ElephantLM(nn.Module):
         valid = torch.ones_like(pos, dtype=torch.bool) if last_doc is None else last_doc
         return window.with_kept(k_raw, v, x, pos, valid, score, keep=keep)
 
+    def keep_cost(self, state: RecurrentState, tokens: int) -> Tensor | None:
+        """The price of keeping tokens (model.kv_keep_cost, training only; None without it):
+        per lane, the mean over every attention layer's kept slots of sigmoid(keep score) (an
+        empty slot counts 0), charged for each of the `tokens` tokens a lane read since the last
+        charge, summed over lanes (the trainer's summed loss). Its gradient reaches the keep score
+        alone (the kept inputs carry none): it lowers every kept token's score, and the loss's own
+        gradient through the gate raises those that queries read."""
+        cost = self.cfg.kv_keep_cost
+        if not (cost and self.cfg.kv_keep and self.training):
+            return None
+        gates = [torch.sigmoid(block.mixer.keep_score(c.keep_x)) * c.keep_valid
+                 for block, c in zip(self.blocks, state.kv)
+                 if block.kind == "A" and c is not None and c.keep_x is not None]
+        if not gates:
+            return None
+        per_lane = torch.cat(gates, dim=1).mean(1)                       # (B,)
+        return cost * tokens * per_lane.sum()
+
     def init_prefix(self, dtype=None) -> list[tuple]:
         """What a document sees of the initial memory, per layer: the blocks run over `mem_init`
         alone (one lane, fresh state, with gradient). A lane that starts a document at a chunk

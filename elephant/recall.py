@@ -514,6 +514,9 @@ def _train(args) -> int:
         if cfg.data.length_curriculum_steps:   # recall.toml sets it for the LM loss
             print("note: data.length_curriculum_steps is the LM loss's; the answer-only lanes draw "
                   "documents of every length from the first step", file=sys.stderr)
+        if cfg.model.kv_keep_cost:
+            print("note: model.kv_keep_cost is the LM loss's; the answer-only loss does not "
+                  "charge the kept tokens", file=sys.stderr)
         lock = claim_run_dir(cfg.train.run_dir, resume=args.resume, command=" ".join(sys.argv))
         try:
             info = train_recall(cfg, resume=args.resume, budget_s=args.budget_s,

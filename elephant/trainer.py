@@ -361,6 +361,10 @@ class Trainer:
         if window:
             with rt.autocast():
                 loss, state = self.model.forward_window(chunks, state)
+        # model.kv_keep_cost: the kept tokens the lanes carry on, charged for the window's tokens
+        cost = self.model.keep_cost(state, len(batches) * cfg.train.chunk_len)
+        if cost is not None:
+            loss = loss + cost
         if on_loss is not None:
             on_loss(loss.detach().double())
         # the optimizers average gradients over ranks: scale so the average is the global mean

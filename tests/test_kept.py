@@ -118,6 +118,34 @@ def test_the_keep_score_learns_from_a_later_chunk():
         assert all(t.abs().sum() > 0 for t in g)
 
 
+def test_the_keep_cost_charges_the_mean_kept_gate_per_token_and_lowers_every_kept_score():
+    # model.kv_keep_cost: cost x tokens x the lanes' mean gate over every attention layer's kept
+    # slots (an empty slot 0), in training only; its gradient reaches the keep scores alone and
+    # lowers each (the kept inputs carry none)
+    model = make(kv_keep=3, layers="AMA", kv_keep_noise=0.0, kv_keep_cost=0.25).train()
+    state = None
+    for c in range(2):
+        _, state = model(torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(c)), state)
+    gates = []
+    for block, cache in zip(model.blocks, state.kv):
+        if block.kind == "A":
+            s = (cache.keep_x.double() @ block.mixer.keep_w.detach().double()) + block.mixer.keep_b.detach()
+            gates.append(torch.sigmoid(s) * cache.keep_valid)
+    assert state.kv[0].keep_valid.all() and not torch.cat(gates, 1).eq(0).all()
+    want = 0.25 * 8 * torch.cat(gates, 1).mean(1).sum()
+    cost = model.keep_cost(state, 8)
+    torch.testing.assert_close(cost, want.to(cost.dtype))
+    mixers = [b.mixer for b in model.blocks if b.kind == "A"]
+    grads = torch.autograd.grad(cost, [m.keep_b for m in mixers] + [m.keep_w for m in mixers])
+    assert all(g.item() > 0 for g in grads[:2])          # a step down the gradient lowers them
+    assert all(g.abs().sum() > 0 for g in grads[2:])
+    model.eval()
+    assert model.keep_cost(state, 8) is None              # evaluation: the cross-entropy alone
+    assert make(kv_keep=3, kv_keep_cost=0.0).train().keep_cost(state, 8) is None
+    with pytest.raises(ConfigError, match="kv_keep_cost"):
+        ModelConfig(kv_keep=8, kv_window=8, kv_keep_cost=-1.0).validate()
+
+
 def test_exploration_noise_only_while_training():
     model = make(kv_keep=2, kv_window=4)
     tokens = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(3))

@@ -163,6 +163,38 @@ def test_kept_tokens_train_and_resume_bitwise(tmp_path, corpus_dir):
     assert [again[s] for s in range(3, 7)] == [ref[s] for s in range(3, 7)]   # bitwise
 
 
+def test_the_keep_cost_is_paid_in_the_loss_and_lowers_what_the_kept_tokens_weigh(tmp_path, corpus_dir):
+    # model.kv_keep_cost through the trainer: the same run with and without it reads the same
+    # first batch with the same weights, so its first loss is higher by exactly the cost of the
+    # kept tokens the lanes carry out of the window, charged for the window's tokens; trained
+    # on, the kept tokens' mean gate ends lower than without it
+    runs = []
+    for cost in (0.0, 2.0):
+        over = overrides(tmp_path / f"cost{cost}", corpus_dir, **{
+            "train.max_steps": 8, "model.kv_window": 32, "model.kv_keep": 8,
+            "model.kv_keep_cost": cost})
+        trainer = Trainer(load_config(ROOT / "configs/tiny.toml", over), progress=False)
+        model = trainer.model
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if ".keep_" in n}
+        torch.manual_seed(0)
+        first = trainer.train_step()
+        # the mean kept gate per lane after the first window, by the weights it was read with
+        gates = [torch.sigmoid(c.keep_x.float() @ before[f"blocks.{i}.mixer.keep_w"]
+                               + before[f"blocks.{i}.mixer.keep_b"]) * c.keep_valid
+                 for i, c in enumerate(trainer.states[0].kv) if c is not None]
+        per_lane = torch.cat(gates, 1).mean(1).sum().item()
+        trainer.fit()
+        final = [torch.sigmoid(b.mixer.keep_score(c.keep_x))[c.keep_valid]
+                 for b, c in zip(model.blocks, trainer.states[0].kv) if c is not None]
+        runs.append((first, per_lane, torch.cat(final).mean().item()))
+    (free, lanes0, mean0), (paid, lanes1, mean1) = runs
+    assert lanes0 == lanes1 > 0                         # the same first window in both runs
+    window = trainer.cfg.model.bptt_chunks * trainer.cfg.train.chunk_len
+    charged = (paid["loss"] - free["loss"]) * free["tokens"]
+    assert charged == pytest.approx(2.0 * window * lanes0, rel=1e-4)
+    assert mean1 < mean0, (mean1, mean0)
+
+
 def test_length_curriculum_reaches_the_batchers_in_their_batches_and_resumes_bitwise(
         tmp_path, corpus_dir):
     # data.length_curriculum_steps: each lane group's batcher counts bptt_chunks x memory_windows
