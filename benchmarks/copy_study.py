@@ -398,7 +398,7 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
                                 filler=filler, **ablation)
             # and the share of the fact's value the kept tokens still held there ("4K held")
             return {**{k: v["accuracy"] for k, v in r["by_distance"].items()},
-                    **{f"{k} held": v["kept"] for k, v in r["by_distance"].items() if "kept" in v}}
+                    **{f"{k} held": v["held"] for k, v in r["by_distance"].items() if "held" in v}}
         last = ckpt == ckpts[0]
         rows.append({"step": step,
                      **accuracy(distances if last else sorted({min(distances), *every}))})

@@ -170,8 +170,8 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
             "by_place": [float(c / max(n, 1)) for c, n in zip(correct_at[j], total_at[j])]}
         if kept_layers:
             # where a fact past the window is lost: dropped from the kept tokens, or kept and not read
-            by_distance[label(d)]["kept"] = float(kept_any[:, j].mean())
-            by_distance[label(d)]["kept_by_layer"] = [float(x) for x in kept[:, j].mean(0)]
+            by_distance[label(d)]["held"] = float(kept_any[:, j].mean())
+            by_distance[label(d)]["held_by_layer"] = [float(x) for x in kept[:, j].mean(0)]
     out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "offset": offset,
            "lanes": lanes,
            "chunk_len": chunk_len,
@@ -447,8 +447,8 @@ def format_table(result: dict, title: str = "") -> str:
     acc = "| digit accuracy | " + " | ".join(f"{r['accuracy']:.3f}" for r in rows.values()) + " |"
     ex = "| exact answers | " + " | ".join(f"{r['exact']:.3f}" for r in rows.values()) + " |"
     lines = ([title] if title else []) + [head, sep, acc, ex]
-    if all("kept" in r for r in rows.values()):
-        lines.append("| fact's value kept | " + " | ".join(f"{r['kept']:.3f}" for r in rows.values())
+    if all("held" in r for r in rows.values()):
+        lines.append("| fact's value kept | " + " | ".join(f"{r['held']:.3f}" for r in rows.values())
                      + " |")
     extra = (f"chance {result['chance']:.2f} per digit; {result['lanes']} documents x "
              f"{result['pairs']} fact(s); {result['tokens'] / 1e6:.1f}M tokens streamed at "

@@ -97,7 +97,7 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
 
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
         asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
-        return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5, "kept": d / 1e6}
+        return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5, "held": d / 1e6}
                                 for d in distances}}
     monkeypatch.setattr(elephant.hub, "from_pretrained", load)
     monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)

@@ -53,11 +53,11 @@ def test_recall_reports_which_share_of_the_facts_value_the_kept_tokens_still_hol
                                **kw)["by_distance"]
     for offset in (0, 1000):
         for row in run(512, offset=offset).values():
-            assert row["kept"] == 1.0 and row["kept_by_layer"] == [1.0, 1.0], row
+            assert row["held"] == 1.0 and row["held_by_layer"] == [1.0, 1.0], row
     for row in run(512, ablation="keep").values():
-        assert row["kept"] == 0.0, row
+        assert row["held"] == 0.0, row
     for row in run(2).values():
-        assert max(row["kept_by_layer"]) <= 2 / 3, row
+        assert max(row["held_by_layer"]) <= 2 / 3, row
 
 
 def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
