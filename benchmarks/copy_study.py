@@ -532,6 +532,7 @@ def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
     """--score: the saved weights in `folder` scored as the last checkpoint of a run is."""
     import torch
     from benchmarks.common import environment
+    from elephant.recall import label
     name = folder.name.removeprefix("w-")
     run_dir = runs / name
     ckpt = load_weights(folder, run_dir)
@@ -547,7 +548,6 @@ def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
         path.write_text(json.dumps({**result, "recall": last, "partial": partial,
                                     **{f"lm_recall_{KEYS[d]}": last.get(label(d)) for d in distances
                                        if d in KEYS}}, indent=1))
-    from elephant.recall import label
     lanes = 8 if args.cpu_smoke else args.eval_lanes
     ablate = [a for a in args.ablate.split(",") if a]
     keep_eval = [int(k) for k in args.keep_eval.split(",") if k]
