@@ -292,7 +292,6 @@ def run_variant(name: str, argv: list[str]) -> int:
     run_dir = Path(cfg.train.run_dir)
     device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
     distances = sorted(int(d) for d in os.environ["COPY_DISTANCES"].split(","))
-    from elephant.recall import label
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
     keep_eval = [int(k) for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
@@ -305,9 +304,7 @@ def run_variant(name: str, argv: list[str]) -> int:
                   "first_step_at_0.99": next((r["step"] for r in rows if r.get("128", 0) >= 0.99),
                                              None),
                   "lm_recall_128": rows[-1].get("128") if rows else None,
-                  # the last checkpoint's accuracy past the window, where scored (issue 57's keys)
-                  **{f"lm_recall_{KEYS[d]}": rows[-1].get(label(d)) for d in distances
-                     if d in KEYS and rows},
+                  **(goal_keys(rows[-1], distances) if rows else {}),
                   "copy": rows[-1].get("copy") if rows else None}
         if partial:   # what a call cut short while scoring still returns
             result["partial"] = True
@@ -319,6 +316,13 @@ def run_variant(name: str, argv: list[str]) -> int:
 
 
 KEYS = {4096: "4k", 65536: "64k", 1048576: "1m"}   # distances named by the result keys
+
+
+def goal_keys(row: dict, distances: list[int]) -> dict:
+    """A checkpoint's scored `row` under issue 57's keys (lm_recall_4k, _64k, _1m): its accuracy
+    past the window at each of `distances` that has one."""
+    from elephant.recall import label
+    return {f"lm_recall_{KEYS[d]}": row.get(label(d)) for d in distances if d in KEYS}
 
 PART = 15 * 2 ** 20   # the device machine returns files of at most 16 MiB
 
@@ -532,7 +536,6 @@ def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
     """--score: the saved weights in `folder` scored as the last checkpoint of a run is."""
     import torch
     from benchmarks.common import environment
-    from elephant.recall import label
     name = folder.name.removeprefix("w-")
     run_dir = runs / name
     ckpt = load_weights(folder, run_dir)
@@ -546,8 +549,7 @@ def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
     def write(rows: list[dict], partial: bool) -> None:
         last = rows[-1] if rows else {}
         path.write_text(json.dumps({**result, "recall": last, "partial": partial,
-                                    **{f"lm_recall_{KEYS[d]}": last.get(label(d)) for d in distances
-                                       if d in KEYS}}, indent=1))
+                                    **goal_keys(last, distances)}, indent=1))
     lanes = 8 if args.cpu_smoke else args.eval_lanes
     ablate = [a for a in args.ablate.split(",") if a]
     keep_eval = [int(k) for k in args.keep_eval.split(",") if k]

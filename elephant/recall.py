@@ -127,8 +127,9 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
         bar = tqdm(total=n_chunks, desc="recall", unit=" chunks", dynamic_ncols=True)
     for c in range(n_chunks):
         a = c * chunk_len
-        if kept_layers and (asked == c).any():
-            _kept_fact(state, kept_layers, docs, asked == c, offset, kept, kept_any)
+        now = asked == c
+        if kept_layers and now.any():
+            _kept_fact(state, kept_layers, docs, now, offset, kept, kept_any)
         inp = torch.from_numpy(tokens[:, a:a + chunk_len]).to(device, non_blocking=True)
         with autocast() if autocast else nullcontext():
             logits, state = model(inp, state, reset if c == 0 else None)
