@@ -55,7 +55,8 @@ def parse(argv):
     p.add_argument("--kv-keep", type=int, default=None, metavar="K",
                    help="kept tokens per attention layer (model.kv_keep), in place of the number "
                         "the model trained with: more keep what the keep score chose through a "
-                        "longer stream (a model trained with kept tokens only)")
+                        "longer stream, though a model reads more than it trained with worse "
+                        "(docs/RESULTS.md; a model trained with kept tokens only)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "

@@ -576,7 +576,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                            help="start every document at this rotary position (e.g. 1M)")
             s.add_argument("--kv-keep", type=int, default=None, metavar="K",
                            help="kept tokens per attention layer, in place of the number the "
-                                "model trained with (more slots keep what fewer keep, and more)")
+                                "model trained with (more slots keep what fewer keep, and more; "
+                                "the read among more than trained is worse: docs/RESULTS.md)")
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
     if argv and argv[0] in parsers:
