@@ -155,6 +155,12 @@ FILLER = ("the of and to in is was for on that with as by at from his her it an 
           "this be or has had not but their one also its first new after two may such").split()
 
 
+def gpu_count() -> int:
+    """How many GPUs this process sees (0 without CUDA); asks without starting a CUDA context."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def copy_document(rng, length: int) -> tuple[str, list[tuple[int, int]]]:
     """A document of about `length` bytes: filler words and random names in angle brackets
     (6-16 letters and digits); a name stated once recurs later, after 0 to a few hundred bytes.
@@ -645,7 +651,9 @@ def main() -> int:
                COPY_CORPUS=args.corpus, COPY_EVERY=args.every_distances, COPY_ABLATE=args.ablate,
                COPY_KEEP_EVAL=args.keep_eval)
     t0 = time.time()
-    for n in names:
+    # on a machine of several GPUs the variants take them in turn (each process sees one)
+    gpus = 0 if args.cpu_smoke else gpu_count()
+    for i, n in enumerate(names):
         run_dir = runs / n
         base, overrides, _, seed = variant(n)
         cmd = [sys.executable, __file__, "--variant", n, config, *shape_overrides,
@@ -655,7 +663,8 @@ def main() -> int:
                f"train.ckpt_every={args.ckpt_every}", "train.keep_ckpts=100", "train.eval_every=0",
                "train.log_every=25", "train.tensorboard=false", f"train.run_dir={run_dir}"]
         log = open(out / f"{n}.log", "w")
-        procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        own = env if gpus < 2 else dict(env, CUDA_VISIBLE_DEVICES=str(i % gpus))
+        procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
                                      cwd=ROOT), log)
     stopped = False
     # the call's own limit (gpu.sh's timeout): stop waiting and sum up what the variants wrote

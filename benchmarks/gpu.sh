@@ -365,10 +365,12 @@ for stage in $stages; do
     copy-score)
       # weights an earlier copy call saved (COPY_WEIGHTS=$OUT there: folders w-<variant> of parts),
       # carried back in COPY_SCORE_DIRS (default runs/w-*), each scored at once at COPY_DISTANCES
-      # with COPY_ABLATE and COPY_KEEP_EVAL, no training
+      # with COPY_ABLATE and COPY_KEEP_EVAL, no training; several GPUs are taken in turn
+      ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); i=0
       for w in ${COPY_SCORE_DIRS:-runs/w-*}; do
         n=$(basename $w)
-        timeout ${COPY_SCORE_TIMEOUT:-540} python benchmarks/copy_study.py --score $w \
+        gpu=$(( ${ngpu:-0} > 1 ? i % ngpu : 0 )); i=$((i + 1))
+        CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$gpu} timeout ${COPY_SCORE_TIMEOUT:-540} python benchmarks/copy_study.py --score $w \
           --distances ${COPY_DISTANCES:-128,65536,1048576} --out $RES/copy_study_scored \
           --runs /tmp/copy_scored > "$LOGS/copy_score_$n.log" 2>&1 &
       done
