@@ -128,6 +128,7 @@ VARIANTS = {
     "keep-512": (["model.kv_keep=512"], []),
     # kept tokens charged for their mean gate (model.kv_keep_cost): what no query reads sinks
     "keep-cost": (["model.kv_keep_cost=0.01"], []),
+    "keep-cost-0.05": (["model.kv_keep_cost=0.05"], []),
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
