@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 # setting); the x0 variants turn it on. The *-recipe shapes are the recipes as users train them.
 _STACK = ["--config", "configs/recall.toml", "model.attn_x0=false", "model.n_mem=0",
           "model.kv_window=0", "model.kv_keep=0", "model.kv_keep_drop=0", "model.bptt_chunks=1",
-          "data.recall_max_gap=2048", "train.chunk_len=512"]
+          "data.recall_max_gap=2048", "train.chunk_len=512", "train.compile=auto"]
 _WIDE = ["model.d_model=512", "model.n_heads=8", "model.d_mlp=1536", "model.layers=MAMMAMMA",
          "model.d_state=64", "train.lanes=32"]          # wt103-70m's width and depth
 _TEXT = ["data.recall_filler=pycode", "data.site_packages=true"]
@@ -126,8 +126,10 @@ VARIANTS = {
     "keep-drop-0": (["model.kv_keep_drop=0"], []),
     "keep-drop-0.25": (["model.kv_keep_drop=0.25"], []),
     "keep-512": (["model.kv_keep=512"], []),
-    # kept tokens charged for their mean gate (model.kv_keep_cost): what no query reads sinks
+    # kept tokens charged for their mean gate (model.kv_keep_cost, 0.01 in the recall recipe
+    # since 2026-11-29): what no query reads sinks; without it, and 5x as much
     "keep-cost": (["model.kv_keep_cost=0.01"], []),
+    "keep-cost-0": (["model.kv_keep_cost=0"], []),
     "keep-cost-0.05": (["model.kv_keep_cost=0.05"], []),
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
