@@ -126,6 +126,9 @@ VARIANTS = {
     "keep-drop-0": (["model.kv_keep_drop=0"], []),
     "keep-drop-0.25": (["model.kv_keep_drop=0.25"], []),
     "keep-512": (["model.kv_keep=512"], []),
+    # a quarter of the kept tokens in training, so that the score must pick among 4x as many
+    # bytes a slot (read later with more: COPY_KEEP_EVAL=128)
+    "keep-32": (["model.kv_keep=32"], []),
     # kept tokens charged for their mean gate (model.kv_keep_cost, 0.01 in the recall recipe
     # since 2026-11-29): what no query reads sinks; without it, and 5x as much
     "keep-cost": (["model.kv_keep_cost=0.01"], []),
