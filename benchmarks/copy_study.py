@@ -134,6 +134,11 @@ VARIANTS = {
     "keep-cost": (["model.kv_keep_cost=0.01"], []),
     "keep-cost-0": (["model.kv_keep_cost=0"], []),
     "keep-cost-0.05": (["model.kv_keep_cost=0.05"], []),
+    # charged softplus(score) (model.kv_keep_cost_form): pushes hardest on the best-scored unread
+    # tokens, where the gate's charge pushes least; at a score of 2 it pushes 8x the gate's, so
+    # smaller costs
+    "keep-softplus-0.002": (["model.kv_keep_cost_form=softplus", "model.kv_keep_cost=0.002"], []),
+    "keep-softplus-0.005": (["model.kv_keep_cost_form=softplus", "model.kv_keep_cost=0.005"], []),
     # issue 57's levers for a memory learned from the LM loss, on a recipe shape with memory
     "mem-windows-4": (["train.memory_windows=4"], []),   # memory-only backprop over 4 BPTT windows
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut

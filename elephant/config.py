@@ -31,7 +31,7 @@ def parse_count(text: str) -> int:
 
 # Model settings that shape how a model is trained or initialised, not what its weights compute: a
 # new stage (train.init_from) may change them.
-TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost", "bptt_chunks",
+TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost", "kv_keep_cost_form", "bptt_chunks",
                                       "mem_write_cost", "mem_gate_init", "init_std", "embed_std",
                                       "mamba_out_scale", "attn_x0_init"})
 
@@ -85,6 +85,12 @@ class ModelConfig:
                                      # of each BPTT window. A kept token no query reads gets no
                                      # gradient from the loss; this one lowers its score, so that
                                      # what is kept is what is read (docs/RESULTS.md)
+    kv_keep_cost_form: str = "gate"  # what kv_keep_cost charges per kept slot: "gate", sigmoid(score)
+                                     # (its push fades as the score grows, so the best-scored unread
+                                     # tokens move least), or "softplus", -log(1 - gate) (its push is
+                                     # the gate itself: strongest on the best-scored, the ones a fact
+                                     # must outrank over a long stream; a read token settles where
+                                     # its read's worth per window b gives gate 1 - cost / b)
     rope_base: float = 10000.0
     rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
                                      # not rotated (partial rotary): angles that training documents
@@ -163,6 +169,7 @@ class ModelConfig:
                               "true as well")
         _choice(self, "attn_x0_gain", ("channel", "layer", "fixed"))
         _choice(self, "mem_update", ("gated", "replace"))
+        _choice(self, "kv_keep_cost_form", ("gate", "softplus"))
         _choice(self, "mem_rotary", ("none", "chunk", "free"))
         _choice(self, "residual", ("float32", "autocast"))
         _non_negative(self, "mem_write_cost", "kv_keep_cost")

@@ -38,6 +38,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .compile import compile_chunk_steps
 from .config import ModelConfig
@@ -561,15 +562,17 @@ class ElephantLM(nn.Module):
 
     def keep_cost(self, state: RecurrentState, tokens: int) -> Tensor | None:
         """The price of keeping tokens (model.kv_keep_cost, training only; None without it):
-        per lane, the mean over every attention layer's kept slots of sigmoid(keep score) (an
-        empty slot counts 0), charged for each of the `tokens` tokens a lane read since the last
-        charge, summed over lanes (the trainer's summed loss). Its gradient reaches the keep score
-        alone (the kept inputs carry none): it lowers every kept token's score, and the loss's own
-        gradient through the gate raises those that queries read."""
+        per lane, the mean over every attention layer's kept slots of what each slot is charged
+        (model.kv_keep_cost_form: its gate sigmoid(keep score), or softplus(keep score) =
+        -log(1 - gate); an empty slot counts 0), charged for each of the `tokens` tokens a lane
+        read since the last charge, summed over lanes (the trainer's summed loss). Its gradient
+        reaches the keep score alone (the kept inputs carry none): it lowers every kept token's
+        score, and the loss's own gradient through the gate raises those that queries read."""
         cost = self.cfg.kv_keep_cost
         if not (cost and self.cfg.kv_keep and self.training):
             return None
-        gates = [torch.sigmoid(block.mixer.keep_score(c.keep_x)) * c.keep_valid
+        charge = F.softplus if self.cfg.kv_keep_cost_form == "softplus" else torch.sigmoid
+        gates = [charge(block.mixer.keep_score(c.keep_x)) * c.keep_valid
                  for block, c in zip(self.blocks, state.kv)
                  if block.kind == "A" and c is not None and c.keep_x is not None]
         if not gates:

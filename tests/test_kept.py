@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from elephant.config import ConfigError, ModelConfig
 from elephant.model import ElephantLM
@@ -144,6 +145,38 @@ def test_the_keep_cost_charges_the_mean_kept_gate_per_token_and_lowers_every_kep
     assert make(kv_keep=3, kv_keep_cost=0.0).train().keep_cost(state, 8) is None
     with pytest.raises(ConfigError, match="kv_keep_cost"):
         ModelConfig(kv_keep=8, kv_window=8, kv_keep_cost=-1.0).validate()
+
+
+def test_the_softplus_keep_cost_pushes_hardest_on_the_best_scored_kept_tokens():
+    # model.kv_keep_cost_form = "softplus": each kept slot is charged softplus(score) =
+    # -log(1 - gate), whose slope is the gate itself; the gate's own charge has slope
+    # gate (1 - gate), which fades for the best-scored tokens (those a fact must outrank)
+    model = make(kv_keep=3, layers="AMA", kv_keep_noise=0.0, kv_keep_cost=0.25,
+                 kv_keep_cost_form="softplus").train()
+    state = None
+    for c in range(2):
+        _, state = model(torch.randint(0, V, (2, 4), generator=torch.Generator().manual_seed(c)), state)
+    mixers = [b.mixer for b in model.blocks if b.kind == "A"]
+    caches = [c for b, c in zip(model.blocks, state.kv) if b.kind == "A"]
+    scores = [(c.keep_x.double() @ m.keep_w.detach().double()) + m.keep_b.detach() for m, c in zip(mixers, caches)]
+    valid = torch.cat([c.keep_valid for c in caches], 1).double()
+    s = torch.cat(scores, 1)
+    cost = model.keep_cost(state, 8)
+    torch.testing.assert_close(cost, (0.25 * 8 * (F.softplus(s) * valid).mean(1).sum()).to(cost.dtype))
+    # the slope on each layer's bias: the mean over the lane's slots of the gate (softplus) ...
+    slope = torch.autograd.grad(cost, [m.keep_b for m in mixers])
+    gate = torch.sigmoid(s) * valid
+    K = caches[0].keep_valid.shape[1]
+    for i, g in enumerate(slope):
+        want = 0.25 * 8 * gate[:, i * K:(i + 1) * K].sum() / s.shape[1]
+        torch.testing.assert_close(g.double().sum(), want, rtol=1e-4, atol=1e-6)
+    # ... where the gate's charge has gate (1 - gate): at a score of 4, 1/(1 - 0.982) = 55x less
+    t = torch.tensor(4.0, requires_grad=True)
+    soft, = torch.autograd.grad(F.softplus(t), t)
+    sig, = torch.autograd.grad(torch.sigmoid(t), t)
+    assert soft / sig > 50
+    with pytest.raises(ConfigError, match="kv_keep_cost_form"):
+        ModelConfig(kv_keep=8, kv_window=8, kv_keep_cost_form="hinge").validate()
 
 
 def test_exploration_noise_only_while_training():
