@@ -31,9 +31,10 @@ def parse_count(text: str) -> int:
 
 # Model settings that shape how a model is trained or initialised, not what its weights compute: a
 # new stage (train.init_from) may change them.
-TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost", "kv_keep_cost_form", "bptt_chunks",
-                                      "mem_write_cost", "mem_gate_init", "init_std", "embed_std",
-                                      "mamba_out_scale", "attn_x0_init"})
+TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost",
+                                      "kv_keep_cost_form", "bptt_chunks", "mem_write_cost",
+                                      "mem_gate_init", "init_std", "embed_std", "mamba_out_scale",
+                                      "attn_x0_init"})
 
 
 def stage_free_keys(model: dict) -> frozenset[str]:
@@ -81,8 +82,8 @@ class ModelConfig:
                                      # when a long stream displaces them, so that the memory must learn
                                      # to carry what they hold (docs/RESULTS.md)
     kv_keep_cost: float = 0.0        # training only (the LM loss): loss per token per unit of the mean
-                                     # gate, sigmoid(keep score), of the kept tokens a lane carries out
-                                     # of each BPTT window. A kept token no query reads gets no
+                                     # charge (kv_keep_cost_form; by default the gate, sigmoid(keep
+                                     # score)) of the kept tokens a lane carries out of each BPTT window. A kept token no query reads gets no
                                      # gradient from the loss; this one lowers its score, so that
                                      # what is kept is what is read (docs/RESULTS.md)
     kv_keep_cost_form: str = "gate"  # what kv_keep_cost charges per kept slot: "gate", sigmoid(score)

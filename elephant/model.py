@@ -572,12 +572,12 @@ class ElephantLM(nn.Module):
         if not (cost and self.cfg.kv_keep and self.training):
             return None
         charge = F.softplus if self.cfg.kv_keep_cost_form == "softplus" else torch.sigmoid
-        gates = [charge(block.mixer.keep_score(c.keep_x)) * c.keep_valid
-                 for block, c in zip(self.blocks, state.kv)
-                 if block.kind == "A" and c is not None and c.keep_x is not None]
-        if not gates:
+        charges = [charge(block.mixer.keep_score(c.keep_x)) * c.keep_valid
+                   for block, c in zip(self.blocks, state.kv)
+                   if block.kind == "A" and c is not None and c.keep_x is not None]
+        if not charges:
             return None
-        per_lane = torch.cat(gates, dim=1).mean(1)                       # (B,)
+        per_lane = torch.cat(charges, dim=1).mean(1)                     # (B,)
         return cost * tokens * per_lane.sum()
 
     def init_prefix(self, dtype=None) -> list[tuple]:
