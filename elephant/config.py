@@ -76,6 +76,11 @@ class ModelConfig:
                                      # layer kept past the window, chosen by a learned score and kept
                                      # bit for bit until better-scored tokens displace them (needs
                                      # kv_window > 0)
+    kv_keep_read: int = 0            # each query reads at most this many kept tokens, those its own
+                                     # scores rank highest (0: all of them). A model trained reading
+                                     # K may then keep many more than K (more of a long stream's
+                                     # tokens outlast it) and still read K, as it learned to
+                                     # (hub.with_kept_capacity sets it so; docs/RESULTS.md)
     kv_keep_noise: float = 1.0       # Gumbel noise on the keep scores while training (exploration)
     kv_keep_drop: float = 0.0        # training only: the chance per lane and chunk that the lane's kept
                                      # tokens are dropped (every layer; later tokens refill the set), as
@@ -158,7 +163,7 @@ class ModelConfig:
                   "norm_eps", "init_std")
         _non_negative(self, "embed_std")
         _positive(self, "mamba_out_scale")
-        _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_noise",
+        _non_negative(self, "d_mlp", "n_mem", "kv_window", "kv_keep", "kv_keep_read", "kv_keep_noise",
                       "rope_max_period")
         if not 0.0 <= self.kv_keep_drop < 1.0:
             raise ConfigError(f"model.kv_keep_drop: expected a chance in [0, 1), got {self.kv_keep_drop}")

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layers.attention import free_scores, pad_sequence_keys
+from .layers.attention import free_scores, kept_top, pad_sequence_keys
 from .model import in_eval_mode
 from .state import KVCache, RecurrentState
 
@@ -234,9 +234,14 @@ class Decoder:
                                    raw[0].to(kept["raw_k"].dtype))
             kept["raw_x"].scatter_(1, slot[:, :, None].expand(B, S, D), x.to(kept["raw_x"].dtype))
             read_k = kept["read_k"].to(dtype)
-            K = torch.cat([read_k if free is None else pad_sequence_keys(read_k), K], dim=2)
+            read_k = read_k if free is None else pad_sequence_keys(read_k)
+            K = torch.cat([read_k, K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
-            mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
+            seen = kept["read_valid"][:, None, None, :].expand(B, 1, S, -1)
+            if mixer.keep_read and read_k.shape[2] > mixer.keep_read:   # as Attention.forward
+                seen = kept_top(q, read_k, kept["read_valid"], mixer.keep_read)
+                mask = mask.expand(B, H, S, mask.shape[-1])
+            mask = torch.cat([seen, mask], dim=-1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
         return mixer.o(y.transpose(1, 2).reshape(B, S, D))
 

@@ -269,9 +269,11 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
 def with_kept_capacity(config: dict, kv_keep: int, name: str) -> dict:
     """`config` with model.kv_keep = `kv_keep`. The kept tokens are chosen by a learned score of
     each token alone and read at a fixed distance, so the weights do not depend on how many are
-    kept: a model trained with K may read with more, so that what it keeps can outlast a longer
-    stream (HubError for a model trained without kept tokens, which has no score, or a count
-    below 1)."""
+    kept: a model trained with K may keep more, so that what it keeps can outlast a longer
+    stream. Each query still reads as many as it did in training (model.kv_keep_read: the trained
+    one, else the trained K), its best-matching ones: read all at once, more kept tokens dilute
+    the read (docs/RESULTS.md). HubError for a model trained without kept tokens, which has no
+    score, or a count below 1."""
     trained = int(config["model"].get("kv_keep", 0))
     if kv_keep < 1:
         raise HubError(f"kv_keep {kv_keep}: expected at least 1 kept token (to drop them all, "
@@ -279,7 +281,8 @@ def with_kept_capacity(config: dict, kv_keep: int, name: str) -> dict:
     if not trained:
         raise HubError(f"{name}: trained without kept tokens (model.kv_keep 0), so it has no keep "
                        f"score to choose {kv_keep} of them")
-    return {**config, "model": {**config["model"], "kv_keep": kv_keep}}
+    read = int(config["model"].get("kv_keep_read", 0)) or trained
+    return {**config, "model": {**config["model"], "kv_keep": kv_keep, "kv_keep_read": read}}
 
 
 def read_config(path: Path) -> dict:

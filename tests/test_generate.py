@@ -53,10 +53,10 @@ CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0
 
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", CASES)
 def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem_rotary="none",
-                                          attn_x0=False):
+                                          attn_x0=False, **kw):
     T = 5
     model = make(layers=layers, n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep,
-                 mem_rotary=mem_rotary, attn_x0=attn_x0)
+                 mem_rotary=mem_rotary, attn_x0=attn_x0, **kw)
     tokens = torch.randint(0, V, (2, 4 * T + 3))   # five chunks, the last partial
     want = forward_chunks(model, tokens, T, reset_at=2)
     dec = Decoder(model, 2, T)
@@ -72,6 +72,12 @@ def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem
 @pytest.mark.parametrize("mem_rotary", ["chunk", "free"])
 def test_step_path_equals_chunked_forward_with_rotated_or_free_memory(mem_rotary):
     test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary=mem_rotary)
+
+
+@pytest.mark.parametrize("mem_rotary", ["none", "free"])
+def test_step_path_equals_chunked_forward_reading_fewer_kept_tokens_than_it_keeps(mem_rotary):
+    # model.kv_keep_read: each query its own best kept token of 3, token by token as in the chunk
+    test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary=mem_rotary, kv_keep_read=1)
 
 
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", [("MAMA", 2, 5, 3), ("AA", 0, 4, 0)])

@@ -333,8 +333,9 @@ def test_kept_tokens_by_the_varlen_kernel_equal_the_masked_path(monkeypatch, pac
 
 def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_they_do_not_fill(tmp_path):
     """model.kv_keep is a capacity, not part of the weights (from_pretrained(kv_keep=)): a model
-    trained with 2 kept tokens, read with 6, keeps the 2 it kept and more; read with more slots
-    than tokens ever leave its window, it computes what any larger capacity computes."""
+    trained with 2 kept tokens, given 6, keeps the 2 it kept and more, and each query reads the 2
+    of them it scores highest (kv_keep_read, as in training); given more slots than tokens ever
+    leave its window, it computes what any larger capacity computes."""
     from elephant.hub import HubError, from_pretrained, save_pretrained
     T, n = 4, 6   # 6 chunks of 4 through a window of 4
     model = make(seed=3, kv_keep=2)
@@ -356,6 +357,7 @@ def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_th
     def run(kv_keep):
         m, _, config = from_pretrained(tmp_path / "m", kv_keep=kv_keep)
         assert m.cfg.kv_keep == config["model"]["kv_keep"] == kv_keep
+        assert m.cfg.kv_keep_read == config["model"]["kv_keep_read"] == 2   # what it read in training
         return stream(m.double())
 
     small, kept2 = run(2)
@@ -372,3 +374,52 @@ def test_more_kept_slots_at_inference_keep_what_fewer_keep_and_change_nothing_th
     save_pretrained(make(kv_keep=0), tmp_path / "none")
     with pytest.raises(HubError, match="trained without kept tokens"):
         from_pretrained(tmp_path / "none", kv_keep=4)
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_each_query_reads_only_the_kept_tokens_it_scores_highest(free):
+    """model.kv_keep_read = r < kv_keep: every head's every query attends to the r valid kept
+    tokens whose keys it scores highest, then the window and the chunk, as an explicit softmax over
+    just those keys computes (position-free memory scores too)."""
+    model = make(seed=2, layers="A", kv_window=3, kv_keep=6, kv_keep_read=2, kv_keep_noise=0.0,
+                 n_mem=2 if free else 0, mem_rotary="free" if free else "none")
+    with torch.no_grad():   # scores that rank the tokens apart
+        model.blocks[0].mixer.keep_w.copy_(torch.randn(model.cfg.d_model, dtype=torch.float64))
+    T = 3
+    chunks = torch.randint(0, V, (5, 2, T), generator=torch.Generator().manual_seed(3))
+    state = None
+    for c in chunks[:-1]:
+        _, state = model(c, state)
+    cache, mixer = state.kv[0], model.blocks[0].mixer
+    assert cache.keep_valid.sum(1).min() > 2          # more kept than a query may read
+    B, S, D = 2, 4, model.cfg.d_model
+    x = torch.randn(B, S, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    pos = state.pos[:, None] + torch.arange(S)
+    fr = torch.tensor([True, False, False, False]) if free else None
+    extra = dict(free=fr) if free else {}
+    y = mixer(x, pos, cache.k, cache.v, cache.valid, kept=cache, start=state.pos, **extra)[0]
+
+    with torch.no_grad():
+        y = y.detach()
+        q, k, v, k_raw, q_raw = mixer.project(x, pos, raw=True, raw_q=True)
+    kk, kv, kvalid = mixer.kept_tokens(cache, state.pos)
+    if free:   # the memory token's key scored without rotary
+        k = torch.where(fr[None, None, :, None], k_raw, k)
+    want = torch.zeros(B, mixer.n_heads, S, mixer.head_dim, dtype=torch.float64)
+    for b in range(B):
+        for h in range(mixer.n_heads):
+            for i in range(S):
+                kept = [j for j in range(kk.shape[2]) if kvalid[b, j]]
+                kept = sorted(kept, key=lambda j: -float(q[b, h, i] @ kk[b, h, j]))[:2]
+                window = [j for j in range(3) if cache.valid[b, j]]
+                keys = [kk[b, h, j] for j in kept] + [cache.k[b, h, j] for j in window]
+                vals = [kv[b, h, j] for j in kept] + [cache.v[b, h, j] for j in window]
+                logits = [q[b, h, i] @ key for key in keys]
+                for j in range(i + 1):   # the chunk; a memory key scored without rotary
+                    memory = free and bool(fr[j])
+                    logits.append((q_raw if memory else q)[b, h, i] @ k[b, h, j])
+                    vals.append(v[b, h, j])
+                p = torch.softmax(torch.stack(logits) / math.sqrt(mixer.head_dim), 0)
+                want[b, h, i] = p @ torch.stack(vals)
+    want = mixer.o(want.transpose(1, 2).reshape(B, S, D))
+    torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)

@@ -98,11 +98,16 @@ def attention_mask(S: int, cache_valid: Tensor | None, device=None) -> Tensor:
     """Boolean mask (B, 1, S, W + S) over [cache | chunk]: valid cache slots, then causal.
 
     Without a cache: (1, 1, S, S) causal. The diagonal is always true, so no query row is empty.
+    cache_valid (B, H, S, W), what each head's each query sees of the cache (`kept_top`): the
+    mask is (B, H, S, W + S).
     """
     device = cache_valid.device if cache_valid is not None else device
     causal = torch.ones(S, S, dtype=torch.bool, device=device).tril()  # (S, S)
     if cache_valid is None:
         return causal[None, None]
+    if cache_valid.dim() == 4:
+        B, H = cache_valid.shape[:2]
+        return torch.cat([cache_valid, causal.expand(B, H, S, S)], dim=-1)
     B, W = cache_valid.shape
     return torch.cat([cache_valid[:, None, None, :].expand(B, 1, S, W),
                       causal.expand(B, 1, S, S)], dim=-1)
@@ -116,7 +121,7 @@ KEY_ALIGN = int(os.environ.get("ELEPHANT_KEY_ALIGN", 16))
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None = None) -> Tensor:
-    """SDPA of q (B, H, S, hd) over k, v (B, H, n, hd) under the boolean mask (B or 1, 1, S, n).
+    """SDPA of q (B, H, S, hd) over k, v (B, H, n, hd) under the boolean mask (B or 1, 1 or H, S, n).
     `align` (default: KEY_ALIGN on CUDA, none elsewhere): the keys are padded with zero keys that
     no query sees up to a multiple of it. The result is the same: a masked key adds exp(-inf) = 0."""
     n = k.shape[2]
@@ -287,8 +292,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
            backend: str = "sdpa", valid_suffix: bool = False) -> Tensor:
     """The fast path: is_causal SDPA without a cache, else the backend's kernel: for sdpa, the
     variable-length kernel where it runs and the cache's valid slots are a suffix of each lane's
-    window (`valid_suffix`: the caller's promise), else SDPA with the explicit mask."""
-    if backend == "reference":
+    window (`valid_suffix`: the caller's promise), else SDPA with the explicit mask. A cache
+    validity per head and query (B, H, S, W) (`kept_top`) always takes the explicit mask."""
+    if backend == "reference" or (cache_valid is not None and cache_valid.dim() == 4):
         return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
     if cache_k is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -307,23 +313,28 @@ def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tenso
     prefix_k/v (1 or B, H, M, hd) seen by segments > 0, the cache by segment 0. -> (B, H, S, hd).
     `room` > 0: the caller's promise that the cache's valid slots are a suffix of each lane's window
     and that at most `room` documents start inside the chunk; then the variable-length kernel where
-    it runs (`attend_segments_varlen`; `layouts`: see there), else SDPA with the explicit mask."""
-    if room and varlen_supported(q, v) and (prefix_k is None or prefix_k.shape[0] == 1):
+    it runs (`attend_segments_varlen`; `layouts`: see there), else SDPA with the explicit mask
+    (always for a cache validity per head and query (B, H, S, W), `kept_top`)."""
+    per_query = cache_valid is not None and cache_valid.dim() == 4
+    if (room and not per_query and varlen_supported(q, v)
+            and (prefix_k is None or prefix_k.shape[0] == 1)):
         return attend_segments_varlen(q, k, v, seg, room, cache_k, cache_v, cache_valid, prefix_k,
                                       prefix_v, layouts=layouts)
     B, H, S, hd = q.shape
+    Hm = H if per_query else 1
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     keys, values = [k], [v]
-    masks = [causal & (seg[:, :, None] == seg[:, None, :])]                 # (B, S, S)
+    masks = [(causal & (seg[:, :, None] == seg[:, None, :]))[:, None]]     # (B, 1, S, S)
     if cache_k is not None:
         K, V = _with_cache(k, v, cache_k, cache_v)
         keys, values = [K], [V]
-        masks.insert(0, cache_valid[:, None, :] & (seg == 0)[:, :, None])  # (B, S, W)
+        seen = cache_valid if per_query else cache_valid[:, None, None, :]
+        masks.insert(0, seen & (seg == 0)[:, None, :, None])              # (B, Hm, S, W)
     if prefix_k is not None:
         keys.insert(0, prefix_k.to(k.dtype).expand(B, -1, -1, -1))
         values.insert(0, prefix_v.to(v.dtype).expand(B, -1, -1, -1))
-        masks.insert(0, (seg > 0)[:, :, None].expand(B, S, prefix_k.shape[2]))  # (B, S, M)
-    mask = torch.cat(masks, dim=-1)[:, None]                               # (B, 1, S, M + W + S)
+        masks.insert(0, (seg > 0)[:, None, :, None].expand(B, 1, S, prefix_k.shape[2]))
+    mask = torch.cat([m.expand(B, Hm, S, m.shape[-1]) for m in masks], dim=-1)  # (B, Hm, S, M + W + S)
     K, V = torch.cat(keys, dim=2), torch.cat(values, dim=2)
     return masked_sdpa(q, K, V, mask)
 
@@ -500,6 +511,19 @@ def pad_memory_keys(k: Tensor) -> Tensor:
     return torch.cat([torch.zeros_like(k), k], dim=-1)
 
 
+def kept_top(q: Tensor, keys: Tensor, valid: Tensor, read: int) -> Tensor:
+    """Which kept tokens each head's each query reads when it may read `read` of them (model.
+    kv_keep_read): the valid ones whose keys it scores highest (`read` exactly, ties broken
+    either way), all the valid ones when there are no more. q (B, H, S, hd), keys (B, H, K, hd)
+    as the kernel scores them (position-free memory's padded form too), valid (B, K) ->
+    (B, H, S, K) bool. A choice, so no gradient."""
+    with torch.no_grad():
+        seen = valid[:, None, None, :]
+        s = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+        best = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(read, dim=-1).indices, True)
+        return best & seen
+
+
 def with_kept_first(kept_k: Tensor, kept_v: Tensor, kept_valid: Tensor, cache_k: Tensor,
                     cache_v: Tensor, cache_valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The kept tokens (B, H, K, hd), (B, K) and the window (B, H, W, hd), (B, W) as one cache of
@@ -530,6 +554,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
         self.rope_base, self.rope_max_period = float(cfg.rope_base), float(cfg.rope_max_period)
+        self.keep_read = cfg.kv_keep_read   # kept tokens a query reads at most (0: all, `kept_top`)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -627,16 +652,28 @@ class Attention(nn.Module):
         k_raw = raw[:1] if kept is not None else []
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
+        top = 0   # with more kept tokens than a query reads: how many there are (`kept_top`)
         if cache_k is not None:   # the window carries no gradient (Transformer-XL)
             cache_k, cache_v = cache_k.detach(), cache_v.detach()
-            if kept is not None:  # kept tokens and window as one cache, its valid slots last
-                cache_k, cache_v, cache_valid = with_kept_first(*self.kept_tokens(kept, start),
-                                                                cache_k, cache_v, cache_valid)
+            if kept is not None:
+                kept_k, kept_v, kept_valid = self.kept_tokens(kept, start)
+                if self.keep_read and kept_k.shape[2] > self.keep_read:   # each query its own
+                    top = kept_k.shape[2]
+                    cache_k = torch.cat([kept_k.to(cache_k.dtype), cache_k], dim=2)
+                    cache_v = torch.cat([kept_v.to(cache_v.dtype), cache_v], dim=2)
+                else:             # kept tokens and window as one cache, its valid slots last
+                    cache_k, cache_v, cache_valid = with_kept_first(kept_k, kept_v, kept_valid,
+                                                                    cache_k, cache_v, cache_valid)
         qa, ka = q, k
         if free is not None:    # the scores on doubled head dims; the window keeps the rotated k
             qa, ka = free_scores(q, raw[1], k, raw[0], free)
             cache_k = None if cache_k is None else pad_sequence_keys(cache_k)
             prefix_k = None if prefix_k is None else pad_memory_keys(prefix_k)
+        if top:   # what each head's each query sees of [kept | window]: (B, H, S, K + W)
+            seen = kept_top(qa, cache_k[:, :, :top], kept_valid, self.keep_read)
+            W = cache_valid.shape[1]
+            cache_valid = torch.cat([seen, cache_valid[:, None, None, :].expand(
+                B, self.n_heads, qa.shape[2], W)], dim=-1)
         if seg is None:   # the cache's valid slots are a suffix of each lane's (KVCache, with_kept_first)
             y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend,
                        valid_suffix=True)                                      # (B, H, S, hd)
