@@ -417,9 +417,11 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
             r = evaluate_recall(model, tokenizer, at, lanes, config["train"]["chunk_len"],
                                 torch.device(device), 1, 1234, autocast, progress=False,
                                 filler=filler, **ablation)
-            # and the share of the fact's value the kept tokens still held there ("4K held")
+            # and the share of the fact's value the kept tokens still held there ("4K held"),
+            # and the pass's bytes a second (eager, every lane to the longest document)
             return {**{k: v["accuracy"] for k, v in r["by_distance"].items()},
-                    **{f"{k} held": v["held"] for k, v in r["by_distance"].items() if "held" in v}}
+                    **{f"{k} held": v["held"] for k, v in r["by_distance"].items() if "held" in v},
+                    "tok/s": round(r["tokens_per_s"])}
         last = ckpt == ckpts[0]
         rows.append({"step": step,
                      **accuracy(distances if last else sorted({min(distances), *every}))})

@@ -98,7 +98,7 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
         asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
         return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5, "held": d / 1e6}
-                                for d in distances}}
+                                for d in distances}, "tokens_per_s": 1000.4 * len(distances)}
     monkeypatch.setattr(elephant.hub, "from_pretrained", load)
     monkeypatch.setattr(elephant.recall, "evaluate_recall", recall)
     monkeypatch.delenv("COPY_CORPUS", raising=False)
@@ -108,7 +108,8 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
                      "step_0000300": [4096, 128, 65536]}
     # with the share of the fact's value the kept tokens held at each distance
     assert rows[-1] == {"step": 300, "128": 0.00128, "4K": 0.04096, "64K": 0.65536,
-                        "128 held": 0.000128, "4K held": 0.004096, "64K held": 0.065536}
+                        "128 held": 0.000128, "4K held": 0.004096, "64K held": 0.065536,
+                        "tok/s": 3001}   # the pass's speed
     asked.clear()   # --every-distances: these at every checkpoint too
     score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, every=[4096])
     assert asked["step_0000100"] == asked["step_0000200"] == [128, 4096]
@@ -124,6 +125,7 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert "64K with 512 kept" in passes[1][0] and "64K with 2048 kept" not in passes[1][0]
     assert asked["kept512"] == asked["kept2048"] == [4096, 65536] and len(asked) == 5
     assert rows[-1]["64K with 2048 kept"] == 0.65536 and "4K with 512 kept" in rows[-1]
+    assert rows[-1]["tok/s with 2048 kept"] == 2001
 
 
 def test_copy_study_saves_a_runs_weights_in_parts_that_a_later_call_scores(tmp_path, monkeypatch):
