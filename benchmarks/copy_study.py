@@ -311,7 +311,7 @@ def run_variant(name: str, argv: list[str]) -> int:
     distances = sorted(int(d) for d in os.environ["COPY_DISTANCES"].split(","))
     every = sorted(int(d) for d in os.environ.get("COPY_EVERY", "").split(",") if d)
     ablate = [a for a in os.environ.get("COPY_ABLATE", "").split(",") if a]
-    keep_eval = [int(k) for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
+    keep_eval = [k for k in os.environ.get("COPY_KEEP_EVAL", "").split(",") if k]
     out = Path(os.environ["COPY_OUT"], f"{name}.json")
     curve = losses(run_dir)   # training is over: read its log once for every write below
 
@@ -380,14 +380,15 @@ def load_weights(folder: Path, run_dir: Path) -> Path:
 
 
 def score(run_dir: Path, device: str, distances: list[int], lanes: int,
-          every: list[int] = (), ablate: list[str] = (), keep_eval: list[int] = (),
+          every: list[int] = (), ablate: list[str] = (), keep_eval: list = (),
           scored=None) -> list[dict]:
     """Recall of every checkpoint of a run, oldest first: at the shortest of `distances` (and at
     `every`) for each, at all of them for the last (a long distance costs a pass over that many
     bytes). The last is also scored past the shortest distance with each part of `ablate`
     (elephant.recall.ABLATIONS: memory, keep, kv, ssm) dropped after every chunk, under keys like
     "4K without memory": which carried part holds the fact; and read with each number of kept
-    tokens in `keep_eval` (from_pretrained(kv_keep=)), under keys like "1M with 2048 kept".
+    tokens in `keep_eval` (from_pretrained(kv_keep=); "K/R": each query reading R of them,
+    kv_keep_read), under keys like "1M with 2048 kept" and "1M with 4096 kept reading 32".
     `scored(rows)` is called after each pass with the rows so far, oldest first."""
     import torch
     from elephant.checkpoint import step_folders
@@ -431,10 +432,12 @@ def score(run_dir: Path, device: str, distances: list[int], lanes: int,
             rows[-1].update({f"{k} without {part}": a
                              for k, a in accuracy(past, ablation=part).items()})
             report()
-        for kept in keep_eval if last else ():
-            wider = from_pretrained(ckpt, device=device, kv_keep=kept)[0]
-            rows[-1].update({f"{k} with {kept} kept": a
-                             for k, a in accuracy(past, model=wider).items()})
+        for kept in keep_eval if last else ():   # "K" or "K/R": K kept, each query reading R
+            k, _, r = str(kept).partition("/")
+            wider = from_pretrained(ckpt, device=device, kv_keep=int(k),
+                                    kv_keep_read=int(r) if r else None)[0]
+            rows[-1].update({f"{key} with {k} kept" + (f" reading {r}" if r else ""): a
+                             for key, a in accuracy(past, model=wider).items()})
             report()
     return sorted(rows, key=lambda r: r["step"])
 
@@ -571,7 +574,7 @@ def score_saved(args, folder: Path, out: Path, runs: Path) -> int:
                                     **goal_keys(last, distances)}, indent=1))
     lanes = 8 if args.cpu_smoke else args.eval_lanes
     ablate = [a for a in args.ablate.split(",") if a]
-    keep_eval = [int(k) for k in args.keep_eval.split(",") if k]
+    keep_eval = [k for k in args.keep_eval.split(",") if k]
     rows = score(run_dir, device, distances, lanes, (), ablate, keep_eval,
                  scored=lambda rows: write(rows, partial=True))
     write(rows, partial=False)

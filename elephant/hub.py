@@ -246,12 +246,13 @@ def _metrics_table(metrics: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # load
 def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cpu",
-                    revision: str | None = None, kv_keep: int | None = None):
+                    revision: str | None = None, kv_keep: int | None = None,
+                    kv_keep_read: int | None = None):
     """Load (model in eval mode on `device`, tokenizer or None, config dict) from an export
     folder, a Hub id ("user/name", downloaded with huggingface_hub.snapshot_download), a training
     run dir or a checkpoint folder. `kv_keep`: how many kept tokens each attention layer holds
-    here, in place of the number it trained with (`with_kept_capacity`); the config returned
-    says so."""
+    here, in place of the number it trained with, and `kv_keep_read` how many of them each query
+    reads (`with_kept_capacity`); the config returned says so."""
     folder = _resolve(dir_or_repo_id, revision)
     if (folder / CONFIG).is_file():
         config = read_config(folder / CONFIG)
@@ -260,28 +261,33 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
     else:
         config, weights = _checkpoint_config(folder)
         tokenizer = _load_tokenizer_spec(config, folder)
-    if kv_keep is not None:
-        config = with_kept_capacity(config, kv_keep, str(dir_or_repo_id))
+    if kv_keep is not None or kv_keep_read is not None:
+        config = with_kept_capacity(config, kv_keep, str(dir_or_repo_id), kv_keep_read)
     model = build_model(config, weights)
     return model.to(device).eval(), tokenizer, config
 
 
-def with_kept_capacity(config: dict, kv_keep: int, name: str) -> dict:
+def with_kept_capacity(config: dict, kv_keep: int | None, name: str,
+                       read: int | None = None) -> dict:
     """`config` with model.kv_keep = `kv_keep`. The kept tokens are chosen by a learned score of
     each token alone and read at a fixed distance, so the weights do not depend on how many are
     kept: a model trained with K may keep more, so that what it keeps can outlast a longer
     stream. Each query still reads as many as it did in training (model.kv_keep_read: the trained
     one, else the trained K), its best-matching ones: read all at once, more kept tokens dilute
-    the read (docs/RESULTS.md). HubError for a model trained without kept tokens, which has no
-    score, or a count below 1."""
+    the read (docs/RESULTS.md). `read`: that many instead (0: all; None: as trained); `kv_keep`
+    None: as trained. HubError for a model trained without kept tokens, which has no score, or a
+    count below 1."""
     trained = int(config["model"].get("kv_keep", 0))
+    kv_keep = trained if kv_keep is None else kv_keep
+    if read is not None and read < 0:
+        raise HubError(f"kv_keep_read {read}: expected 0 (read every kept token) or more")
     if kv_keep < 1:
         raise HubError(f"kv_keep {kv_keep}: expected at least 1 kept token (to drop them all, "
                        "evaluate with the kept tokens ablated instead)")
     if not trained:
         raise HubError(f"{name}: trained without kept tokens (model.kv_keep 0), so it has no keep "
                        f"score to choose {kv_keep} of them")
-    read = int(config["model"].get("kv_keep_read", 0)) or trained
+    read = (int(config["model"].get("kv_keep_read", 0)) or trained) if read is None else read
     return {**config, "model": {**config["model"], "kv_keep": kv_keep, "kv_keep_read": read}}
 
 

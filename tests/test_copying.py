@@ -91,8 +91,9 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
         (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
     asked = {}
 
-    def load(ckpt, device, kv_keep=None):
-        return (ckpt if kv_keep is None else ckpt / f"kept{kv_keep}"), None, \
+    def load(ckpt, device, kv_keep=None, kv_keep_read=None):
+        name = "" if kv_keep is None else f"kept{kv_keep}" + (f"/{kv_keep_read}" if kv_keep_read else "")
+        return (ckpt / name if name else ckpt), None, \
             {"train": {"chunk_len": 64}, "data": {}}
 
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
@@ -126,6 +127,9 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     assert asked["kept512"] == asked["kept2048"] == [4096, 65536] and len(asked) == 5
     assert rows[-1]["64K with 2048 kept"] == 0.65536 and "4K with 512 kept" in rows[-1]
     assert rows[-1]["tok/s with 2048 kept"] == 2001
+    asked.clear()   # "K/R": K kept tokens, each query reading R of them
+    rows = score(tmp_path, "cpu", [128, 65536], lanes=4, keep_eval=["4096/32"])
+    assert asked["32"] == [65536] and rows[-1]["64K with 4096 kept reading 32"] == 0.65536
 
 
 def test_copy_study_saves_a_runs_weights_in_parts_that_a_later_call_scores(tmp_path, monkeypatch):
