@@ -53,10 +53,14 @@ def parse(argv):
                         "there; the loss by position stays by the position in the document "
                         "(default 0: carried to the end)")
     p.add_argument("--kv-keep", type=int, default=None, metavar="K",
-                   help="kept tokens per attention layer (model.kv_keep), in place of the number "
-                        "the model trained with: more keep what the keep score chose through a "
-                        "longer stream, though a model reads more than it trained with worse "
-                        "(docs/RESULTS.md; a model trained with kept tokens only)")
+                   help="kept tokens per attention layer, in place of the model's own (model."
+                        "kv_keep_infer if set, else the number it trained with): more keep what "
+                        "the keep score chose through a longer stream; each query still reads as "
+                        "many as it did in training (docs/RESULTS.md; a model trained with kept "
+                        "tokens only)")
+    p.add_argument("--kv-keep-read", type=int, default=None, metavar="R",
+                   help="kept tokens each query reads, its best-matching ones (0: all; default: "
+                        "as many as in training)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -124,10 +128,11 @@ def run(args) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     progress = not args.no_progress and sys.stderr.isatty()
-    if args.kv_keep is not None and args.push_to_hub:
-        raise HubError("--kv-keep with --push-to-hub: the pushed model would not say which kept "
-                       "tokens its figures were measured with; push without --kv-keep")
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep)
+    if (args.kv_keep is not None or args.kv_keep_read is not None) and args.push_to_hub:
+        raise HubError("--kv-keep or --kv-keep-read with --push-to-hub: the pushed model would not "
+                       "say which kept tokens its figures were measured with; push without them")
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
+                                               kv_keep_read=args.kv_keep_read)
     split = canonical_split(args.split)
 
     data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
@@ -229,7 +234,8 @@ def run_generate(args) -> int:
         raise GenerationError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
+                                               kv_keep_read=args.kv_keep_read)
     if args.tokenizer:
         from data_packing import load_tokenizer
         tokenizer = load_tokenizer(args.tokenizer)

@@ -29,12 +29,12 @@ def parse_count(text: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
 
 
-# Model settings that shape how a model is trained or initialised, not what its weights compute: a
-# new stage (train.init_from) may change them.
+# Model settings that shape how a model is trained or initialised (or, kv_keep_infer, what it
+# keeps once trained), not what its weights compute: a new stage (train.init_from) may change them.
 TRAINING_ONLY_MODEL_KEYS = frozenset({"kv_keep_noise", "kv_keep_drop", "kv_keep_cost",
                                       "kv_keep_cost_form", "bptt_chunks", "mem_write_cost",
                                       "mem_gate_init", "init_std", "embed_std", "mamba_out_scale",
-                                      "attn_x0_init"})
+                                      "attn_x0_init", "kv_keep_infer"})
 
 
 def stage_free_keys(model: dict) -> frozenset[str]:
@@ -81,6 +81,10 @@ class ModelConfig:
                                      # K may then keep many more than K (more of a long stream's
                                      # tokens outlast it) and still read K, as it learned to
                                      # (hub.with_kept_capacity sets it so; docs/RESULTS.md)
+    kv_keep_infer: int = 0           # kept tokens per attention layer when the model is loaded for
+                                     # inference (hub.from_pretrained: eval.py, elephant.recall eval,
+                                     # generation), each query still reading kv_keep of them; 0:
+                                     # kv_keep. Training never sees it (docs/RESULTS.md)
     kv_keep_noise: float = 1.0       # Gumbel noise on the keep scores while training (exploration)
     kv_keep_drop: float = 0.0        # training only: the chance per lane and chunk that the lane's kept
                                      # tokens are dropped (every layer; later tokens refill the set), as
@@ -167,6 +171,10 @@ class ModelConfig:
                       "rope_max_period")
         if not 0.0 <= self.kv_keep_drop < 1.0:
             raise ConfigError(f"model.kv_keep_drop: expected a chance in [0, 1), got {self.kv_keep_drop}")
+        _non_negative(self, "kv_keep_infer")
+        if self.kv_keep_infer and not self.kv_keep:
+            raise ConfigError("model.kv_keep_infer: the capacity at inference of kept tokens that "
+                              "a keep score trained with model.kv_keep > 0 chooses; set kv_keep too")
         if self.kv_keep and not self.kv_window:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")

@@ -251,8 +251,9 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
     """Load (model in eval mode on `device`, tokenizer or None, config dict) from an export
     folder, a Hub id ("user/name", downloaded with huggingface_hub.snapshot_download), a training
     run dir or a checkpoint folder. `kv_keep`: how many kept tokens each attention layer holds
-    here, in place of the number it trained with, and `kv_keep_read` how many of them each query
-    reads (`with_kept_capacity`); the config returned says so."""
+    here, in place of the number it trained with (default: its model.kv_keep_infer, if set), and
+    `kv_keep_read` how many of them each query reads (`with_kept_capacity`); the config returned
+    says so."""
     folder = _resolve(dir_or_repo_id, revision)
     if (folder / CONFIG).is_file():
         config = read_config(folder / CONFIG)
@@ -261,6 +262,8 @@ def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cp
     else:
         config, weights = _checkpoint_config(folder)
         tokenizer = _load_tokenizer_spec(config, folder)
+    if kv_keep is None:
+        kv_keep = int(config["model"].get("kv_keep_infer", 0)) or None
     if kv_keep is not None or kv_keep_read is not None:
         config = with_kept_capacity(config, kv_keep, str(dir_or_repo_id), kv_keep_read)
     model = build_model(config, weights)
@@ -288,7 +291,8 @@ def with_kept_capacity(config: dict, kv_keep: int | None, name: str,
         raise HubError(f"{name}: trained without kept tokens (model.kv_keep 0), so it has no keep "
                        f"score to choose {kv_keep} of them")
     read = (int(config["model"].get("kv_keep_read", 0)) or trained) if read is None else read
-    return {**config, "model": {**config["model"], "kv_keep": kv_keep, "kv_keep_read": read}}
+    return {**config, "model": {**config["model"], "kv_keep": kv_keep, "kv_keep_read": read,
+                                "kv_keep_infer": 0}}   # the capacity is now kv_keep itself
 
 
 def read_config(path: Path) -> dict:

@@ -468,7 +468,8 @@ def _eval(args) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     model, tokenizer, config = from_pretrained(args.checkpoint, device=device,
-                                               kv_keep=getattr(args, "kv_keep", None))
+                                               kv_keep=getattr(args, "kv_keep", None),
+                                               kv_keep_read=getattr(args, "kv_keep_read", None))
     chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
     distances = [parse_count(d) for d in args.distances.split(",")]
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
@@ -479,7 +480,8 @@ def _eval(args) -> int:
                              ablation=args.ablate, offset=parse_count(getattr(args, "offset", "0")),
                              filler=filler_for(spec, "test", bool(data.get("site_packages"))))
     result["filler"] = spec or "synthetic"
-    result["kv_keep"] = config["model"].get("kv_keep", 0)   # the kept tokens read here
+    result["kv_keep"] = config["model"].get("kv_keep", 0)   # the kept tokens held here
+    result["kv_keep_read"] = config["model"].get("kv_keep_read", 0)   # and each query's read of them
     result["checkpoint"] = str(args.checkpoint)
     # one key per distance (recall_4K, recall_1M: digit accuracy), and where and how it was measured
     result.update({f"recall_{label}": row["accuracy"] for label, row in result["by_distance"].items()})
@@ -575,9 +577,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
             s.add_argument("--offset", default="0",
                            help="start every document at this rotary position (e.g. 1M)")
             s.add_argument("--kv-keep", type=int, default=None, metavar="K",
-                           help="kept tokens per attention layer, in place of the number the "
-                                "model trained with (more slots keep what fewer keep, and more; "
-                                "the read among more than trained is worse: docs/RESULTS.md)")
+                           help="kept tokens per attention layer, in place of the model's own "
+                                "(model.kv_keep_infer if set, else the number it trained with); "
+                                "more slots keep what fewer keep, and more, and each query still "
+                                "reads as many as in training (docs/RESULTS.md)")
+            s.add_argument("--kv-keep-read", type=int, default=None, metavar="R",
+                           help="kept tokens each query reads, its best-matching ones (0: all; "
+                                "default: as many as in training)")
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
     if argv and argv[0] in parsers:

@@ -431,7 +431,7 @@ def test_eval_cli_errors_are_one_line(trained_run, tmp_path, capsys):
         (["--checkpoint", str(trained_run), "--split", "tset"], "unknown split 'tset'"),
         (["--checkpoint", str(trained_run), "--kv-keep", "8"], "trained without kept tokens"),
         (["--checkpoint", str(trained_run), "--kv-keep", "8", "--push-to-hub", "a/b"],
-         "--kv-keep with --push-to-hub"),
+         "--kv-keep or --kv-keep-read with --push-to-hub"),
     ]
     for args, needle in cases:
         assert eval_cli.main(args + ["--no-progress"]) == 2

@@ -423,3 +423,24 @@ def test_each_query_reads_only_the_kept_tokens_it_scores_highest(free):
                 want[b, h, i] = p @ torch.stack(vals)
     want = mixer.o(want.transpose(1, 2).reshape(B, S, D))
     torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_model_keeps_its_inference_capacity_when_loaded_and_an_explicit_one_wins(tmp_path):
+    """model.kv_keep_infer: from_pretrained holds that many kept tokens, each query reading the
+    kv_keep it trained with; kv_keep= and kv_keep_read= override both, and what is loaded says
+    what it holds (kv_keep_infer spent), so that saving and loading it again changes nothing."""
+    from elephant.hub import HubError, from_pretrained, save_pretrained
+    save_pretrained(make(kv_keep=2, kv_keep_infer=6), tmp_path / "m")
+    m, _, config = from_pretrained(tmp_path / "m")
+    assert (m.cfg.kv_keep, m.cfg.kv_keep_read, m.cfg.kv_keep_infer) == (6, 2, 0)
+    assert config["model"]["kv_keep"] == 6
+    assert m.blocks[0].mixer.keep_read == 2 and m.init_state(1).kv[0].keep_k.shape[2] == 6
+    save_pretrained(m, tmp_path / "again")
+    assert from_pretrained(tmp_path / "again")[0].cfg.kv_keep == 6
+    m = from_pretrained(tmp_path / "m", kv_keep=3, kv_keep_read=0)[0]
+    assert (m.cfg.kv_keep, m.cfg.kv_keep_read) == (3, 0)                   # read all 3
+    assert from_pretrained(tmp_path / "m", kv_keep_read=1)[0].cfg.kv_keep == 6
+    with pytest.raises(HubError, match="kv_keep_read -1"):
+        from_pretrained(tmp_path / "m", kv_keep_read=-1)
+    with pytest.raises(ConfigError, match="kv_keep_infer"):
+        ModelConfig(kv_window=4, kv_keep=0, kv_keep_infer=8).validate()

@@ -78,7 +78,9 @@ def test_recall_cli_trains_and_scores_by_distance(tmp_path, capsys):
     assert 0 <= result["mem_gate_closed_frac"] <= 1
     assert result["recall_1K"] == result["by_distance"]["1K"]["accuracy"] and "recall_64" in result
     assert result["device"] == "cpu" and result["command"].startswith("python -m elephant.recall train")
-    assert result["kv_keep"] == 128                      # the recipe's kept tokens
+    # the recipe's kept tokens at inference (model.kv_keep_infer), each query reading the 128 it
+    # trained with
+    assert (result["kv_keep"], result["kv_keep_read"]) == (4096, 128)
     # the same checkpoint again, every document read from position 1M, with 4x the kept tokens
     code = main(["eval", "--checkpoint", str(tmp_path / "run"), "--distances", "64", "--lanes", "2",
                  "--offset", "1M", "--kv-keep", "512", "--no-progress", "--json", str(out)])
