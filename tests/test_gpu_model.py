@@ -182,6 +182,37 @@ def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem, kv_k
         assert rel(results[0][1][name], g) < 5e-2, name
 
 
+def test_each_query_reads_its_best_kept_tokens_on_cuda_as_on_the_cpu():
+    """model.kv_keep_read on CUDA: the per-head, per-query mask over [kept | window] (the masked
+    SDPA path, with position-free memory's doubled head dims) gives the CPU's logits in float32
+    (TF32 off, so that no near tie of the choice flips); under bf16 autocast it runs."""
+    import copy
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(n_mem=4, mem_rotary="free", kv_window=32, kv_keep=24, kv_keep_read=4,
+                           kv_keep_noise=0.0, layers="AM")).eval()
+    tokens = torch.randint(0, 512, (4, 2, 32))
+
+    def run(m, device):
+        state, out = None, []
+        for c in range(4):
+            logits, state = m(tokens[c].to(device), state)
+            out.append(logits.float().cpu())
+        return torch.stack(out), state
+    with torch.no_grad():
+        want, _ = run(model, "cpu")
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            got, state = run(copy.deepcopy(model).cuda(), "cuda")
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        assert state.kv[0].keep_valid.sum(1).min() == 24       # more kept than a query reads
+        assert rel(got, want) < 1e-4
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fast, _ = run(copy.deepcopy(model).cuda(), "cuda")
+        assert torch.isfinite(fast).all() and rel(fast, want) < 5e-2
+
+
 @pytest.mark.parametrize("conv_form", ["tiles", "starts"])
 def test_packed_previous_document_never_leaks_on_cuda(conv_form, monkeypatch):
     """Fast paths, fp32: changing doc A leaves doc B (starting mid-chunk, running on) bitwise equal,
