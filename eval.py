@@ -19,6 +19,7 @@ from pathlib import Path
 
 
 def parse(argv):
+    from elephant.config import add_kept_arguments
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="run dir, checkpoint folder, export folder or Hub id (user/name)")
@@ -52,15 +53,7 @@ def parse(argv):
                         "2048, 2K; a multiple of the chunk length), as if a new document started "
                         "there; the loss by position stays by the position in the document "
                         "(default 0: carried to the end)")
-    p.add_argument("--kv-keep", type=int, default=None, metavar="K",
-                   help="kept tokens per attention layer, in place of the model's own (model."
-                        "kv_keep_infer if set, else the number it trained with): more keep what "
-                        "the keep score chose through a longer stream; each query still reads as "
-                        "many as it did in training (docs/RESULTS.md; a model trained with kept "
-                        "tokens only)")
-    p.add_argument("--kv-keep-read", type=int, default=None, metavar="R",
-                   help="kept tokens each query reads, its best-matching ones (0: all; default: "
-                        "as many as in training)")
+    add_kept_arguments(p)
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "

@@ -21,6 +21,20 @@ class ConfigError(ValueError):
     """A bad recipe, key or value; the message is meant for the user as it is."""
 
 
+def add_kept_arguments(p) -> None:
+    """--kv-keep and --kv-keep-read on an argparse parser (eval.py, elephant.recall eval): how a
+    loaded model keeps and reads its kept tokens (hub.from_pretrained)."""
+    p.add_argument("--kv-keep", type=int, default=None, metavar="K",
+                   help="kept tokens per attention layer, in place of the model's own "
+                        "(model.kv_keep_infer if set, else the number it trained with): more keep "
+                        "what the keep score chose through a longer stream, and each query still "
+                        "reads as many as in training (docs/RESULTS.md; a model trained with "
+                        "kept tokens only)")
+    p.add_argument("--kv-keep-read", type=int, default=None, metavar="R",
+                   help="kept tokens each query reads, its best-matching ones (0: all; default: "
+                        "as many as in training)")
+
+
 def parse_count(text: str) -> int:
     """A token count as users write it: '512', '4K', '1M' (K = 1024, M = 1024**2)."""
     m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)

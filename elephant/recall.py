@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elephant.config import parse_count
+from elephant.config import add_kept_arguments, parse_count
 from elephant.evaluate import document_chunks
 from elephant.model import in_eval_mode
 
@@ -576,14 +576,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if name == "eval":
             s.add_argument("--offset", default="0",
                            help="start every document at this rotary position (e.g. 1M)")
-            s.add_argument("--kv-keep", type=int, default=None, metavar="K",
-                           help="kept tokens per attention layer, in place of the model's own "
-                                "(model.kv_keep_infer if set, else the number it trained with); "
-                                "more slots keep what fewer keep, and more, and each query still "
-                                "reads as many as in training (docs/RESULTS.md)")
-            s.add_argument("--kv-keep-read", type=int, default=None, metavar="R",
-                           help="kept tokens each query reads, its best-matching ones (0: all; "
-                                "default: as many as in training)")
+            add_kept_arguments(s)
         s.add_argument("--json", help="write the results to this JSON file")
         s.add_argument("--no-progress", action="store_true")
     if argv and argv[0] in parsers:
