@@ -129,6 +129,9 @@ VARIANTS = {
     # a quarter of the kept tokens in training, so that the score must pick among 4x as many
     # bytes a slot (read later with more: COPY_KEEP_EVAL=128)
     "keep-32": (["model.kv_keep=32"], []),
+    # 512 kept tokens in training, each query reading its best 128 (model.kv_keep_read): the read
+    # learns to pick among more than it reads, as it must with the 4,096 a loaded recipe keeps
+    "keep-512-read-128": (["model.kv_keep=512", "model.kv_keep_read=128"], []),
     # kept tokens charged for their mean gate (model.kv_keep_cost, 0.01 in the recall recipe
     # since 2026-11-29): what no query reads sinks; without it, and 5x as much
     "keep-cost": (["model.kv_keep_cost=0.01"], []),
