@@ -238,7 +238,7 @@ class Decoder:
             K = torch.cat([read_k, K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
             seen = kept["read_valid"][:, None, None, :].expand(B, 1, S, -1)
-            if mixer.keep_read and read_k.shape[2] > mixer.keep_read:   # as Attention.forward
+            if mixer.reads_some_kept(read_k.shape[2]):   # as Attention.forward
                 seen = kept_top(q, read_k, kept["read_valid"], mixer.keep_read)
                 mask = mask.expand(B, H, S, mask.shape[-1])
             mask = torch.cat([seen, mask], dim=-1)

@@ -400,7 +400,6 @@ def test_each_query_reads_only_the_kept_tokens_it_scores_highest(free):
     y = mixer(x, pos, cache.k, cache.v, cache.valid, kept=cache, start=state.pos, **extra)[0]
 
     with torch.no_grad():
-        y = y.detach()
         q, k, v, k_raw, q_raw = mixer.project(x, pos, raw=True, raw_q=True)
     kk, kv, kvalid = mixer.kept_tokens(cache, state.pos)
     if free:   # the memory token's key scored without rotary

@@ -578,6 +578,11 @@ class Attention(nn.Module):
         how much of a kept token's value a query reads (the score's gradient comes from there)."""
         return (x.to(self.keep_w.dtype) * self.keep_w).sum(-1) + self.keep_b
 
+    def reads_some_kept(self, K: int) -> bool:
+        """Whether each query reads only some of K kept tokens (model.kv_keep_read < K): its
+        best, chosen by `kept_top`, in the chunked forward and the generation step alike."""
+        return 0 < self.keep_read < K
+
     def kept_tokens(self, cache, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values and validity ((B, H, K, hd), (B, K)) of the kept tokens of `cache` for a
         chunk starting at position `start` (B,) of the lane's document. A kept token reads as if
@@ -658,7 +663,7 @@ class Attention(nn.Module):
             cache_k, cache_v = cache_k.detach(), cache_v.detach()
             if kept is not None:
                 kept_k, kept_v, kept_valid = self.kept_tokens(kept, start)
-                if self.keep_read and kept_k.shape[2] > self.keep_read:   # each query its own
+                if self.reads_some_kept(kept_k.shape[2]):   # each query its own
                     top = kept_k.shape[2]
                     cache_k = torch.cat([kept_k.to(cache_k.dtype), cache_k], dim=2)
                     cache_v = torch.cat([kept_v.to(cache_v.dtype), cache_v], dim=2)
