@@ -30,6 +30,7 @@ from __future__ import annotations
 import codecs
 import math
 import numbers
+import sys
 from typing import Callable, Sequence
 
 import torch
@@ -570,3 +571,16 @@ class TextStream:
         text = self.tokenizer.decode(self.ids) if self.ids else ""
         self.ids, self.shown, new = [], 0, text[self.shown:]
         return new
+
+
+class _CallableModule(type(sys.modules[__name__])):
+    """This module, callable as its `generate`: `from elephant import generate` gives the function
+    while the package has not imported this module yet (elephant/__init__.py imports it lazily,
+    so that the CLIs' --help does not import torch) and this module once it has; both then run
+    `generate(model, prompt_ids, ...)`."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
