@@ -259,14 +259,19 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
         skip = answer_span(tokenizer, tokenizer.encode(answer))   # a leading space: not scored
         need = last_mention[k] - 1 + distance - len(before_ids) - skip - length   # filler tokens
         if need > 0:
-            # characters per token of this tokenizer on filler, refined until there are enough
-            # (a BPE tokenizer reads more than one character a token, and a joint may merge two)
+            # characters per token of this tokenizer on filler, refined once; then, while still
+            # short (a BPE tokenizer reads several characters a token, and a cut at a word loses
+            # some), the stretch is continued by its own start: no more draws of `rng`, so the
+            # document's other parts are those the single refinement gave
             text = filler.text(need)
             got = len(tokenizer.encode(text))
-            for more in (1,) + (8,) * 15:
+            if got and got < need:
+                text = text + filler.text(int((need - got) * len(text) / got) + 1)
+                got = len(tokenizer.encode(text))
+            for _ in range(16):
                 if not got or got >= need:
                     break
-                text = text + filler.text(int((need - got) * len(text) / got) + more)
+                text = text + " " + text[:int((need - got) * len(text) / got) + 8]
                 got = len(tokenizer.encode(text))
             ids = tokenizer.encode(text)[:need]
             pieces.append(list(ids))
