@@ -9,9 +9,13 @@ cached key keeps its position; a negative position means "not rotated" (memory t
 tokens (model.kv_keep, `kept=`), the layer's kept keys/values join the window as one cache (the
 invalid slots of both moved to its front, `with_kept_first`): rotated at a position just before the
 window (so at the same distance from the chunk however old they are), values scaled by
-sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"),
-every query scores the memory tokens' keys without rotary (`free_scores`: one kernel call on
-doubled head dims).
+sigmoid(keep score) (`Attention.kept_tokens`). Where a query reads only its best kv_keep_read of
+more kept tokens (`reads_some_kept`): in training (a gradient recorded) and for packed documents,
+[kept | window] under a mask per head and query (`kept_top`); at inference, in two parts merged by
+log-sum-exp, [window | chunk] by the kernel below and each query's best kept tokens apart
+(`attend_top_kept`, layers/kept_read.py): no mask, each kept key scored once. With `free`
+(mem_rotary "free"), every query scores the memory tokens' keys without rotary (`free_scores`:
+one kernel call on doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which a flash kernel takes only as variable-length sequences. So:
@@ -568,7 +572,8 @@ def kept_top(q: Tensor, keys: Tensor, valid: Tensor, read: int) -> Tensor:
     kv_keep_read): the valid ones whose keys it scores highest (`read` exactly, ties broken
     either way), all the valid ones when there are no more. q (B, H, S, hd), keys (B, H, K, hd)
     as the kernel scores them (position-free memory's padded form too), valid (B, K) ->
-    (B, H, S, K) bool. A choice, so no gradient."""
+    (B, H, S, K) bool. A choice, so no gradient. The masked path's; the two-part read
+    (`kept_read.top_kept_read`) makes the same choice from the same scores."""
     with torch.no_grad():
         seen = valid[:, None, None, :]
         s = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
@@ -638,7 +643,8 @@ class Attention(nn.Module):
 
     def reads_some_kept(self, K: int) -> bool:
         """Whether each query reads only some of K kept tokens (model.kv_keep_read < K): its
-        best, chosen by `kept_top`, in the chunked forward and the generation step alike."""
+        best, chosen as `kept_top` chooses, in the chunked forward and the generation step alike
+        (at inference both read them apart from the window: `attend_top_kept`)."""
         return 0 < self.keep_read < K
 
     def kept_tokens(self, cache, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -703,7 +709,9 @@ class Attention(nn.Module):
         start inside the chunk for the variable-length kernel, 0: none) and layouts (shared by
         the chunk's layers): see `attend_segments`.
         kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
-        chunk's first position), before the window and like it (`kept_tokens`).
+        chunk's first position), before the window and like it (`kept_tokens`); where each query
+        reads only some of them, by the two-part read when no gradient is recorded and seg is
+        None (`attend_top_kept`), else by a mask per head and query.
         free (S,) bool: the memory tokens, whose keys every query scores without rotary
         (mem_rotary "free", `free_scores`; the prefix keys count as memory too).
 
