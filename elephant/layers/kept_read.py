@@ -66,19 +66,29 @@ def top_kept_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, read: 
     instead would write (B, H, S, R, dv), R dv = 8,192 elements a query at R = 128 (twice
     the K = 4,096 of the scores, which are there anyway) and read them back for a product of
     a row by R rows per query; the dense product writes nothing more and runs on the tensor
-    cores (2 S K dv flops a head, ~0.2 ms at the recall recipe's shape). Lanes are taken in
-    blocks of at most KEPT_READ_BLOCK score elements."""
-    B, H, S, _ = q.shape
+    cores (2 S K dv flops a head). Lanes are taken in blocks of at most KEPT_READ_BLOCK score
+    elements. Ranking by NEG + q.k (below) changes no choice among valid slots."""
+    B, H, S, hd = q.shape
     K = keys.shape[2]
     work = torch.promote_types(q.dtype, torch.float32)
+    # The validity enters the score product as one more dimension, queries [q, 1, 0 ...] against
+    # keys [k, 0 or NEG, 0 ...] (8 more, so that rows stay 16-byte aligned): an invalid slot
+    # scores NEG + q.k, and no pass over the (B, H, S, K) scores masks them (a copy of the K
+    # keys instead, 1/S of that). NEG is far below any score and far above the dtype's least.
+    neg = torch.finfo(q.dtype).min / 4
+    one = q.new_zeros(*q.shape[:3], 8)
+    one[..., 0] = 1
+    qx = torch.cat([q, one], dim=-1)                                          # (B, H, S, hd + 8)
+    bias = q.new_zeros(B, K).masked_fill_(~valid, neg)[:, None, :, None].expand(B, H, K, 1)
+    kx = torch.cat([keys.to(q.dtype), bias, q.new_zeros(B, H, K, 7)], dim=-1)  # (B, H, K, hd + 8)
     step = max(1, KEPT_READ_BLOCK // max(1, H * S * K))
     outs, lses = [], []
     for b0 in range(0, B, step):
         lanes = slice(b0, b0 + step)
-        s = torch.matmul(q[lanes], keys[lanes].to(q.dtype).transpose(-1, -2))   # (b, H, S, K)
-        s.masked_fill_(~valid[lanes, None, None, :], float("-inf"))
+        s = torch.matmul(qx[lanes], kx[lanes].transpose(-1, -2))               # (b, H, S, K)
         top, idx = s.topk(read, dim=-1, sorted=False)                          # (b, H, S, R)
-        t = top.to(work) * scale
+        # a pick of an invalid slot (a lane holding fewer valid than R) weighs nothing
+        t = torch.where(top > neg / 2, top.to(work) * scale, float("-inf"))
         lse = t.logsumexp(-1)                                                  # (b, H, S)
         # a lane with no valid kept token: every pick -inf, weight 0 (not exp(-inf + inf))
         p = torch.exp(t - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
