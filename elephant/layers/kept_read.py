@@ -41,14 +41,16 @@ def masked_attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
     """Attention of q (B, H, S, dk) over k (B, H, n, dk), v (B, H, n, dv) under the boolean mask
     (B or 1, H or 1, S, n), written out, with its log-sum-exp: (out (B, H, S, dv) in v's dtype,
     lse (B, H, S) in float32 or float64). Every query must see a key. `scale`: default
-    1 / sqrt(dk), SDPA's. The reference of part 1, and the token step's (few queries)."""
+    1 / sqrt(dk), SDPA's. The reference of part 1, and the token step's (few queries). The
+    products in the inputs' dtype (in bf16 the scores rounded once, the weights as a flash
+    kernel rounds them), the softmax in float32 at least."""
     work = torch.promote_types(q.dtype, torch.float32)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale     # (B, H, S, n)
+    s = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)).to(work) * scale   # (B, H, S, n)
     s = s.masked_fill(~mask, float("-inf"))
     lse = s.logsumexp(-1)                                                  # (B, H, S)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(work))
-    return out.to(v.dtype), lse
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(v.dtype), v)
+    return out, lse
 
 
 def top_kept_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, read: int,
