@@ -34,7 +34,7 @@ COMMANDS = {
     "attention-paths": ("attention", "attention_paths", "attention over [window | chunk], every kernel"),
     "qkv-plain": ("attention", "qkv_plain", "the plain q/k norm and rotary path's variants"),
     "varlen-tile": ("attention", "varlen_tile", "FlashAttention-2's ragged last query tile"),
-    "kept-read": ("kept", "kept_read", "each query's best R of K kept tokens: mask vs two parts (--cpu-smoke)"),
+    "kept-read": ("kept", "kept_read", "best R of K kept tokens: mask vs two parts (--cpu-smoke)"),
     "layers": ("layers", "layers", "attention paths and the fused MLP (--cpu-smoke)"),
     "gated-norm": ("layers", "gated_norm", "the gated RMSNorm backward's launch sweep"),
     "model": ("model", "model_bench", "the ~70M model's step, reference and fast paths (--cpu-smoke)"),

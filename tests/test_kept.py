@@ -446,11 +446,13 @@ def test_a_model_keeps_its_inference_capacity_when_loaded_and_an_explicit_one_wi
 
 
 # ------------------------------------------------------------------ the two-part kept read
-def varlen_lse_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+def varlen_lse_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, padded=False):
     """What FlashAttention's varlen kernel returns with its log-sum-exp: out (total_q, H, hd) as
-    test_attention.varlen_reference, lse (H, total_q) of each query's scaled scores."""
+    test_attention.varlen_reference, lse (H, total_q) of each query's scaled scores (`padded`:
+    (sequences, H, max_q), the layout before FlashAttention 2.6)."""
     from test_attention import varlen_reference
     lse = q.new_zeros(q.shape[1], q.shape[0])
+    lse_padded = q.new_zeros(len(cu_q) - 1, q.shape[1], max_q)
     for i in range(len(cu_q) - 1):
         q0, q1, k0, k1 = (int(t) for t in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
         nq, nk = q1 - q0, k1 - k0
@@ -458,7 +460,8 @@ def varlen_lse_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
             scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
             seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
             lse[:, q0:q1] = scores.masked_fill(~seen, float("-inf")).logsumexp(-1)
-    return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale), lse
+            lse_padded[i, :, :nq] = lse[:, q0:q1]
+    return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale), lse_padded if padded else lse
 
 
 def kept_read_case(dtype, free: bool, seed: int = 0):
@@ -500,29 +503,29 @@ def masked_kept_read(q, qa, ka, v, cache_k, cache_v, cache_valid, kept_k, kept_v
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("free", [False, True])
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("varlen", ["no", "flash", "flash-padded-lse"])
 def test_the_two_part_kept_read_equals_the_masked_path(monkeypatch, dtype, free, varlen):
     """attend_top_kept: [window | chunk] (written out, or by the variable-length kernel, its kernel
-    replaced by what FlashAttention returns) merged by log-sum-exp with each query's best 3 of 7
-    kept tokens gives what the per-query mask over [kept | window | chunk] gives, for lanes with
-    full, empty and partly valid windows and all, some, fewer than 3 and no valid kept tokens,
-    with position-free memory's doubled scores too."""
+    replaced by what FlashAttention returns, its log-sum-exp in either layout) merged by
+    log-sum-exp with each query's best 3 of 7 kept tokens gives what the per-query mask over
+    [kept | window | chunk] gives, for lanes with full, empty and partly valid windows and all,
+    some, fewer than 3 and no valid kept tokens, with position-free memory's doubled scores too."""
     from elephant.layers import attention
     case = kept_read_case(dtype, free)
     q, qa, ka, v, cache_k, cache_v, cache_valid, kept_k, kept_v, kept_valid = case
     want = masked_kept_read(*case, read=3)
     calls = []
-    if varlen:
+    if varlen != "no":
         def kernel(*args):
             calls.append(args[0].shape)
-            return varlen_lse_reference(*args)
+            return varlen_lse_reference(*args, padded=varlen == "flash-padded-lse")
         monkeypatch.setattr(attention, "varlen_supported", lambda q, v: True)
         monkeypatch.setattr(attention, "flash_varlen_lse", kernel)
     window_k = attention.pad_sequence_keys(cache_k) if free else cache_k
     got = attention.attend_top_kept(qa, ka, v, window_k, cache_v, cache_valid, q, kept_k, kept_v,
                                     kept_valid, 3)
     # the kernel saw the lanes' S queries and values padded to the scores' head dims
-    assert calls == ([(4 * 5, 2, qa.shape[-1])] if varlen else [])
+    assert calls == ([(4 * 5, 2, qa.shape[-1])] if varlen != "no" else [])
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert got.dtype == dtype and got.shape == v.shape
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

@@ -247,7 +247,8 @@ def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Ten
     (B, S, H, hd) rows (the layer's output projection reads them as they are). `kernel`: the
     varlen attention (default `flash_varlen`, looked up at the call: the CPU tests replace it by a
     reference). `lse`: also each query's log-sum-exp (B, H, S) float32 (the kernel then default
-    `flash_varlen_lse`, returning (out, lse (H, B * S)))."""
+    `flash_varlen_lse`, returning (out, lse (H, B * S), or FlashAttention's older padded
+    (2B, H, S)))."""
     B, H, S, hd = q.shape
     W = cache_k.shape[2]
     Q = q.transpose(1, 2).reshape(B * S, H, hd)
@@ -256,8 +257,11 @@ def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Ten
     cu_q, cu_k = varlen_bounds(cache_valid.sum(1), S, W)
     if lse:
         out, lse = (kernel or flash_varlen_lse)(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
-        # queries flattened lane by lane: (H, B * S) -> (B, H, S)
-        return out.view(B, S, H, hd).transpose(1, 2), lse.view(H, B, S).transpose(0, 1)
+        if lse.dim() == 3:   # FlashAttention before 2.6: (sequences, H, max_q), lane b's queries
+            lse = lse.view(B, 2, H, -1)[:, 1, :, :S]                    # in its sequence 2b + 1
+        else:                # queries flattened lane by lane: (H, B * S) -> (B, H, S)
+            lse = lse.view(H, B, S).transpose(0, 1)
+        return out.view(B, S, H, hd).transpose(1, 2), lse
     out = (kernel or flash_varlen)(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
     return out.view(B, S, H, hd).transpose(1, 2)
 
