@@ -441,7 +441,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False,
              long_docs: int = LONG_DOC_TOKENS, compact: bool = False, side: bool = False,
-             reset_every: int = 0, drop: tuple = ()) -> dict:
+             reset_every: int = 0, drop: tuple = (), per_document: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
     `chunk_steps`: the chunks this rank ran (both batches' with a side batch; a pass's lane fill
     is the tokens over lane_chunks x chunk_len), and `position_buckets_long`: the loss by position over
@@ -465,6 +465,9 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     of chunk_len); the loss by position stays by the position in the whole document.
     `drop`: carried parts of the state (state.CARRIED_PARTS: window, kept, memory, ssm) cleared
     in every lane after every chunk, the rest carried: what each part is worth (eval.py --drop).
+    `per_document`: the result also holds `document_nll`, each document's summed NLL (nats) in
+    the corpus's order (0 for a document of fewer than two tokens, which predicts nothing): what
+    an adapter that scores documents one by one reports (elephant.lm_eval).
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
@@ -545,7 +548,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
     long_buckets = PositionBuckets()
     long_buckets.add_sums(long_nll.tolist(), [round(n) for n in long_tok.tolist()])
-    return meter.result() | {
+    documents = {"document_nll": nll_docs.tolist()} if per_document else {}
+    return meter.result() | documents | {
         "chunk_steps": sum(p.chunk_steps for p in passes),
         "lane_chunks": sum(p.lane_chunks for p in passes),
         "position_buckets_long": long_buckets.to_dict(), "long_documents": int(is_long.sum()),
