@@ -149,6 +149,10 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None
 # mask and computes every masked tile (1.01 ms against 0.61 forward and backward at the recipe's
 # shape, benchmarks/kernels.py attention-paths). ELEPHANT_ATTN_VARLEN=0: the masked path (A/B).
 VARLEN = os.environ.get("ELEPHANT_ATTN_VARLEN", "1") != "0"
+# At inference, a layer that reads only some of its kept tokens reads them apart from the window
+# and merges the two by log-sum-exp (`attend_top_kept`); ELEPHANT_KEPT_TWO_PART=0: the masked
+# path instead (the benchmarks' A/B, and a fallback until the GPU has measured it)
+KEPT_TWO_PART = os.environ.get("ELEPHANT_KEPT_TWO_PART", "1") != "0"
 
 
 def varlen_supported(q: Tensor, v: Tensor) -> bool:
@@ -738,7 +742,7 @@ class Attention(nn.Module):
                     # kept tokens and window as one cache, its valid slots last
                     cache_k, cache_v, cache_valid = with_kept_first(kept_k, kept_v, kept_valid,
                                                                     cache_k, cache_v, cache_valid)
-                elif seg is None and not records_graph(q, kept_v):
+                elif KEPT_TWO_PART and seg is None and not records_graph(q, kept_v):
                     two_part = True   # inference, documents not packed: no mask
                 else:   # training, or packed documents: a mask per head and query over [kept | window]
                     top = kept_k.shape[2]
