@@ -69,7 +69,7 @@
 #           files come back) before it is scored, for a later call to score without training:
 #   long    benchmarks/long_study.py (issues 70, 71): the wt103-70m recipe's model on Python source
 #           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
-#           "recipe transformer") trained side by side for LONG_STEPS, scored (loss by position over
+#           "keep-mix transformer") trained side by side for LONG_STEPS, scored (loss by position over
 #           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
@@ -385,10 +385,11 @@ for stage in $stages; do
       # benchmarks/long_study.py: LONG_VARIANTS trained side by side on this GPU for LONG_STEPS
       # steps, stopped with a checkpoint LONG_END_AT seconds after gpu.sh started (a later call
       # on the same machine resumes them; LONG_END_AT=0: no training), then LONG_SCORE's
-      # variants scored side by side (the recipe with LONG_RECIPE_SCORE: the drops and the 1M
-      # needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and one results file
+      # variants scored side by side (LONG_HYBRID, default keep-mix, with LONG_HYBRID_SCORE: the
+      # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
+      # one results file
       L="python benchmarks/long_study.py --runs /tmp/long-study --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
-      variants=${LONG_VARIANTS:-recipe transformer}
+      variants=${LONG_VARIANTS:-keep-mix transformer}
       if [ "${LONG_END_AT:-540}" != 0 ]; then
         timeout 300 $L prepare ${variants// /,} 2>&1 | tee "$LOGS/long_prepare.log" | tail -8
         left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
@@ -402,7 +403,7 @@ for stage in $stages; do
       score=${LONG_SCORE:-$variants}
       [ "$score" = skip ] && score=""
       for v in $score; do
-        extra=$([ $v = recipe ] && echo "${LONG_RECIPE_SCORE---drops --needle-1m}")
+        extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &
       done
       wait
@@ -410,7 +411,7 @@ for stage in $stages; do
       for v in ${LONG_SPEED:-}; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
       done
-      $L report 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
+      $L report --hybrid ${LONG_HYBRID:-keep-mix} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

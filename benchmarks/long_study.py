@@ -11,18 +11,20 @@ sliding window of its trained context.
     python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
     python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m]
     python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
-    python benchmarks/long_study.py report [--out FILE]             # one results file
+    python benchmarks/long_study.py report [--hybrid keep-mix] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
 
 Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
-  recipe        configs/wt103-70m.toml as committed: kept tokens charged and dropped in training,
-                4,096 kept at inference reading 128, the recall mix, the length curriculum
-  recipe-nomix  the recipe without data.recall_mix
-  today         the recipe as it was before those settings (kept tokens, nothing else)
+  today         configs/wt103-70m.toml as it is: 128 kept tokens, nothing else of the recall recipe
+  keep          + the recall recipe's kept-token settings (kept tokens charged and dropped in
+                training, 4,096 kept at inference reading 128) and its length curriculum
+  keep-mix      + a fifth of the training text as recall documents (data.recall_mix)
   transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
                 lanes (the same 32,768 tokens a step) with the documents packed back to back (most
                 files are shorter than 8K: unpacked, half of each row would be padding), its MLP
-                widened to the recipe's size; the recipe's data (mix and curriculum included)
+                widened to the hybrid's size; keep-mix's data (mix and curriculum included)
+The 2026-12-07 runs (benchmarks/results/long_study_2026-12-07_H100.json) named keep-mix "recipe"
+and keep "recipe-nomix": the recipe file held keep-mix's settings then.
 
 `score` reads the held-out split: the loss over every test file with carried state, the loss by
 position over the test files of over 64K tokens (the transformer reads them in chunks of 1,024
@@ -49,14 +51,20 @@ if not NEOX.is_dir():
     NEOX = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt-neox-20b"
 DATA = ["data.source=pycode", "data.site_packages=true", "data.valid_split=",
         "train.eval_every=0", "train.ckpt_every=250", "train.log_every=50", "train.keep_ckpts=1"]
-_NO_LONG = ["model.kv_keep_cost=0", "model.kv_keep_drop=0", "model.kv_keep_infer=0"]
+# the recall recipe's kept-token settings (configs/recall.toml) and its length curriculum
+_KEEP = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_drop=0.1",
+         "data.length_curriculum_steps=300", "data.length_curriculum_start=1024"]
+# a fifth of the training text as recall documents cut from the corpus's own text
+_MIX = ["data.recall_mix=0.2", "data.recall_min_gap=64", "data.recall_max_gap=65536",
+        "data.recall_max_queries=8"]
 VARIANTS = {
-    "recipe": [],
-    "recipe-nomix": ["data.recall_mix=0"],
-    "today": _NO_LONG + ["data.recall_mix=0", "data.length_curriculum_steps=0"],
-    "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
-                    "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192",
-                    "train.lanes=4", "data.pack=true"] + _NO_LONG,
+    "today": [],
+    "keep": _KEEP,
+    "keep-mix": _KEEP + _MIX,
+    "transformer": _KEEP[3:] + _MIX + [
+        "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
+        "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192", "train.lanes=4",
+        "data.pack=true"],
 }
 RECIPE = ROOT / "configs" / "wt103-70m.toml"
 EVAL_CHUNK = 1024          # the transformer's evaluation chunk; its window: the rest of its context
@@ -81,7 +89,7 @@ def overrides(name: str, args) -> list[str]:
     if args.smoke:
         out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if name == "transformer" else [])
     if name == "transformer":   # its MLP widened until it has the recipe's parameters
-        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('recipe', args)))}")
+        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('today', args)))}")
     return out
 
 
@@ -265,7 +273,7 @@ def report(args) -> int:
               for p in sorted(runs.glob("speed-*.json"))}
     out = {"benchmark": "long_study", **environment("cpu" if args.smoke else None),
            "steps": args.steps, "variants": scores, "speed": speeds}
-    recipe, tf = scores.get("recipe"), scores.get("transformer")
+    recipe, tf = scores.get(args.hybrid), scores.get("transformer")
     if recipe:
         out |= recipe["needle"]
         carried = recipe["long"].get("carried", {}).get("bands", {})
@@ -278,20 +286,20 @@ def report(args) -> int:
             theirs = tf["long"]["carried"]["bands"]
             out["vs_long_transformer_inside"] = mean_gap(theirs, carried, INSIDE)
             out["vs_long_transformer_beyond"] = mean_gap(theirs, carried, BEYOND)
-    if "recipe" in speeds and "transformer" in speeds and speeds["transformer"]["tokens_per_s"]:
-        out["speed_vs_long_transformer"] = (speeds["recipe"]["tokens_per_s"]
+    if args.hybrid in speeds and "transformer" in speeds and speeds["transformer"]["tokens_per_s"]:
+        out["speed_vs_long_transformer"] = (speeds[args.hybrid]["tokens_per_s"]
                                             / speeds["transformer"]["tokens_per_s"])
-    for name in ("today", "recipe-nomix"):
-        if recipe and name in scores:   # the LM loss over every test file, paired (same seed)
-            out[f"recipe_minus_{name.replace('-', '_')}_nats_per_byte"] = (
-                recipe["test"]["nats_per_byte"] - scores[name]["test"]["nats_per_byte"])
+    for name, score in scores.items():   # the LM loss over every test file, paired (same seed)
+        if name not in (args.hybrid, "transformer"):
+            out[f"{args.hybrid}_minus_{name}_nats_per_byte".replace("-", "_")] = (
+                recipe["test"]["nats_per_byte"] - score["test"]["nats_per_byte"]) if recipe else None
     path = Path(args.out) if args.out else (
         Path("/tmp") / "long_study_smoke.json" if args.smoke else ROOT / "benchmarks" / "results" /
         f"long_study_{time.strftime('%Y-%m-%d')}_{out['device'].replace(' ', '_')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
-    keys = [k for k in out if k.startswith(("needle", "vs_", "speed_vs", "memory_worth", "recipe_minus",
-                                            "context_gain"))]
+    keys = [k for k in out if k.startswith(("needle", "vs_", "speed_vs", "memory_worth", "context_gain"))
+            or "_minus_" in k]
     print(json.dumps({k: out[k] for k in keys}, indent=1))
     print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -302,10 +310,10 @@ def smoke(args) -> int:
     import shutil
     args.smoke, args.steps = True, 4
     shutil.rmtree(args.runs, ignore_errors=True)
-    for name in ("recipe", "transformer"):
+    for name in ("keep-mix", "transformer"):
         args.variant, args.stop_after_s = name, 0.0
         train(args)
-        args.drops, args.needle_1m = name == "recipe", False
+        args.drops, args.needle_1m = name == "keep-mix", False
         score(args)
     return report(args)
 
@@ -313,7 +321,9 @@ def smoke(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("prepare", "train", "score", "speed", "report", "smoke"))
-    p.add_argument("variant", nargs="?", default="recipe")
+    p.add_argument("variant", nargs="?", default="keep-mix")
+    p.add_argument("--hybrid", default="keep-mix",
+                   help="report: the hybrid whose figures are the goals' keys (default keep-mix)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--stop-after-s", type=float, default=0.0)
     p.add_argument("--runs", default="/tmp/long-study")
