@@ -8,6 +8,11 @@ Two kinds cover everything we train on:
 Each has `encode`, `encode_batch`, `decode`, `vocab_size`, `eot_id`, `name`, `save(dir)` and a
 `fingerprint`: the sha256 of its canonical content, so a cache built with one tokenizer is never read
 with another. Special tokens are never added by `encode`; the corpus builder appends `eot_id` itself.
+
+`save(dir)` also writes what transformers' `AutoTokenizer.from_pretrained(dir)` reads: a
+`tokenizer.json` (for the byte tokenizer, `ByteTokenizer.hf_tokenizer()`: a byte-level BPE without
+merges whose ids are the bytes, giving the same ids and text) and a `tokenizer_config.json` naming
+`PreTrainedTokenizerFast` and the end-of-text token as its eos token.
 """
 from __future__ import annotations
 
@@ -54,10 +59,34 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> Path:
+        """The marker file load_tokenizer reads, and beside it the same tokenizer for transformers
+        (hf_tokenizer). Returns the marker's path."""
         path = Path(directory) / BYTES_MARKER
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"type": "bytes", "fingerprint": self.fingerprint}) + "\n")
+        self.hf_tokenizer().save(str(path.parent / "tokenizer.json"))
+        # split_special_tokens: the text "<|endoftext|>" is its 13 bytes, as encode() gives it
+        _write_transformers_config(path.parent, EOT_CANDIDATES[0], split_special_tokens=True)
         return path
+
+    def hf_tokenizer(self):
+        """This tokenizer as a Hugging Face `tokenizers.Tokenizer`: the same ids for any text
+        and the same text for any ids (decode drops the end-of-text id and ids past it, and
+        replaces invalid UTF-8 as bytes.decode(errors="replace") does).
+
+        A byte-level BPE without merges: the ByteLevel pre-tokenizer maps every byte to one
+        printable character (GPT-2's table) and the vocabulary maps that character to the byte's
+        value; the end-of-text token is a special token at id 256 that decodes to nothing."""
+        from tokenizers import AddedToken, Tokenizer as _Tok, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+        tok = _Tok(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        eot = EOT_CANDIDATES[0]
+        tok.decoder = decoders.Sequence([decoders.Replace(eot, ""), decoders.ByteLevel()])
+        tok.add_special_tokens([AddedToken(eot, special=True)])
+        assert tok.token_to_id(eot) == self.eot_id
+        return tok
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
@@ -89,13 +118,42 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike) -> Path:
+        """tokenizer.json (what load_tokenizer reads) and transformers' tokenizer_config.json."""
         path = Path(directory) / "tokenizer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.tokenizer.save(str(path))
+        eot = None if self.eot_id is None else self.tokenizer.id_to_token(self.eot_id)
+        _write_transformers_config(path.parent, eot)
         return path
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for every byte 0..255 (the ByteLevel pre-tokenizer's table):
+    printable Latin-1 bytes stand for themselves, the others for chr(256 + n) in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
+def _write_transformers_config(directory: Path, eos_token: str | None,
+                               split_special_tokens: bool = False) -> None:
+    """tokenizer_config.json, so that transformers' AutoTokenizer reads tokenizer.json as a
+    PreTrainedTokenizerFast with the end-of-text token as eos (no model registration needed)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if eos_token is not None:
+        config["eos_token"] = eos_token
+    if split_special_tokens:
+        config["split_special_tokens"] = True
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def gpt2_from_files(vocab_json: Path, merges_txt: Path, name: str = "gpt2") -> HFTokenizer:
@@ -138,10 +196,10 @@ def load_tokenizer(spec, eot_token: str | None = None) -> Tokenizer:
 
 
 def _load_dir(path: Path, eot_token: str | None) -> Tokenizer:
+    if (path / BYTES_MARKER).is_file():   # first: ByteTokenizer.save writes a tokenizer.json too
+        return ByteTokenizer()
     if (path / "tokenizer.json").is_file():
         return _load_file(path / "tokenizer.json", path.name, eot_token)
-    if (path / BYTES_MARKER).is_file():
-        return ByteTokenizer()
     if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
         return gpt2_from_files(path / "vocab.json", path / "merges.txt", name=path.name)
     raise DataError(f"tokenizer folder {path} holds neither tokenizer.json, {BYTES_MARKER}, "

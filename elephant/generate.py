@@ -179,6 +179,19 @@ class Decoder:
             self._merge(lanes, keep)
         self.phase = [0 if r else p for r, p in zip(lanes, self.phase)]
 
+    @torch.no_grad()
+    def reorder(self, index: Tensor) -> None:
+        """Lane b takes the state of lane index[b] (index (B,) int64; beam search's reordering), in
+        place, so that buffer addresses (and a captured CUDA graph) stay valid."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.device)
+        if index.shape != (self.B,):
+            raise GenerationError(f"reorder: expected {self.B} lane indices, got shape {tuple(index.shape)}")
+        for t in self._tensors():
+            t.copy_(t[index])
+        if self.memory is not None:
+            self.memory = self.memory[index]
+        self.phase = [self.phase[i] for i in index.tolist()]
+
     # ---------------------------------------------------------------- the layers
     def _blocks(self, x: Tensor, pos: Tensor) -> Tensor:
         """Run x (B, S, D) at rotary positions pos (B, S) through every layer, appending its keys
@@ -442,6 +455,29 @@ def _prompts(prompt_ids, vocab: int) -> tuple[list[list[int]], bool]:
     return prompts, single
 
 
+@torch.no_grad()
+def read_prompt(model, tokens: Tensor, chunk_len: int, last_only: bool = True,
+                cuda_graph: bool = False, compile: bool = False) -> tuple[Decoder, Tensor]:
+    """Read prompts, tokens (B, L) with L >= 1, into fresh lanes: a Decoder after them and the logits
+    of their last token (B, V), or with `last_only=False` of every token (B, L, V).
+
+    The whole chunks before the one that holds the last token go through the chunked forward, the
+    rest (1..chunk_len tokens) through one prefill, so that the last logits come from the decoder.
+    `generate` and the transformers adapter (elephant/hf.py) read a prompt this way, so that they
+    agree token for token."""
+    B, L = tokens.shape
+    T = int(chunk_len)
+    full = (L - 1) // T
+    state, logits = None, []
+    for c in range(full):
+        out, state = model(tokens[:, c * T:(c + 1) * T], state)
+        if not last_only:
+            logits.append(out)
+    dec = Decoder(model, B, T, state=state, cuda_graph=cuda_graph, compile=compile)
+    last = dec.prefill(tokens[:, full * T:], last_only=last_only)
+    return dec, (last if last_only else torch.cat(logits + [last], dim=1))
+
+
 @in_eval_mode
 @torch.no_grad()
 def generate(model, prompt_ids, max_new_tokens: int = 256, temperature: float = 1.0,
@@ -485,15 +521,9 @@ def generate(model, prompt_ids, max_new_tokens: int = 256, temperature: float = 
         padded[b, :len(p)] = torch.tensor(p)
     padded = padded.to(device)
 
-    # the prompt: whole chunks common to every lane through the chunked forward, the rest of the
-    # common part as one prefill, then lanes with longer prompts are fed theirs token by token
-    full = (L0 - 1) // T          # keep >= 1 token for the decoder, so the last logits come from it
-    state = None
-    for c in range(full):
-        _, state = model(padded[:, c * T:(c + 1) * T], state)
-    dec = Decoder(model, B, T, state=state, cuda_graph=cuda_graph, compile=compile)
-    start = full * T
-    logits = dec.prefill(padded[:, start:L0], last_only=True)     # 1..T tokens
+    # the prompt part common to every lane (read_prompt), then lanes with longer prompts are fed
+    # theirs token by token
+    dec, logits = read_prompt(model, padded[:, :L0], T, cuda_graph=cuda_graph, compile=compile)
 
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B

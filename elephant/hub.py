@@ -1,11 +1,17 @@
 """Export folders for trained models, loading them back, and publishing them on the Hugging Face Hub.
 
 An export folder holds
-    config.json         {"format": "elephant", "elephant_version", "model": ModelConfig, and when
-                        known "data" / "optim" / "train" (the training recipe) and "metrics"}
+    config.json         {"format": "elephant", "model_type": "elephant", "architectures",
+                        "elephant_version", "model": ModelConfig, and when known "data" / "optim" /
+                        "train" (the training recipe) and "metrics"}
     model.safetensors   the weights (tied weights stored once); loading never unpickles anything
-    tokenizer files     whatever the data_packing tokenizer's save(dir) writes
+    tokenizer files     whatever the data_packing tokenizer's save(dir) writes (tokenizer.json and
+                        tokenizer_config.json among them, for transformers' AutoTokenizer)
+    generation_config.json   with a tokenizer: its end-of-text id as eos and the padded vocabulary
+                        ids past the tokenizer's suppressed, as eval.py's generation samples
     README.md           a model card: architecture, data, evaluation, how to load
+`model_type` and `architectures` are what transformers' Auto classes read (elephant/hf.py
+registers the classes they name); exports written before them load here all the same.
 It is written into a temporary folder and renamed into place, so a reader sees the old export or
 the new one, never half of one. `from_pretrained` takes such a folder, a Hub id, a training run
 dir or a checkpoint folder (`run_dir/checkpoints/step_NNNNNNN/`, see elephant/checkpoint.py).
@@ -40,7 +46,11 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
 FORMAT = "elephant"
-CONFIG_KEYS = ("format", "elephant_version", "model", "data", "optim", "train", "metrics")
+GENERATION_CONFIG = "generation_config.json"
+MODEL_TYPE = "elephant"                     # transformers' AutoConfig key (elephant/hf.py)
+ARCHITECTURE = "ElephantForCausalLM"
+CONFIG_KEYS = ("format", "model_type", "architectures", "elephant_version", "model", "data",
+               "optim", "train", "metrics")
 RECIPE_SECTIONS = ("data", "optim", "train")
 # files by which data_packing.load_tokenizer(dir) recognizes a saved tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "bytes_tokenizer.json", "vocab.json")
@@ -70,7 +80,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, tokenizer=None,
     if out_dir.exists() and not _is_export(out_dir):
         raise HubError(f"{out_dir} exists and is not an elephant export folder (no {CONFIG} with "
                        f'"format": "{FORMAT}"); refusing to replace it, choose another folder')
-    config = {"format": FORMAT, "elephant_version": elephant_version(), "model": cfg.to_dict()}
+    config = {"format": FORMAT, "model_type": MODEL_TYPE, "architectures": [ARCHITECTURE],
+              "elephant_version": elephant_version(), "model": cfg.to_dict()}
     if train_config is not None:
         if hasattr(train_config, "to_dict"):
             train_config = train_config.to_dict()
@@ -84,6 +95,8 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, tokenizer=None,
         save_model(model, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save(tmp)
+            generation = generation_defaults(tokenizer, cfg.vocab_size)
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / CARD).write_text(model_card(config, _count_params(model), name=name or out_dir.name))
         for f in tmp.rglob("*"):
@@ -101,6 +114,19 @@ def save_pretrained(model: torch.nn.Module, out_dir: str | Path, tokenizer=None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def generation_defaults(tokenizer, vocab_size: int) -> dict:
+    """transformers' generation settings that make its generate() sample as eval.py does: stop
+    after the end-of-text token and never sample an id past the tokenizer's vocabulary (the
+    model's is padded: ids vocab..vocab_size-1 are suppressed)."""
+    out = {}
+    eot = getattr(tokenizer, "eot_id", None)
+    if eot is not None:
+        out.update(eos_token_id=int(eot), pad_token_id=int(eot))
+    if tokenizer.vocab_size < vocab_size:
+        out["suppress_tokens"] = list(range(tokenizer.vocab_size, vocab_size))
+    return out
 
 
 def elephant_version() -> str:
@@ -208,7 +234,14 @@ def model_card(config: dict, n_params: int, name: str = "elephant model") -> str
             "print(tokenizer.decode(ids))", "```", "",
             "or from the command line, streaming the text as it is written:", "", "```bash",
             f'python eval.py --checkpoint {name} --prompt "The elephant" --max-new-tokens 200',
-            "```", "",
+            "```", "", "## With transformers", "", "```python",
+            "import elephant.hf  # registers the elephant model type with the Auto classes",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+            f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+            'ids = tokenizer("The elephant", return_tensors="pt").input_ids',
+            "out = model.generate(ids, max_new_tokens=200, do_sample=False)",
+            "print(tokenizer.decode(out[0]))", "```", "",
             "Generation carries the state as training did (memory read and written every "
             "`train.chunk_len` tokens, the rolling attention window, the Mamba state advanced "
             "token by token), so memory stays flat however long the text grows.", ""]
@@ -247,14 +280,17 @@ def _metrics_table(metrics: dict) -> list[str]:
 # load
 def from_pretrained(dir_or_repo_id: str | Path, device: str | torch.device = "cpu",
                     revision: str | None = None, kv_keep: int | None = None,
-                    kv_keep_read: int | None = None):
+                    kv_keep_read: int | None = None, token: str | None = None,
+                    cache_dir: str | Path | None = None, local_files_only: bool = False):
     """Load (model in eval mode on `device`, tokenizer or None, config dict) from an export
-    folder, a Hub id ("user/name", downloaded with huggingface_hub.snapshot_download), a training
-    run dir or a checkpoint folder. `kv_keep`: how many kept tokens each attention layer holds
-    here, in place of the number it trained with (default: its model.kv_keep_infer, if set), and
-    `kv_keep_read` how many of them each query reads (`with_kept_capacity`); the config returned
-    says so."""
-    folder = _resolve(dir_or_repo_id, revision)
+    folder, a Hub id ("user/name", downloaded with huggingface_hub.snapshot_download, which takes
+    `revision`, `token`, `cache_dir` and `local_files_only`), a training run dir or a checkpoint
+    folder. `kv_keep`: how many kept tokens each attention layer holds here, in place of the
+    number it trained with (default: its model.kv_keep_infer, if set), and `kv_keep_read` how many
+    of them each query reads (`with_kept_capacity`); the config returned says so."""
+    download = dict(revision=revision, token=token, cache_dir=cache_dir,
+                    local_files_only=local_files_only)
+    folder = _resolve(dir_or_repo_id, **{k: v for k, v in download.items() if v})
     if (folder / CONFIG).is_file():
         config = read_config(folder / CONFIG)
         weights = folder / WEIGHTS
@@ -303,7 +339,14 @@ def read_config(path: Path) -> dict:
         raise HubError(f"{path}: unreadable ({e.strerror})") from None
     except ValueError as e:
         raise HubError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+    if not isinstance(config, dict):
+        raise HubError(f'{path}: expected a JSON object with a "model" table')
+    if config.get("format") != FORMAT and not isinstance(config.get("model"), dict):
+        kind = config.get("model_type")
+        kind = f" (its model_type is {kind!r})" if isinstance(kind, str) else ""
+        raise HubError(f'{path}: not an elephant export{kind}: expected "format": "{FORMAT}" and '
+                       f'a "model" table')
+    if not isinstance(config.get("model"), dict):
         raise HubError(f'{path}: expected a JSON object with a "model" table')
     for key in config:
         if key not in CONFIG_KEYS:
@@ -369,7 +412,7 @@ def load_weights(model: torch.nn.Module, weights: str | Path) -> None:
                        f"unexpected {sorted(unexpected)[:3]}")
 
 
-def _resolve(source: str | Path, revision: str | None) -> Path:
+def _resolve(source: str | Path, **download) -> Path:
     path = Path(source).expanduser()
     if path.is_dir():
         return path
@@ -382,7 +425,7 @@ def _resolve(source: str | Path, revision: str | None) -> Path:
                        f"{WEIGHTS}, a run dir, or a Hub id user/name)")
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(repo_id=text, revision=revision))
+        return Path(snapshot_download(repo_id=text, **download))
     except Exception as e:  # offline, unknown repo, no access: all one message
         raise HubError(f"{text}: not a local folder, and downloading it from the Hub failed "
                        f"({type(e).__name__}: {_first_line(e)})") from None

@@ -13,6 +13,10 @@ from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, sav
 from hubserver import FAKE_TOKEN, IGNORED
 
 TOKEN = FAKE_TOKEN
+# an export with the byte tokenizer: elephant's files, and transformers' (tokenizer.json,
+# tokenizer_config.json, generation_config.json; elephant/hf.py reads them)
+EXPORT_FILES = ["README.md", "bytes_tokenizer.json", "config.json", "generation_config.json",
+                "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -57,8 +61,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 # ------------------------------------------------------------------ save / load
 def test_save_then_load_gives_identical_logits_over_carried_chunks(export):
     model, out = export
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "bytes_tokenizer.json",
-                                                     "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == EXPORT_FILES
     loaded, tokenizer, config = from_pretrained(out)
     assert config["model"] == model.cfg.to_dict() and config["data"]["tokenizer"] == "bytes"
     assert tokenizer.encode("hé") == [104, 195, 169]
@@ -109,14 +112,15 @@ def test_model_card_describes_architecture_data_and_metrics(export):
                  "from elephant.hub import from_pretrained"):
         assert text in card, text
     config = json.loads((out / "config.json").read_text())
-    assert set(config) == {"format", "elephant_version", "model", "data", "optim", "train", "metrics"}
+    assert set(config) == {"format", "model_type", "architectures", "elephant_version", "model",
+                           "data", "optim", "train", "metrics"}
 
 
 def test_save_replaces_an_export_atomically_but_never_another_folder(export, tmp_path):
     model, out = export
     save_pretrained(model, out)                       # replace: same folder, no leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-elephant"]
-    assert not (out / "bytes_tokenizer.json").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     precious = tmp_path / "run"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
@@ -287,7 +291,7 @@ def test_cli_push_of_a_run_dir_exports_first(fake_hub, tmp_path, capsys, caplog)
     assert hub.main(["push", str(run), "alice/run", "--private"]) == 0
     repo = fake_hub.repos["alice/run"]
     assert repo["private"]
-    assert sorted(repo["files"]) == ["README.md", "bytes_tokenizer.json", "config.json", "model.safetensors"]
+    assert sorted(repo["files"]) == EXPORT_FILES
     assert json.loads(repo["files"]["config.json"])["model"] == model.cfg.to_dict()
     assert b'from_pretrained("alice/run")' in repo["files"]["README.md"]
     out, err = capsys.readouterr()
