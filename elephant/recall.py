@@ -42,13 +42,14 @@ def label(n: int) -> str:
     return str(n)
 
 
-ABLATIONS = ("none", "memory", "kv", "keep", "ssm")
+ABLATIONS = ("none", "memory", "kv", "keep", "ssm", "delta")
 
 
 def ablate(model, state, part: str):
     """The state with one carried part dropped after a chunk, to see what carries a fact:
     memory -> the initial memory, kv -> an empty window, keep -> no kept tokens (model.kv_keep),
-    ssm -> zero Mamba conv/SSM state."""
+    ssm -> zero conv and recurrent state of every Mamba-2 and delta rule (D) layer, delta -> of
+    the D layers alone."""
     if part == "none":
         return state
     lanes = torch.zeros(state.lanes, dtype=torch.bool, device=state.pos.device)
@@ -62,6 +63,10 @@ def ablate(model, state, part: str):
                     for c, e in zip(state.kv, cleared.kv)]
     elif part == "ssm":
         state.conv, state.ssm = cleared.conv, cleared.ssm
+    elif part == "delta":
+        delta = [b.kind == "D" for b in model.blocks]
+        state.conv = [c if d else t for t, c, d in zip(state.conv, cleared.conv, delta)]
+        state.ssm = [c if d else t for t, c, d in zip(state.ssm, cleared.ssm, delta)]
     else:
         raise ValueError(f"ablation: expected one of {', '.join(ABLATIONS)}, got {part!r}")
     return state

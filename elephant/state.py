@@ -2,7 +2,8 @@
 
 Per lane (batch row) it holds the rotary position reached in the current document, every
 attention layer's window of cached keys/values (and its kept tokens, model.kv_keep), every Mamba-2
-layer's conv and SSM state, and the RMT read memory. Shapes are fixed at creation (the KV window
+layer's conv and SSM state (and every gated delta rule layer's conv state and S, in the same two
+lists), and the RMT read memory. Shapes are fixed at creation (the KV window
 has `kv_window` slots whether they are filled or not, with a validity mask), so a compiled model
 never sees a new shape.
 
@@ -92,9 +93,11 @@ class KVCache:
 @dataclass
 class RecurrentState:
     pos: Tensor                                       # (B,) int64 tokens of the document seen so far
-    kv: list[KVCache | None] = field(default_factory=list)      # one per layer (None: Mamba / no cache)
-    conv: list[Tensor | None] = field(default_factory=list)     # (B, conv_dim, d_conv - 1) per Mamba layer
-    ssm: list[Tensor | None] = field(default_factory=list)      # (B, H, P, N) float32 per Mamba layer
+    kv: list[KVCache | None] = field(default_factory=list)      # one per layer (None: M, D / no cache)
+    # per Mamba-2 (M) and gated delta rule (D) layer: the conv state (B, conv_dim, d_conv - 1) and
+    # the recurrent state in float32, (B, H, P, N) for M, S (B, H, dk, dv) for D
+    conv: list[Tensor | None] = field(default_factory=list)
+    ssm: list[Tensor | None] = field(default_factory=list)
     memory: Tensor | None = None                      # (B, n_mem, D) read memory of the next chunk
     chunks: int = 0                                   # chunks processed since the last detach
     # Memory-only backpropagation (training only; never saved): `memory_path` has the value of
@@ -276,12 +279,12 @@ class RecurrentState:
 def fresh_state(cfg, blocks, batch: int, device, dtype, kv_dtype,
                 mem_init: Tensor | None = None) -> RecurrentState:
     """ElephantLM.init_state's work (the arguments are told there): every lane at a document's
-    start, in the layout of `blocks` (each Mamba block's mixer makes its zero conv and SSM
-    state, each attention layer an empty window of kv_window slots and kv_keep kept tokens) and
+    start, in the layout of `blocks` (each Mamba or delta rule block's mixer makes its zero conv
+    and recurrent state, each attention layer an empty window of kv_window slots and kv_keep kept tokens) and
     the read memory `mem_init` (n_mem, D) in every lane."""
     state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
     for block in blocks:
-        if block.kind == "M":
+        if block.recurrent:
             conv, ssm = block.mixer.init_state(batch, device, dtype)
             state.kv.append(None)
             state.conv.append(conv)
