@@ -99,6 +99,29 @@ def test_chunked_rule_compiles_as_one_graph():
         torch.testing.assert_close(a, b_, rtol=1e-12, atol=1e-12)
 
 
+def test_backend_switch_names_bad_choices_and_a_missing_fla_core(monkeypatch):
+    import builtins
+    with pytest.raises(ValueError, match="ELEPHANT_DELTA / delta.set_backend: expected one of torch, fla"):
+        delta.set_backend("cuda")
+    real = builtins.__import__
+
+    def no_fla(name, *args, **kwargs):
+        if name.startswith("fla"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_fla)
+    before = delta.get_backend()
+    with pytest.raises(RuntimeError, match="needs fla-core"):
+        delta.set_backend("fla")
+    assert delta.get_backend() == before   # a failed switch leaves the path as it was
+    monkeypatch.setattr(delta, "_backend", "fla")
+    # opted in, a CPU input still takes the chunked form, which needs no fla-core
+    inputs = rule_inputs(l=5)
+    got = delta.delta_rule(*inputs, chunk_size=4)
+    want = delta_rule_chunked(*inputs, chunk_size=4)
+    assert all(torch.equal(a, b_) for a, b_ in zip(got, want))
+
+
 def test_bad_shapes_are_named():
     q, k, v, beta, g, s0 = rule_inputs()
     with pytest.raises(ValueError, match="initial_state must be"):
@@ -317,7 +340,7 @@ def test_layer_on_cuda_equals_the_fp64_reference(dtype):
 
 @pytest.mark.gpu
 def test_fla_kernel_equals_the_chunked_rule():
-    # fla-core's chunk_gated_delta_rule (opt-in, delta.use_fla) against the chunked rule in
+    # fla-core's chunk_gated_delta_rule (opt-in, delta.set_backend) against the chunked rule in
     # float32: the same outputs and final state, gradients included, bf16 inputs
     pytest.importorskip("fla.ops.gated_delta_rule", reason="fla-core is an optional fast path")
     q, k, v, beta, g, s0 = (t.float().cuda() for t in rule_inputs(b=2, l=300, h=4, dk=64, dv=96))
@@ -332,9 +355,10 @@ def test_fla_kernel_equals_the_chunked_rule():
     assert rel(o, o_ref) < 2e-2 and rel(s, s_ref) < 2e-2
     for a, b_ in zip(got, want):
         assert rel(a, b_) < 5e-2
-    delta.use_fla(True)
+    before = delta.get_backend()
+    delta.set_backend("fla")
     try:
         o2, _ = delta.delta_rule(*inputs)
     finally:
-        delta.use_fla(False)
+        delta.set_backend(before)
     assert torch.equal(o2, o)

@@ -25,9 +25,10 @@ segment_init) -> (o, final_state)`, g = log alpha:
   algorithm, Yang et al. 2024, https://arxiv.org/abs/2406.06484): inside each block of chunk_size
   tokens the writes are found at once by one unit-lower-triangular solve, and only the state
   passes from block to block. Shape-static: a chunk of L tokens is one graph for torch.compile.
-- `delta_rule` picks one: the chunked form, or with `FLA` set, fla-core's Triton kernel
-  (`chunk_gated_delta_rule`) on CUDA where it applies (opt-in; tests/test_gpu_layers.py holds it
-  equal to the chunked form).
+- `delta_rule` picks one: the chunked form, or, opted in with `ELEPHANT_DELTA=fla` in the
+  environment (read at import) or `set_backend("fla")`, fla-core's Triton kernel
+  (`chunk_gated_delta_rule`, `delta_rule_fla`) for CUDA inputs without packed segments
+  (tests/test_delta.py holds it equal to the chunked form, on a GPU).
 
 Packed documents: with `seg` (B, L) segment ids (0 = the carried document) the conv never mixes
 segments (mamba.short_conv) and S restarts at each boundary, from zero or from `init` =
@@ -37,6 +38,7 @@ Mamba2.forward takes them. The returned state is the last segment's.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -46,25 +48,36 @@ from elephant.config import ModelConfig
 from elephant.layers.mamba import conv_step, short_conv
 from elephant.layers.ssd import segment_cumsum, segment_masks
 
-# fla-core's kernel for the chunked rule on CUDA (opt-in, see `delta_rule`): set with `use_fla`
-FLA = False
+BACKENDS = ("torch", "fla")
+_backend = os.environ.get("ELEPHANT_DELTA", "torch")
 
 
-def use_fla(on: bool = True) -> None:
-    """Opt in to (or out of) fla-core's `chunk_gated_delta_rule` for the D layers on CUDA. Raises a
-    one-line error when fla-core does not import."""
-    global FLA
-    if on:
+def set_backend(name: str) -> None:
+    """The path `delta_rule` takes: "torch" (the chunked form, the default) or "fla" (fla-core's
+    kernel on CUDA where it applies; fails at once, in one line, when fla-core does not import)."""
+    global _backend
+    if _check_backend(name) == "fla":
         _fla_kernel()
-    FLA = bool(on)
+    _backend = name
+
+
+def get_backend() -> str:
+    return _check_backend(_backend)
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"ELEPHANT_DELTA / delta.set_backend: expected one of "
+                         f"{', '.join(BACKENDS)}, got {name!r}")
+    return name
 
 
 def _fla_kernel():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError as e:
-        raise RuntimeError(f"the fla fast path of the D layers needs fla-core (pip install "
-                           f"fla-core): {e}") from None
+        raise RuntimeError(f"the fla path of the D layers (ELEPHANT_DELTA=fla) needs fla-core "
+                           f"(pip install -e .[fla]): {e}") from None
     return chunk_gated_delta_rule
 
 
@@ -215,9 +228,9 @@ def _delta_chunked(q, k, v, beta, g, initial_state, Q, seg, segment_init):
 
 def delta_rule(q, k, v, beta, g, initial_state=None, chunk_size: int = 64, seg=None,
                segment_init=None):
-    """The chunked rule through the path `FLA` chooses: fla-core's kernel for CUDA inputs of one
-    document per lane (no `seg`) when opted in (`use_fla`), else `delta_rule_chunked`."""
-    if FLA and q.is_cuda and seg is None:
+    """The chunked rule through the backend switch: fla-core's kernel for CUDA inputs of one
+    document per lane (no `seg`) when opted in (`set_backend`), else `delta_rule_chunked`."""
+    if q.is_cuda and seg is None and get_backend() == "fla":
         return delta_rule_fla(q, k, v, beta, g, initial_state)
     return delta_rule_chunked(q, k, v, beta, g, initial_state, chunk_size, seg, segment_init)
 
