@@ -2,8 +2,8 @@
 
     model(tokens[B, T], state, reset[B]) -> (logits[B, T, V] or loss, new_state)
 
-Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
-`cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
+Each layer is a pre-norm residual block: a mixer (Mamba-2, attention or the gated delta rule of
+layers/delta.py, by the letters M, A, D of `cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
 the stack's RMS-normalized input (the token embeddings, the memory vectors) through a gain
 (learned, or held: `attn_x0_gain`), so that the token's identity reaches it whatever the Mamba
 layers before it wrote. With `n_mem > 0` every chunk is framed as
@@ -19,8 +19,8 @@ and values of up to kv_keep earlier tokens kept past the window: at every chunk'
 layer keeps the best-scored of its kept tokens and the chunk's tokens (a learned linear score of the
 token's input, with exploration noise in training), so a token worth keeping is carried bit for bit
 until better ones displace it; it is read as if it stood just before the window, whatever its age,
-and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 layers start
-from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for
+and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 and delta rule
+layers start from the lane's carried conv and recurrent (SSM, delta rule) state. Gradients flow through memory and SSM state for
 `bptt_chunks` chunks: a state that has been through that many chunks is detached before the next
 one. With memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory
 updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on

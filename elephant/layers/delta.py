@@ -19,8 +19,8 @@ Mamba's conv state.
 
 Two forms of the rule share one signature, `f(q, k, v, beta, g, initial_state, [chunk_size,] seg,
 segment_init) -> (o, final_state)`, g = log alpha:
-- `delta_rule_recurrent`: token by token (`delta_rule_step` per token); the ground truth of the
-  tests, and the decoder's step.
+- `delta_rule_recurrent`: token by token; the ground truth of the tests. Its one token,
+  `delta_rule_step`, is the decoder's step (`GatedDeltaNet.step`).
 - `delta_rule_chunked`: the chunkwise-parallel form (the WY / UT transform of DeltaNet's chunked
   algorithm, Yang et al. 2024, https://arxiv.org/abs/2406.06484): inside each block of chunk_size
   tokens the writes are found at once by one unit-lower-triangular solve, and only the state
