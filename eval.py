@@ -53,7 +53,27 @@ def parse(argv):
                         "2048, 2K; a multiple of the chunk length), as if a new document started "
                         "there; the loss by position stays by the position in the document "
                         "(default 0: carried to the end)")
+    p.add_argument("--drop", default="", metavar="PARTS",
+                   help="what each carried part is worth: clear these parts of the state after "
+                        "every chunk, carry the rest (comma-separated: window, kept, memory, ssm "
+                        "(the Mamba and delta rule layers' conv and recurrent state), delta (the "
+                        "D layers' alone); e.g. --drop memory,kept); the loss by "
+                        "position compares band by band with the carried run's")
     add_kept_arguments(p)
+    n = p.add_argument_group("the needle test (instead of the loss): a key with a random value "
+                             "stated in held-out text of the model's data, stated again N tokens "
+                             "later; the value's next-token accuracy (elephant/needle.py)")
+    n.add_argument("--needle", metavar="DISTANCES",
+                   help="comma-separated distances in tokens, e.g. 1K,4K,64K,1M")
+    n.add_argument("--needle-keys", default="1", metavar="N[,N]",
+                   help="facts per document, the first of them asked (default 1; e.g. 1,8)")
+    n.add_argument("--needle-form", default="assign",
+                   help="how the fact is stated (data_packing/recall.py TEMPLATES; default assign, "
+                        "'silver_fox_code = 482913', a form the training mix leaves out)")
+    n.add_argument("--needle-lanes", type=int, default=64,
+                   help="documents per pass of distances up to 128K (default 64)")
+    n.add_argument("--needle-long-lanes", type=int, default=16,
+                   help="documents per pass of a longer distance (default 16)")
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--plot", help="PNG of the mean loss by position in the document")
     p.add_argument("--baseline", help="Hugging Face causal LM (hub id or path), e.g. "
@@ -94,6 +114,8 @@ def main(argv=None) -> int:
         with interrupt_on_signals():
             if args.prompt is not None or args.prompt_file is not None:
                 return run_generate(args)
+            if args.needle:
+                return run_needle(args)
             return run(args)
     except (ConfigError, DataError, CheckpointError, HubError, GenerationError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -117,6 +139,7 @@ def run(args) -> int:
     from elephant.fsutil import atomic_write_json
     from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
     from elephant.metrics import plot_position_loss
+    from elephant.state import parse_parts
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -163,16 +186,22 @@ def run(args) -> int:
 
     chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
     reset_every = parse_reset_every(args.reset_every, chunk_len)
+    drop = parse_parts(args.drop)
+    if drop and args.push_to_hub:
+        raise HubError("--drop with --push-to-hub: the figures of a model read with parts of its "
+                       "state dropped are not its own; push without --drop")
     use_bf16 = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
                     cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact,
                     side=device.type == "cuda" if args.side is None else args.side,
-                    reset_every=reset_every)
+                    reset_every=reset_every, drop=drop)
+    context = f"reset every {reset_every} tokens" if reset_every else "unlimited (recurrent)"
+    if drop:
+        context += f", {', '.join(drop)} dropped after every chunk"
     ours.update(parameters=model.num_params(), chunk_len=chunk_len, reset_every=reset_every,
-                kv_keep=model.cfg.kv_keep,
-                context=f"reset every {reset_every} tokens" if reset_every else "unlimited (recurrent)",
+                kv_keep=model.cfg.kv_keep, drop=list(drop), context=context,
                 source=data.source, split=split)
     results = {"elephant": ours}
 
@@ -200,6 +229,64 @@ def run(args) -> int:
             out = export_run(src, out, metrics=metrics, name=args.push_to_hub)
         url = push_to_hub(out, args.push_to_hub)
         print(f"pushed to {url}", file=sys.stderr)
+    return 0
+
+
+def run_needle(args) -> int:
+    """The needle test (elephant/needle.py) on the model's own kind of text, held out: its data's
+    --split (default test), or --data / --data-path / data.* overrides."""
+    import time
+
+    import torch
+
+    from elephant.config import Config, DataConfig, ConfigError, apply_overrides, parse_count
+    from elephant.fsutil import atomic_write_json
+    from elephant.hub import HubError, from_pretrained
+    from elephant.needle import autocast_for, format_needles, needle_test, text_for
+
+    distances = [parse_count(d) for d in args.needle.split(",") if d.strip()]
+    try:
+        keys = tuple(int(k) for k in args.needle_keys.split(","))
+    except ValueError:
+        raise ConfigError(f"--needle-keys {args.needle_keys}: expected counts such as 1 or 1,8") from None
+    if not distances or min(distances) < 1 or min(keys) < 1:
+        raise ConfigError(f"--needle {args.needle} --needle-keys {args.needle_keys}: distances and "
+                          f"key counts must be positive")
+    if args.push_to_hub or args.baseline or args.drop:
+        raise ConfigError("--needle scores recall alone: leave out --push-to-hub, --baseline and --drop")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
+                                               kv_keep_read=args.kv_keep_read)
+    if args.tokenizer:
+        from data_packing import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None:
+        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model (give --tokenizer)")
+    data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
+    if args.data:
+        data.source, data.path = args.data, ""
+    if args.data_path:
+        data.path = args.data_path
+    if args.overrides:
+        data = apply_overrides(Config(data=data), args.overrides, sections=("data",)).data
+    from data_packing.sources import canonical_split
+    haystack = text_for(data.__dict__, canonical_split(args.split))
+    chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    result = needle_test(model, tokenizer, haystack, distances, chunk_len, device, keys=keys,
+                         lanes=args.needle_lanes, long_lanes=args.needle_long_lanes,
+                         form=args.needle_form, autocast=autocast_for(device),
+                         progress=not args.no_progress and sys.stderr.isatty(), log=log)
+    result.update(checkpoint=str(args.checkpoint), source=data.source, split=args.split,
+                  kv_keep=model.cfg.kv_keep, kv_keep_read=model.cfg.kv_keep_read,
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    print(format_needles(result))
+    if args.json:
+        atomic_write_json(args.json, result, indent=1, default=str)
+        args.json_written = True
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

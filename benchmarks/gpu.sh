@@ -67,6 +67,10 @@
 #           the same with that many kept tokens instead of the trained number; COPY_WEIGHTS=$OUT
 #           returns each run's last weights (w-<variant>/part.*: 2 files a variant; at most 8
 #           files come back) before it is scored, for a later call to score without training:
+#   long    benchmarks/long_study.py (issues 70, 71): the wt103-70m recipe's model on Python source
+#           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
+#           "recipe transformer") trained side by side for LONG_STEPS, scored (loss by position over
+#           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
 # The device's copy of the repository carries stale git metadata: run it as
@@ -85,6 +89,7 @@ stages=${*:-tests bench train}
 # of its compile workers) compiled torch's source at import: about 12 s of CPU each. Compile it
 # once, over all cores.
 t0=$(date +%s)
+started=$t0
 python -m compileall -q -j 0 $(python -c "import os, importlib.util as u
 print(*(os.path.dirname(u.find_spec(m).origin) for m in ('torch', 'triton')))") > /dev/null 2>&1
 echo "bytecode compiled in $(( $(date +%s) - t0 )) s"
@@ -376,6 +381,36 @@ for stage in $stages; do
       done
       wait
       tail -n 3 "$LOGS"/copy_score_*.log ;;
+    long)
+      # benchmarks/long_study.py: LONG_VARIANTS trained side by side on this GPU for LONG_STEPS
+      # steps, stopped with a checkpoint LONG_END_AT seconds after gpu.sh started (a later call
+      # on the same machine resumes them; LONG_END_AT=0: no training), then LONG_SCORE's
+      # variants scored side by side (the recipe with LONG_RECIPE_SCORE: the drops and the 1M
+      # needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and one results file
+      L="python benchmarks/long_study.py --runs /tmp/long-study --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
+      variants=${LONG_VARIANTS:-recipe transformer}
+      if [ "${LONG_END_AT:-540}" != 0 ]; then
+        timeout 300 $L prepare ${variants// /,} 2>&1 | tee "$LOGS/long_prepare.log" | tail -8
+        left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
+        [ $left -lt 30 ] && { echo "long: only $left s left before LONG_END_AT: no training"; variants=""; }
+        for v in $variants; do
+          timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1 &
+        done
+        wait
+        for v in $variants; do echo "--- $v"; grep -E "^step|\\[$v\\]|rror" "$LOGS/long_train_$v.log" | tail -3; done
+      fi
+      score=${LONG_SCORE:-$variants}
+      [ "$score" = skip ] && score=""
+      for v in $score; do
+        extra=$([ $v = recipe ] && echo "${LONG_RECIPE_SCORE---drops --needle-1m}")
+        timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &
+      done
+      wait
+      for v in $score; do grep -E "needle|nats/byte|rror" "$LOGS/long_score_$v.log" | tail -14; done
+      for v in ${LONG_SPEED:-}; do
+        timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
+      done
+      $L report 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured

@@ -4,7 +4,7 @@ benchmarks/kernel_benches/; `python benchmarks/kernels.py NAME --help` says what
     python benchmarks/kernels.py ssd            # CUDA; most write benchmarks/results/<name>_<gpu>.json
     python benchmarks/kernels.py layers --cpu-smoke
 
-Most need CUDA; `ssd`, `layers`, `model` and `optim-step` also run at tiny shapes on the CPU
+Most need CUDA; `ssd`, `kept-read`, `layers`, `model` and `optim-step` also run at tiny shapes on the CPU
 (--cpu-smoke: they check that the code runs, not its speed).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ COMMANDS = {
     "attention-paths": ("attention", "attention_paths", "attention over [window | chunk], every kernel"),
     "qkv-plain": ("attention", "qkv_plain", "the plain q/k norm and rotary path's variants"),
     "varlen-tile": ("attention", "varlen_tile", "FlashAttention-2's ragged last query tile"),
+    "kept-read": ("kept", "kept_read", "best R of K kept tokens: mask vs two parts (--cpu-smoke)"),
     "layers": ("layers", "layers", "attention paths and the fused MLP (--cpu-smoke)"),
     "gated-norm": ("layers", "gated_norm", "the gated RMSNorm backward's launch sweep"),
     "model": ("model", "model_bench", "the ~70M model's step, reference and fast paths (--cpu-smoke)"),

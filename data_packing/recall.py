@@ -23,8 +23,15 @@ exact for any tokenizer.
     RecallTask(min_gap=16, max_gap=16384, max_pairs=4, max_queries=4).documents(seed, n)  # training
     eval_document(rng, tokenizer, distances, n_pairs=1)                                   # evaluation
 
+Facts come in several forms (`TEMPLATES`): the question above ("sentence"), or the key stated
+again and its value expected to follow, as a name recurs in a document: "Silver fox code: 482913"
+("label") or "silver_fox_code = 482913" ("assign"). A training task may mix forms; the needle test
+(elephant/needle.py) reads a form the training mix leaves out, so it measures recall, not a form.
+
 As a corpus source (`open_source("recall", split)`, `data.source = "recall"`), each split draws its
-documents from its own seed, so train, valid and test never share a document.
+documents from its own seed, so train, valid and test never share a document. Mixed into another
+corpus (`data.recall_mix`, data_packing/sources.py), the documents stand among that corpus's own
+training text.
 """
 from __future__ import annotations
 
@@ -66,14 +73,59 @@ def keys() -> list[str]:
     return [f"the {a} {n}" for a in ADJECTIVES for n in NOUNS]
 
 
-def fact_text(key: str, value: str) -> tuple[str, str, str]:
-    """(before, value, after) of a fact."""
-    return f"The code of {key} is ", value, ". "
+def fact_text(key: str, value: str, template: str = "sentence") -> tuple[str, str, str]:
+    """(before, value, after) of a fact stated in `template`'s form (TEMPLATES)."""
+    return TEMPLATES[template][0](key, value)
 
 
-def query_text(key: str, value: str) -> tuple[str, str, str]:
-    """(before, answer, after) of a query."""
-    return f"What is the code of {key}? It is ", value, ". "
+def query_text(key: str, value: str, template: str = "sentence") -> tuple[str, str, str]:
+    """(before, answer, after) of a query in `template`'s form (TEMPLATES)."""
+    return TEMPLATES[template][1](key, value)
+
+
+def _label(key: str) -> str:
+    """'the silver fox' -> 'Silver fox'."""
+    name = key.removeprefix("the ")
+    return name[:1].upper() + name[1:]
+
+
+def _ident(key: str) -> str:
+    """'the silver fox' -> 'silver_fox_code'."""
+    return key.removeprefix("the ").replace(" ", "_") + "_code"
+
+
+# How a fact is stated and asked for: name -> (fact, query), each (key, value) -> (before, value
+# piece, after). "sentence" asks a question; "label" and "assign" state the key again and expect
+# the value to follow it, as a name recurs in a document (the needle test: a key repeated N tokens
+# later). A value piece may open with a space, so that a BPE tokenizer reads it as it reads running
+# text (" 482913", not a space token and "482913"); the space is not scored (`answer_span`).
+TEMPLATES = {
+    "sentence": (lambda k, v: (f"The code of {k} is ", v, ". "),
+                 lambda k, v: (f"What is the code of {k}? It is ", v, ". ")),
+    "label": (lambda k, v: (f"\n{_label(k)} code:", " " + v, "\n"),
+              lambda k, v: (f"\n{_label(k)} code:", " " + v, "\n")),
+    "assign": (lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n"),
+               lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n")),
+}
+
+
+def check_templates(names) -> tuple[str, ...]:
+    """The template names as a tuple, each checked against TEMPLATES (a DataError naming the
+    accepted ones)."""
+    names = tuple(names)
+    bad = [n for n in names if n not in TEMPLATES]
+    if bad or not names:
+        raise DataError(f"recall: unknown fact template {bad[0] if bad else '(none)'!r}; "
+                        f"accepted: {', '.join(TEMPLATES)}")
+    return names
+
+
+def answer_span(tokenizer, ids: list[int]) -> int:
+    """How many of a value piece's first tokens are whitespace alone (not part of the answer)."""
+    n = 0
+    while n < len(ids) - 1 and not tokenizer.decode([ids[n]]).strip():
+        n += 1
+    return n
 
 
 class Filler:
@@ -166,12 +218,13 @@ def value(rng: np.random.Generator, digits: int = N_DIGITS) -> str:
 
 
 def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list[tuple[int, int]],
-                   lead: int = 0, digits: int = N_DIGITS, filler: str | None = None) -> RecallDocument:
+                   lead: int = 0, digits: int = N_DIGITS, filler: str | None = None,
+                   template: str = "sentence") -> RecallDocument:
     """Facts for `n_pairs` random keys after `lead` characters of filler, then one query per
     (key index, distance) of `plan`: filler until the answer stands `distance` tokens after the
     key's previous mention (or right away when the previous queries already went further).
     Values have `digits` digits. `filler`: a text to cut the filler from (TextFiller), None for
-    the synthetic mix (Filler)."""
+    the synthetic mix (Filler). `template`: how facts are stated and asked (TEMPLATES)."""
     filler = make_filler(rng, filler)
     all_keys = keys()
     chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
@@ -194,30 +247,41 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
         add(filler.text(lead))
     last_mention = []
     for k in range(n_pairs):
-        before, val, after = fact_text(names[k], values[k])
+        before, val, after = fact_text(names[k], values[k], template)
         add(before)
         start = add(val)
         last_mention.append(start + len(pieces[-1]))   # the token after the value
         add(after)
     queries = []
     for k, distance in plan:
-        before, answer, after = query_text(names[k], values[k])
+        before, answer, after = query_text(names[k], values[k], template)
         before_ids = tokenizer.encode(before)
-        need = last_mention[k] - 1 + distance - len(before_ids) - length   # filler tokens to add
+        skip = answer_span(tokenizer, tokenizer.encode(answer))   # a leading space: not scored
+        need = last_mention[k] - 1 + distance - len(before_ids) - skip - length   # filler tokens
         if need > 0:
-            # characters per token of this tokenizer on filler, refined once
+            # characters per token of this tokenizer on filler, refined once; then, while still
+            # short (a BPE tokenizer reads several characters a token, and a cut at a word loses
+            # some), the stretch is continued by its own start: no more draws of `rng`, so the
+            # document's other parts are those the single refinement gave
             text = filler.text(need)
             got = len(tokenizer.encode(text))
             if got and got < need:
                 text = text + filler.text(int((need - got) * len(text) / got) + 1)
+                got = len(tokenizer.encode(text))
+            for _ in range(16):
+                if not got or got >= need:
+                    break
+                text = text + " " + text[:int((need - got) * len(text) / got) + 8]
+                got = len(tokenizer.encode(text))
             ids = tokenizer.encode(text)[:need]
             pieces.append(list(ids))
             texts.append(tokenizer.decode(ids))
             length += len(ids)
         add(before)
-        start = add(answer)
-        queries.append(Query(k, start, len(pieces[-1]), start - (last_mention[k] - 1)))
-        last_mention[k] = start + len(pieces[-1])
+        start = add(answer) + skip
+        n = len(pieces[-1]) - skip
+        queries.append(Query(k, start, n, start - (last_mention[k] - 1)))
+        last_mention[k] = start + n
         add(after)
     tokens = np.fromiter((t for p in pieces for t in p), dtype=np.int64, count=length)
     return RecallDocument(tokens, queries, "".join(texts))
@@ -226,10 +290,11 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
 class RecallTask:
     """The training distribution: 1..max_pairs facts of `digits`-digit values, 1..max_queries
     queries, each at a distance drawn log-uniformly from [min_gap, max_gap] tokens, after a lead of
-    0..min_gap*4 characters."""
+    0..min_gap*4 characters; each document in one of `templates` (TEMPLATES), drawn per document."""
 
     def __init__(self, min_gap: int = 16, max_gap: int = 16384, max_pairs: int = 4,
-                 max_queries: int = 4, digits: int = N_DIGITS, filler: str | None = None):
+                 max_queries: int = 4, digits: int = N_DIGITS, filler: str | None = None,
+                 templates=("sentence",)):
         if not 1 <= min_gap <= max_gap:
             raise DataError(f"recall: need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
         if max_pairs < 1 or max_queries < 1:
@@ -240,6 +305,7 @@ class RecallTask:
             raise DataError(f"recall: values need at least one digit, got {digits}")
         self.max_pairs, self.max_queries, self.digits = max_pairs, max_queries, digits
         self.filler = filler   # the text filler is cut from (build_document), None: synthetic
+        self.templates = check_templates(templates)
 
     def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:
         n_pairs = int(rng.integers(1, self.max_pairs + 1))
@@ -247,8 +313,11 @@ class RecallTask:
         lo, hi = math.log(self.min_gap), math.log(self.max_gap)
         plan = [(int(rng.integers(0, n_pairs)), int(round(math.exp(rng.uniform(lo, hi)))))
                 for _ in range(n_queries)]
+        # one template: no draw, so a single-template task makes the documents it always made
+        template = (self.templates[0] if len(self.templates) == 1
+                    else self.templates[int(rng.integers(0, len(self.templates)))])
         return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 4 * self.min_gap + 1)),
-                              digits=self.digits, filler=self.filler)
+                              digits=self.digits, filler=self.filler, template=template)
 
     def texts(self, seed: int, n_docs: int):
         """`n_docs` document texts (characters are tokens for the byte tokenizer)."""
@@ -260,13 +329,14 @@ class RecallTask:
 
 
 def eval_document(rng: np.random.Generator, tokenizer, distances: list[int], n_pairs: int = 1,
-                  digits: int = N_DIGITS, filler: str | None = None) -> RecallDocument:
+                  digits: int = N_DIGITS, filler: str | None = None,
+                  template: str = "sentence") -> RecallDocument:
     """One evaluation document: `n_pairs` facts, then query j asks key j % n_pairs at distance
     distances[j] from that key's previous mention (n_pairs=1: one fact, asked again and again).
-    `filler` as for build_document."""
+    `filler` and `template` as for build_document."""
     plan = [(j % n_pairs, d) for j, d in enumerate(distances)]
     return build_document(rng, tokenizer, n_pairs, plan, lead=int(rng.integers(0, 64)), digits=digits,
-                          filler=filler)
+                          filler=filler, template=check_templates([template])[0])
 
 
 SPLIT_SEEDS = {"train": 1, "valid": 2, "test": 3}

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+
 from data_packing.errors import DataError
 from data_packing.shards import GPT2_EOT, bin_documents
 
@@ -80,8 +82,13 @@ def canonical_split(split: str, allow_all: bool = False) -> str:
 
 def open_source(name: str, split: str, path: str | os.PathLike | None = None, *, text_field: str = "text",
                 config: str | None = None, site_packages: bool = False, holdout_docs: int = 10_000,
-                recall: dict | None = None) -> Source:
-    """The documents of `split` of source `name`, from `path` when given, else from the Hub/stdlib."""
+                recall: dict | None = None, recall_mix: dict | None = None) -> Source:
+    """The documents of `split` of source `name`, from `path` when given, else from the Hub/stdlib.
+    `recall_mix`: synthetic recall documents among them (`with_recall_mix`)."""
+    if recall_mix:
+        base = open_source(name, split, path, text_field=text_field, config=config,
+                           site_packages=site_packages, holdout_docs=holdout_docs, recall=recall)
+        return with_recall_mix(base, recall_mix)
     path = Path(path).expanduser().resolve() if path not in (None, "") else None
     if path is not None and not path.exists():
         raise DataError(f"{name}: path {path} does not exist")
@@ -253,7 +260,8 @@ def _recall(split: str, options: dict) -> Source:
     task = RecallTask(**options)
     if split != "train":   # held-out splits: a tenth of the documents, from their own seed
         n_docs = max(1, n_docs // 10)
-    identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 1}
+    # version 2: filler refined until a query stands at its distance exactly (1 fell a few short)
+    identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 2}
     if filler is not None:
         identity["filler"] = filler.identity
 
@@ -262,6 +270,50 @@ def _recall(split: str, options: dict) -> Source:
             task.filler = filler_text(filler)
         return task.texts(SPLIT_SEEDS[split], n_docs)
     return Source("recall", split, identity, docs)
+
+
+def with_recall_mix(base: Source, mix: dict) -> Source:
+    """`base`'s documents with synthetic recall documents (data_packing/recall.py) among them, so
+    that a `share` of all the text (in characters) is theirs: after each of base's documents,
+    `share / (1 - share)` of its length is owed to recall documents, and they follow it while any
+    is owed, so they are spread evenly through the stream. Their filler is cut from `base`'s own
+    text (`filler_text`), so the facts stand in the corpus's own kind of text, and their facts
+    take the forms `templates`. `mix`: share, templates, and RecallTask's min_gap, max_gap,
+    max_pairs, max_queries (gaps in characters: the documents are made as text, then tokenized
+    with the corpus). What a language model trained on it learns from them: to keep a stated
+    value and copy it when its key recurs, over gaps its own documents rarely show
+    (data.recall_mix, docs/RESULTS.md)."""
+    from data_packing.recall import SPLIT_SEEDS, RecallTask
+    from data_packing.tokenizer import ByteTokenizer
+    if base.pretokenized:
+        raise DataError(f"{base.name}: recall documents are text; they cannot be mixed into "
+                        f"pre-tokenized shards (data.recall_mix needs a text source)")
+    if base.name == "recall":
+        raise DataError("recall: data.recall_mix mixes recall documents into another corpus; "
+                        "the recall source is made of them already")
+    options = dict(mix)
+    share = float(options.pop("share"))
+    if not 0.0 < share < 1.0:
+        raise DataError(f"recall mix: the share of recall documents must be in (0, 1), got {share}")
+    options["templates"] = tuple(options.get("templates", ("sentence",)))
+    task = RecallTask(**options)   # checks the gaps, counts and templates
+    identity = {**base.identity, "recall_mix": {"share": share, **options,
+                                                "templates": list(task.templates), "version": 1}}
+
+    def docs():
+        task.filler = filler_text(base)
+        rng = np.random.default_rng([SPLIT_SEEDS.get(base.split, 0), 17])
+        tok = ByteTokenizer()
+        owed, per_char = 0.0, share / (1.0 - share)
+        for doc in base:
+            yield doc
+            owed += per_char * len(doc)
+            while owed > 0:
+                text = task.document(rng, tok).text
+                owed -= len(text)
+                yield text
+
+    return Source(base.name, base.split, identity, docs, stats=base.stats)
 
 
 FILLER_CHARS = 32 * 2 ** 20

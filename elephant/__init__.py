@@ -1,2 +1,6 @@
-"""elephant: long-context recurrent-memory language models trained chunk by chunk (DESIGN.md)."""
-from .generate import generate  # noqa: F401  elephant.generate(model, prompt_ids, ...)
+"""elephant: long-context recurrent-memory language models trained chunk by chunk (DESIGN.md).
+
+Nothing is imported here, so that importing a light module (elephant.config, for the CLIs'
+--help) does not import torch. `from elephant import generate` gives the module
+elephant/generate.py, which is callable as its function: generate(model, prompt_ids, ...).
+"""

@@ -309,6 +309,18 @@ class DataConfig:
                                      # or the path of a text source: stretches cut from its
                                      # documents of the same split, so that copying the facts is a
                                      # small part of the LM loss, as in real documents
+    recall_mix: float = 0.0          # the share of the training text (in characters) that is
+                                     # synthetic recall documents (data_packing/recall.py: facts
+                                     # stated, then asked for after recall_min_gap..recall_max_gap
+                                     # characters, recall_max_pairs / _queries a document), spread
+                                     # among the corpus's documents, their filler cut from its own
+                                     # training text: a language model then learns to keep a stated
+                                     # value and copy it when its key recurs past its window.
+                                     # Training split only; evaluation reads the corpus alone. 0:
+                                     # off (docs/RESULTS.md)
+    recall_mix_templates: str = "sentence,label"   # the forms those facts take (recall.TEMPLATES,
+                                     # comma-separated); the needle test (eval.py --needle) reads
+                                     # "assign", which the default leaves out
     length_curriculum_steps: int = 0   # over the first N steps a document may start a lane only
                                        # if it is no longer than a cap that grows geometrically from
                                        # length_curriculum_start tokens to the longest document; a
@@ -336,9 +348,35 @@ class DataConfig:
         if self.recall_min_gap > self.recall_max_gap:
             raise ConfigError(f"data.recall_min_gap={self.recall_min_gap} is larger than "
                               f"data.recall_max_gap={self.recall_max_gap}")
+        if not 0.0 <= self.recall_mix < 1.0:
+            raise ConfigError(f"data.recall_mix: expected a share in [0, 1), got {self.recall_mix}")
+        if self.recall_mix and self.source in ("recall", "bin"):
+            raise ConfigError(f"data.recall_mix mixes recall documents into a text corpus; source "
+                              f"{self.source!r} {'is made of them' if self.source == 'recall' else 'is pre-tokenized'}"
+                              f" (set data.recall_mix = 0)")
+        from data_packing.recall import TEMPLATES
+        names = self.mix_templates()
+        bad = [n for n in names if n not in TEMPLATES]
+        if bad or not names:
+            raise ConfigError(f"data.recall_mix_templates: unknown form {bad[0] if bad else '(none)'!r}; "
+                              f"expected comma-separated names of {', '.join(TEMPLATES)}")
 
-    def source_options(self) -> dict:
-        """Keyword arguments of data_packing.open_source for this source."""
+    def mix_templates(self) -> tuple[str, ...]:
+        """recall_mix_templates as a tuple of names."""
+        return tuple(t.strip() for t in self.recall_mix_templates.split(",") if t.strip())
+
+    def source_options(self, split: str | None = None) -> dict:
+        """Keyword arguments of data_packing.open_source for this source; for the training split
+        (`split` == train_split) with recall_mix, the mix too."""
+        options = self._source_options()
+        if self.recall_mix and split is not None and split == self.train_split:
+            options["recall_mix"] = {
+                "share": self.recall_mix, "templates": self.mix_templates(),
+                "min_gap": self.recall_min_gap, "max_gap": self.recall_max_gap,
+                "max_pairs": self.recall_max_pairs, "max_queries": self.recall_max_queries}
+        return options
+
+    def _source_options(self) -> dict:
         if self.source == "pycode":
             return {"site_packages": self.site_packages}
         if self.source == "recall":

@@ -56,6 +56,11 @@ train_speed_{fused_head,side_compaction}_2026-11-27T07*.json).
 The state's attention window is kept in the dtype autocast computes in (`autocast_dtype`), where
 its keys and values are made: a float32 window holds the same values in twice the bytes.
 
+What each carried part is worth (`drop=("memory", "kept")`, eval.py --drop memory,kept): those
+parts of every lane's state are cleared after every chunk, as a new document clears them (state.
+drop_parts), while the rest is carried; the loss by position beside the carried run's is what
+the dropped parts carry.
+
 The context ablation (`reset_every=N`, eval.py --reset-every): each lane's state is reset at
 positions N, 2N, ... of its document, as if a new document started there (the model's own reset:
 window emptied, kept tokens dropped, SSM/conv state zeroed, the initial memory, rotary positions
@@ -80,6 +85,7 @@ import torch.distributed as dist
 from .cudagraph import kept_stream
 from .metrics import BUCKET_EDGES, NLLMeter, PositionBuckets
 from .model import in_eval_mode
+from .state import drop_parts
 
 
 def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
@@ -93,7 +99,7 @@ def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
         return get_corpus(data_cfg.source, split, data_cfg.tokenizer, data_cfg.cache_dir,
                           path=data_cfg.path or None, append_eot=data_cfg.append_eot,
                           progress=show, text_field=data_cfg.text_field,
-                          **data_cfg.source_options())
+                          **data_cfg.source_options(split))
     if main:
         corpus = build(progress)
     if distributed:
@@ -150,8 +156,9 @@ class StaticChunkStep:
     chunk run the plain way, so that the buffers have the dtypes the step keeps."""
 
     def __init__(self, model, state, tokens: torch.Tensor, mask: torch.Tensor, autocast=None,
-                 graph: bool = False, stream=None):
+                 graph: bool = False, stream=None, drop: tuple = ()):
         self.model, self.autocast, self.stream = model, autocast, stream
+        self.drop = drop   # carried parts cleared after every chunk (`evaluate`'s drop)
         self.state = state.clone()                     # the static state: read and written in place
         self.tokens = torch.zeros_like(tokens)
         self.mask = torch.zeros_like(mask)
@@ -164,6 +171,7 @@ class StaticChunkStep:
         with self.autocast() if self.autocast else nullcontext():
             nll, new = self.model(self.tokens[:, :-1], self.state, self.reset, targets=self.tokens[:, 1:],
                                   loss_mask=self.mask, reduction="none")
+        new = dropped(self.model, new, self.drop)
         mine, theirs = self.state.tensors(), new.tensors()
         if mine.keys() != theirs.keys():
             raise RuntimeError(f"StaticChunkStep: the step changed the state's parts "
@@ -219,6 +227,18 @@ SIDE_COMPACT_SHARE = 1
 # what is made per stream (the matmul library's workspace); each one more is a chunk's work thrown
 # away (torch's recipe, and the optimizer's and decoder's captures, take three)
 CAPTURE_WARMUP = 1
+
+
+# `evaluate`'s long documents: those over this many tokens, whose curve (position_buckets_long)
+# averages the same documents in every band up to 32K
+LONG_DOC_TOKENS = 32768
+
+
+def dropped(model, state, parts):
+    """`state` with the carried `parts` cleared (state.drop_parts; the model's initial memory)."""
+    if not parts:
+        return state
+    return drop_parts(state, parts, model.mem_init if model.cfg.n_mem else None, model.cfg.layers)
 
 
 def autocast_dtype(autocast, device) -> torch.dtype | None:
@@ -287,8 +307,9 @@ class _Pass:
 
     def __init__(self, model, corpus, lanes, chunk_len, device, autocast, rank, world, pack,
                  order, cuda_graph, compact, is_long, prefix, stream=None, compact_share=8,
-                 reset_every=0):
+                 reset_every=0, drop=()):
         self.model, self.device, self.autocast = model, device, autocast
+        self.drop = drop   # carried parts cleared after every chunk (`evaluate`'s drop)
         self.reset_every = reset_every   # the context ablation's interval (tokens), 0: off
         self.compact_share = compact_share   # compacted_lanes' share
         self.n_docs, self.chunk_len, self.pack = len(corpus), chunk_len, pack
@@ -359,13 +380,15 @@ class _Pass:
                 nll, self.state = model(tokens[:, :-1], self.state, reset, targets=tokens[:, 1:],
                                         loss_mask=mask, reduction="none", starts=inner,
                                         prefix=self.prefix, inner_starts=n_inner)
+            self.state = dropped(model, self.state, self.drop)
             rows = batch.tokens.shape[0] * self.chunk_len
             ahead = self.expected_chunks - self.chunk_steps
             if self.cuda_graph and not pack and (rows <= GRAPH_MAX_ROWS or ahead >= GRAPH_MIN_CHUNKS):
                 # from the next chunk on: the static step (a batch of more rows on a short pass
                 # runs plain)
                 self.static = StaticChunkStep(model, self.state, tokens, mask, autocast,
-                                              graph=device.type == "cuda", stream=self.stream)
+                                              graph=device.type == "cuda", stream=self.stream,
+                                              drop=self.drop)
         nll = nll.double()                                             # (B, T) zero where masked
         weight = mask.double()
         ids = torch.where(ids < 0, self.n_docs, ids).flatten()
@@ -417,13 +440,13 @@ class _Pass:
 def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, max_docs: int = 0,
              rank: int = 0, world: int = 1, progress: bool = False, pack: bool = False,
              order: str = "longest", cuda_graph: bool = False,
-             long_docs: int = BUCKET_EDGES[-1], compact: bool = False, side: bool = False,
-             reset_every: int = 0) -> dict:
+             long_docs: int = LONG_DOC_TOKENS, compact: bool = False, side: bool = False,
+             reset_every: int = 0, drop: tuple = (), per_document: bool = False) -> dict:
     """Stream documents (the first `max_docs`, or all) and return NLLMeter metrics, with
     `chunk_steps`: the chunks this rank ran (both batches' with a side batch; a pass's lane fill
     is the tokens over lane_chunks x chunk_len), and `position_buckets_long`: the loss by position over
-    the `long_documents` longer than `long_docs` tokens alone. By default those reach the last
-    band, so every band of that curve averages the same documents: a fall with position is then
+    the `long_documents` longer than `long_docs` tokens alone (default LONG_DOC_TOKENS, 32K).
+    Every band of that curve up to there averages the same documents: a fall with position is then
     what the context gives, not a change in which documents a band holds.
 
     `order`: "longest" (longest documents first, the default) or "corpus" (the corpus's order).
@@ -440,6 +463,11 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     `reset_every`: the context ablation (see the module doc): every lane's state reset at
     positions reset_every, 2 x reset_every, ... of its document (0: off; else a positive multiple
     of chunk_len); the loss by position stays by the position in the whole document.
+    `drop`: carried parts of the state (state.CARRIED_PARTS: window, kept, memory, ssm) cleared
+    in every lane after every chunk, the rest carried: what each part is worth (eval.py --drop).
+    `per_document`: the result also holds `document_nll`, each document's summed NLL (nats) in
+    the corpus's order (0 for a document of fewer than two tokens, which predicts nothing): what
+    an adapter that scores documents one by one reports (elephant.lm_eval).
     """
     if order not in ("longest", "corpus"):
         raise ValueError(f"evaluate: order must be 'longest' or 'corpus', got {order!r}")
@@ -461,7 +489,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
              else np.zeros(0, dtype=np.int64))
     common = dict(model=model, corpus=corpus, chunk_len=chunk_len, device=device,
                   autocast=autocast, rank=rank, world=world, pack=pack, cuda_graph=cuda_graph,
-                  compact=compact, is_long=is_long, prefix=prefix, reset_every=reset_every)
+                  compact=compact, is_long=is_long, prefix=prefix, reset_every=reset_every,
+                  drop=tuple(drop))
     if aside.size:
         stream = None
         if device.type == "cuda":   # high priority: its short kernels go first as the main batch's end
@@ -519,7 +548,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
         meter.add(nll_docs[i], int(tok_docs[i]), int(corpus.doc_bytes[i]), int(corpus.doc_words[i]))
     long_buckets = PositionBuckets()
     long_buckets.add_sums(long_nll.tolist(), [round(n) for n in long_tok.tolist()])
-    return meter.result() | {
+    documents = {"document_nll": nll_docs.tolist()} if per_document else {}
+    return meter.result() | documents | {
         "chunk_steps": sum(p.chunk_steps for p in passes),
         "lane_chunks": sum(p.lane_chunks for p in passes),
         "position_buckets_long": long_buckets.to_dict(), "long_documents": int(is_long.sum()),

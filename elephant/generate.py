@@ -30,13 +30,15 @@ from __future__ import annotations
 import codecs
 import math
 import numbers
+import sys
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layers.attention import free_scores, kept_top, pad_sequence_keys
+from .layers.attention import free_scores, pad_sequence_keys
+from .layers.kept_read import masked_attention_lse, merge_by_lse, top_kept_read
 from .model import in_eval_mode
 from .state import KVCache, RecurrentState
 
@@ -226,6 +228,7 @@ class Decoder:
         K.scatter_(2, at, k.to(K.dtype))
         V.scatter_(2, at, v.to(V.dtype))
         K, V = K.to(dtype), V.to(dtype)
+        q_rot = q                # the rotated queries, which score kept tokens
         if free is not None:   # Attention.forward's scores over the buffer, whose memory slots
             q, K = free_scores(q, raw[1], K, K, free)   # already hold their keys before rotary
         if kept is not None:
@@ -233,15 +236,20 @@ class Decoder:
             kept["raw_k"].scatter_(2, slot[:, None, :, None].expand(B, H, S, hd),
                                    raw[0].to(kept["raw_k"].dtype))
             kept["raw_x"].scatter_(1, slot[:, :, None].expand(B, S, D), x.to(kept["raw_x"].dtype))
+            if mixer.reads_some_kept(kept["read_k"].shape[2]):
+                # as Attention.forward at inference: the buffer, then each query's best kept
+                # tokens, merged by log-sum-exp (layers/kept_read.py); the buffer's part written
+                # out, its few queries' scores being small
+                y1, lse1 = masked_attention_lse(q, K, V, mask)
+                y2, lse2 = top_kept_read(q_rot, kept["read_k"], kept["read_v"], kept["read_valid"],
+                                         mixer.keep_read, 1.0 / math.sqrt(hd))
+                y = merge_by_lse(y1, lse1, y2, lse2)
+                return mixer.o(y.transpose(1, 2).reshape(B, S, D))
             read_k = kept["read_k"].to(dtype)
             read_k = read_k if free is None else pad_sequence_keys(read_k)
             K = torch.cat([read_k, K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
-            seen = kept["read_valid"][:, None, None, :].expand(B, 1, S, -1)
-            if mixer.reads_some_kept(read_k.shape[2]):   # as Attention.forward
-                seen = kept_top(q, read_k, kept["read_valid"], mixer.keep_read)
-                mask = mask.expand(B, H, S, mask.shape[-1])
-            mask = torch.cat([seen, mask], dim=-1)
+            mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
         return mixer.o(y.transpose(1, 2).reshape(B, S, D))
 
@@ -570,3 +578,16 @@ class TextStream:
         text = self.tokenizer.decode(self.ids) if self.ids else ""
         self.ids, self.shown, new = [], 0, text[self.shown:]
         return new
+
+
+class _CallableModule(type(sys.modules[__name__])):
+    """This module, callable as its `generate`: `from elephant import generate` gives the function
+    while the package has not imported this module yet (elephant/__init__.py imports it lazily,
+    so that the CLIs' --help does not import torch) and this module once it has; both then run
+    `generate(model, prompt_ids, ...)`."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

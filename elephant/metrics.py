@@ -18,7 +18,7 @@ figure the model this project descends from reported; it weighs a 100-token docu
 10,000-token one, so it is reported under its own name and never mixed with the token loss.
 
 `PositionBuckets` sums per-token NLL by the token's position within its document (0-512, 512-1K,
-1K-2K, ..., 32K+): the curve shows whether carried state helps late tokens. MFU helpers at the end.
+1K-2K, ..., 512K-1M, 1M+): the curve shows whether carried state helps late tokens. MFU helpers at the end.
 """
 from __future__ import annotations
 
@@ -67,12 +67,17 @@ def _exp(x: float) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # Loss by position within the document
-# Bucket k holds positions [EDGES[k], EDGES[k+1]); the last bucket is open (32K+).
-BUCKET_EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Bucket k holds positions [EDGES[k], EDGES[k+1]); the last bucket is open (1M+). Bands that no
+# document reaches hold no tokens and are left out of the curves.
+BUCKET_EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288,
+                1048576)
 
 
 def _k(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 else str(n)
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 BUCKET_LABELS = tuple(

@@ -21,7 +21,6 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ import torch
 from elephant.config import add_kept_arguments, parse_count
 from elephant.evaluate import document_chunks
 from elephant.model import in_eval_mode
+from elephant.state import drop_parts, parse_parts
 
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
@@ -49,27 +49,13 @@ def ablate(model, state, part: str):
     """The state with one carried part dropped after a chunk, to see what carries a fact:
     memory -> the initial memory, kv -> an empty window, keep -> no kept tokens (model.kv_keep),
     ssm -> zero conv and recurrent state of every Mamba-2 and delta rule (D) layer, delta -> of
-    the D layers alone."""
+    the D layers alone (state.drop_parts)."""
     if part == "none":
         return state
-    lanes = torch.zeros(state.lanes, dtype=torch.bool, device=state.pos.device)
-    cleared = state.reset(~lanes, model.mem_init if model.cfg.n_mem else None)
-    if part == "memory":
-        state.memory = cleared.memory
-    elif part in ("kv", "keep"):
-        window = ("k", "v", "valid") if part == "kv" else ("keep_valid",)
-        state.kv = [None if c is None else
-                    replace(c, **{n: getattr(e, n) for n in window if getattr(c, n) is not None})
-                    for c, e in zip(state.kv, cleared.kv)]
-    elif part == "ssm":
-        state.conv, state.ssm = cleared.conv, cleared.ssm
-    elif part == "delta":
-        delta = [b.kind == "D" for b in model.blocks]
-        state.conv = [c if d else t for t, c, d in zip(state.conv, cleared.conv, delta)]
-        state.ssm = [c if d else t for t, c, d in zip(state.ssm, cleared.ssm, delta)]
-    else:
+    if part not in ABLATIONS:
         raise ValueError(f"ablation: expected one of {', '.join(ABLATIONS)}, got {part!r}")
-    return state
+    return drop_parts(state, parse_parts(part), model.mem_init if model.cfg.n_mem else None,
+                      model.cfg.layers)
 
 
 def filler_for(spec: str, split: str, site_packages: bool = False) -> str | None:
@@ -85,16 +71,18 @@ def filler_for(spec: str, split: str, site_packages: bool = False) -> str | None
 def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_len: int, device,
                     n_pairs: int = 1, seed: int = 1234, autocast=None, progress: bool = False,
                     ablation: str = "none", digits: int = 6, offset: int = 0,
-                    filler: str | None = None) -> dict:
+                    filler: str | None = None, template: str = "sentence") -> dict:
     """Accuracy by distance over `lanes` documents streamed side by side (see the module doc).
-    `filler`: the text the documents' filler is cut from (`filler_for`), None: synthetic.
+    `filler`: the text the documents' filler is cut from (`filler_for`), None: synthetic;
+    `template`: the form of the facts (data_packing/recall.py TEMPLATES).
     `ablation` drops one carried part of the state after every chunk (see `ablate`). `offset`
     starts every document at that rotary position instead of 0: what of the model depends on
     how deep into a document it reads (nothing, where every position it uses is relative)."""
     from data_packing.recall import eval_document
 
     rng = np.random.default_rng(seed)
-    docs = [eval_document(rng, tokenizer, distances, n_pairs, digits, filler) for _ in range(lanes)]
+    docs = [eval_document(rng, tokenizer, distances, n_pairs, digits, filler, template)
+            for _ in range(lanes)]
     n_chunks = document_chunks(max(len(d.tokens) for d in docs), chunk_len)
     tokens = np.zeros((lanes, n_chunks * chunk_len + 1), dtype=np.int64)
     query = np.full((lanes, n_chunks * chunk_len + 1), -1, dtype=np.int64)  # query index of a target
@@ -179,6 +167,7 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
             by_distance[label(d)]["held"] = float(kept_any[:, j].mean())
             by_distance[label(d)]["held_by_layer"] = [float(x) for x in kept[:, j].mean(0)]
     out = {"by_distance": by_distance, "chance": CHANCE, "ablation": ablation, "offset": offset,
+           "template": template,
            "lanes": lanes,
            "chunk_len": chunk_len,
            "pairs": n_pairs, "tokens": int(lanes * n_chunks * chunk_len), "seconds": seconds,

@@ -6,24 +6,22 @@
 
 The files, their hashes and their atomic writing are checkpoint.py's; this module decides what a
 trainer's step consists of. Every rank writes its own slice (optimizer shards, its lanes' state and
-batchers); rank 0 picks the checkpoint to resume from and every rank loads that one.
+batchers); rank 0 picks the checkpoint to resume from and every rank loads that one. The
+functions take the trainer (elephant/trainer.py's Trainer) as `self` and never import it: the
+trainer imports this module, and dependencies point one way.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint import (CheckpointError, check_model_config, load_checkpoint,
                          newest_intact_checkpoint, read_meta, save_checkpoint, set_aside, set_latest)
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
-
-def save_run(self: "Trainer") -> Path:
+def save_run(self) -> Path:
     """Write the checkpoint of the trainer `self` at its step (no-op when this step is saved)."""
     ckpt = self.run_dir / "checkpoints" / f"step_{self.step:07d}"
     if self.saved_step == self.step:  # e.g. a resumed run that was already complete
@@ -45,7 +43,7 @@ def save_run(self: "Trainer") -> Path:
     self.saved_step = self.step
     return ckpt
 
-def resume_run(self: "Trainer") -> None:
+def resume_run(self) -> None:
     """Continue the trainer `self` from the newest intact checkpoint of its run dir: rank 0 picks
     it (setting broken newer ones aside, with a message) and every rank loads that one."""
     found, error, skipped = None, None, []

@@ -276,6 +276,65 @@ class RecurrentState:
             self.chunks = int(tensors["chunks"])
 
 
+# The parts of a lane's state that carry context from chunk to chunk, as `drop_parts` names them
+# (eval.py --drop, elephant.recall eval --ablate): the attention KV window, the kept tokens, the
+# RMT memory, and the Mamba conv and SSM state (with any other mixer state kept in those lists)
+# ssm: every Mamba-2 and gated delta rule (D) layer's conv and recurrent state; delta: the D layers'
+CARRIED_PARTS = ("window", "kept", "memory", "ssm", "delta")
+PART_ALIASES = {"kv": "window", "keep": "kept", "mamba": "ssm"}
+
+
+def parse_parts(text: str, flag: str = "--drop") -> tuple[str, ...]:
+    """'memory,kept' -> ('memory', 'kept'): the carried parts a user names (CARRIED_PARTS or an
+    alias of PART_ALIASES; '' or 'none': none), each once, in CARRIED_PARTS' order. A bad name is
+    a ConfigError naming `flag` and the accepted names."""
+    from .config import ConfigError
+    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    if names == ["none"]:
+        return ()
+    parts = set()
+    for name in names:
+        part = PART_ALIASES.get(name, name)
+        if part not in CARRIED_PARTS:
+            raise ConfigError(f"{flag} {text}: unknown part {name!r}; expected a comma-separated "
+                              f"list of {', '.join(CARRIED_PARTS)} (or none)")
+        parts.add(part)
+    return tuple(p for p in CARRIED_PARTS if p in parts)
+
+
+def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None,
+               layers: str | None = None) -> "RecurrentState":
+    """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document
+    clears them (`RecurrentState.reset`: an empty window, no kept tokens, the initial memory
+    `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
+    carries from chunk to chunk is what its loss or recall loses when it is dropped after every
+    chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
+    layers."""
+    if not parts:
+        return state
+    cleared = state.reset(torch.ones(state.lanes, dtype=torch.bool, device=state.pos.device),
+                          init_memory)
+    out = RecurrentState(pos=state.pos, kv=list(state.kv), conv=list(state.conv),
+                         ssm=list(state.ssm), memory=state.memory, chunks=state.chunks)
+    if "memory" in parts and state.memory is not None and init_memory is not None:
+        out.memory = cleared.memory
+    fields = (("k", "v", "valid") if "window" in parts else ()) + (
+        ("keep_valid",) if "kept" in parts else ())
+    if fields:
+        out.kv = [None if c is None else
+                  replace(c, **{n: getattr(e, n) for n in fields if getattr(c, n) is not None})
+                  for c, e in zip(state.kv, cleared.kv)]
+    if "ssm" in parts:
+        out.conv, out.ssm = cleared.conv, cleared.ssm
+    elif "delta" in parts:
+        if layers is None or len(layers) != len(state.conv):
+            raise ValueError(f"drop_parts: dropping 'delta' needs the model's layers (one letter "
+                             f"per layer, {len(state.conv)}), got {layers!r}")
+        out.conv = [c if kind == "D" else t for t, c, kind in zip(state.conv, cleared.conv, layers)]
+        out.ssm = [c if kind == "D" else t for t, c, kind in zip(state.ssm, cleared.ssm, layers)]
+    return out
+
+
 def fresh_state(cfg, blocks, batch: int, device, dtype, kv_dtype,
                 mem_init: Tensor | None = None) -> RecurrentState:
     """ElephantLM.init_state's work (the arguments are told there): every lane at a document's

@@ -47,3 +47,41 @@ def test_recall_cli_without_a_subcommand_is_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         recall.parse(argv)
     assert e.value.code == 2 and "train,eval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py"])
+def test_help_prints_without_importing_torch(script):
+    """`--help` answers at once: the parsers import nothing heavy (torch takes seconds to import),
+    so a user reading the flags never waits for it (elephant/__init__.py imports nothing)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import runpy, sys\nsys.argv = [{script!r}, '--help']\n"
+            f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('imported torch:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=60)
+    assert "usage:" in out.stdout and out.stdout.strip().endswith("imported torch: False"), out.stderr
+
+
+def test_eval_cli_reads_drop_and_needle_flags():
+    args = eval_cli.parse(["--checkpoint", "r", "--drop", "memory,kept", "--needle", "1K,64K",
+                           "--needle-keys", "1,8", "data.path=/d"])
+    assert args.drop == "memory,kept" and args.needle == "1K,64K" and args.needle_keys == "1,8"
+    assert args.overrides == ["data.path=/d"]
+
+
+@pytest.mark.parametrize("text, parts", [("memory,kept", ("kept", "memory")), ("kv,mamba", ("window", "ssm")),
+                                         ("none", ()), ("", ())])
+def test_drop_parts_are_named_once_in_order(text, parts):
+    from elephant.state import parse_parts
+    assert parse_parts(text) == parts
+
+
+def test_drop_with_an_unknown_part_is_a_one_line_error():
+    from elephant.config import ConfigError
+    from elephant.state import parse_parts
+    with pytest.raises(ConfigError, match="--drop memroy: unknown part 'memroy'; expected .*window, kept, memory, ssm"):
+        parse_parts("memroy")

@@ -299,13 +299,21 @@ def test_flops_count_the_delta_rule():
     assert with_d.flops_per_token(T) != with_m.flops_per_token(T)
 
 
-def test_recall_ablations_drop_the_delta_state():
-    # "delta" zeroes the D layers' conv state and S alone; "ssm" every recurrent layer's (M and D)
+def test_recall_and_eval_drop_the_delta_state():
+    # "delta" zeroes the D layers' conv state and S alone; "ssm" every recurrent layer's (M and D);
+    # recall's ablation and eval.py --drop go through the same drop_parts
+    from elephant.evaluate import dropped
     from elephant.recall import ablate
+    from elephant.state import drop_parts, parse_parts
     model = tiny_lm(layers="MDAD", kv_window=8)
     _, state = model(torch.randint(0, V, (2, 9)))
-    d = ablate(model, state.clone(), "delta")   # (ablate swaps the parts of the state it is given)
-    s = ablate(model, state.clone(), "ssm")
+    d = ablate(model, state, "delta")
+    s = ablate(model, state, "ssm")
+    assert parse_parts("delta,window") == ("window", "delta")
+    by_eval = dropped(model, state, parse_parts("delta"))
+    assert all(torch.equal(a, b_) for a, b_ in zip(by_eval.tensors().values(), d.tensors().values()))
+    with pytest.raises(ValueError, match="'delta' needs the model's layers"):
+        drop_parts(state, ("delta",))
     for i, kind in enumerate("MDAD"):
         for name in ("conv", "ssm"):
             t, td, ts = (getattr(x, name)[i] for x in (state, d, s))

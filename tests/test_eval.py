@@ -731,3 +731,65 @@ def test_eval_cli_resets_every_n_tokens_and_says_so(trained_run, tmp_path, capsy
                               "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_dropping_every_carried_part_scores_each_chunk_alone():
+    # drop=every part (eval.py --drop window,kept,memory,ssm): after each chunk the state holds
+    # nothing of it but the positions, so each chunk is read as if a document started there:
+    # reset_every = chunk_len's sums (position-free memory; rotary is relative, so the kept
+    # positions change nothing but rounding)
+    model = mama_model(n_mem=2, kv_window=16, kv_keep=5, mem_rotary="free")
+    corpus = corpus_of(LONG_TAIL)
+    every = ("window", "kept", "memory", "ssm")
+    dropped = evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", drop=every)
+    reset = evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", reset_every=8)
+    assert dropped["tokens"] == reset["tokens"]
+    assert math.isclose(dropped["nll_sum"], reset["nll_sum"], rel_tol=1e-10)
+    carried = evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu")
+    assert evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", drop=()) == carried
+
+
+@pytest.mark.parametrize("part", ["window", "kept", "memory", "ssm"])
+def test_each_dropped_part_changes_the_loss_and_the_static_step_drops_it_too(part):
+    # one part dropped after every chunk (the rest carried) changes what the documents' later
+    # chunks read; the static step (a CUDA graph on a GPU) and compaction drop it the same way
+    # (the memory gates half open: shut, as they start by default, the memory never changes)
+    model = mama_model(n_mem=2, kv_window=16, kv_keep=5, mem_gate_init=0.0)
+    corpus = corpus_of(LONG_TAIL)
+    carried = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu")
+    plain = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", drop=(part,))
+    assert plain["tokens"] == carried["tokens"] and plain["nll_sum"] != carried["nll_sum"]
+    graphed = evaluate(model, corpus, lanes=16, chunk_len=8, device="cpu", drop=(part,),
+                       cuda_graph=True, compact=True)
+    assert_same_sums(graphed, plain)
+
+
+def test_eval_cli_drops_parts_and_says_so(trained_run, tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--json", str(out),
+                          "--no-progress", "--drop", "memory,kv"]) == 0
+    r = json.loads(out.read_text())["elephant"]
+    assert r["drop"] == ["window", "memory"] and "window, memory dropped after every chunk" in r["context"]
+    capsys.readouterr()
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--drop", "state", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--drop state: unknown part 'state'" in err[0], err
+
+
+def test_eval_cli_runs_the_needle_test_on_the_runs_held_out_text(trained_run, tmp_path, capsys):
+    out = tmp_path / "n.json"
+    assert eval_cli.main(["--checkpoint", str(trained_run), "--needle", "64,200", "--needle-keys",
+                          "1,2", "--needle-lanes", "2", "--json", str(out), "--no-progress"]) == 0
+    r = json.loads(out.read_text())
+    assert set(k for k in r if k.startswith("needle_")) == {"needle_64", "needle_200",
+                                                             "needle_multi_64", "needle_multi_200"}
+    assert all(0.0 <= r[k] <= 1.0 for k in r if k.startswith("needle_")) and r["form"] == "assign"
+    assert "| 2 |" in capsys.readouterr().out
+    for bad, message in ((["--needle", "0"], "must be positive"),
+                         (["--needle", "64", "--needle-keys", "x"], "--needle-keys x"),
+                         (["--needle", "64", "--needle-form", "ode"], "unknown fact template 'ode'"),
+                         (["--needle", "64", "--drop", "memory"], "--needle scores recall alone")):
+        capsys.readouterr()
+        assert eval_cli.main(["--checkpoint", str(trained_run), "--no-progress", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

@@ -81,6 +81,45 @@ def test_step_path_equals_chunked_forward_reading_fewer_kept_tokens_than_it_keep
     test_step_path_equals_chunked_forward("MAMA", 2, 5, 3, mem_rotary=mem_rotary, kv_keep_read=1)
 
 
+@pytest.mark.parametrize("mem_rotary", ["none", "free"])
+def test_step_path_reads_its_best_kept_tokens_of_many_as_the_chunked_forward_by_either_read(
+        monkeypatch, mem_rotary):
+    """kv_keep_read 2 of 6 kept tokens: the token step's read (its buffer and each query's best
+    kept tokens merged by log-sum-exp, kept_read.top_kept_read) gives the chunked forward's
+    logits by its two-part read (no gradient recorded) and by its per-query mask (with one)."""
+    T = 5
+    model = make(layers="MAMA", n_mem=2, kv_window=4, kv_keep=6, kv_keep_read=2,
+                 mem_rotary=mem_rotary)
+    with torch.no_grad():   # keep scores that rank the tokens apart
+        for block in model.blocks:
+            if block.kind == "A":
+                block.mixer.keep_w.normal_()
+    tokens = torch.randint(0, V, (2, 6 * T + 3), generator=torch.Generator().manual_seed(2))
+    masked = forward_chunks(model, tokens, T, reset_at=4)
+    with torch.no_grad():
+        fast = forward_chunks(model, tokens, T, reset_at=4)
+    import importlib
+    module = importlib.import_module("elephant.generate")   # (the package exports the function)
+    reads = []
+    plain = module.top_kept_read
+
+    def counted(q, keys, *args):
+        reads.append(keys.shape[2])
+        return plain(q, keys, *args)
+    monkeypatch.setattr(module, "top_kept_read", counted)
+    dec = Decoder(model, 2, T)
+    got = []
+    for t in range(tokens.shape[1]):
+        if t == 4 * T:
+            dec.reset([False, True])
+        got.append(dec.step(tokens[:, t]))
+    assert int(dec.kept[1]["keep_valid"].sum(1).min()) > 2    # more kept than a query reads
+    assert reads and set(reads) == {6}
+    got = torch.stack(got, dim=1)
+    assert (fast - masked).abs().max().item() < 1e-9
+    assert (got - fast).abs().max().item() < 1e-9
+
+
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", [("MAMA", 2, 5, 3), ("AA", 0, 4, 0)])
 def test_step_path_equals_chunked_forward_with_attention_reading_the_stack_input(
         layers, n_mem, kv_window, kv_keep):

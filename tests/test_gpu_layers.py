@@ -262,6 +262,68 @@ def test_compiled_attention_does_not_recompile_across_chunks(backend):
     assert rel_err(got, eager) < 1e-3
 
 
+# ------------------------------------------------------------------------------- kept tokens
+@pytest.mark.parametrize("free", [False, True])
+def test_two_part_kept_read_on_cuda_equals_the_cpu_masked_path(monkeypatch, free):
+    """attend_top_kept in bf16 on CUDA ([window | chunk] by FlashAttention's variable-length
+    kernel with its log-sum-exp, position-free memory's values padded to the doubled head dims;
+    each query's best 32 of 512 kept tokens apart) against the masked path (`kept_top`'s choice
+    as a mask per head and query over [kept | window | chunk]) in float64 on the CPU, given the
+    GPU's choice (bf16 scores: a near tie may fall either way, and the choice is not the point).
+    Lanes: full window, every kept token valid; empty window, half valid; a third of the window,
+    fewer valid than a query reads; most of the window, none. Captured as a CUDA graph (the
+    evaluation's static step) it replays the same output."""
+    from elephant.layers import attention
+    from elephant.layers.attention import (attend_top_kept, free_scores, kept_top,
+                                           pad_sequence_keys)
+    B, H, S, W, K, R, hd = 4, 4, 96, 64, 512, 32, 64
+    dt = torch.bfloat16
+    q, k, v, q_raw, k_raw = (randn(B, H, S, hd, dtype=dt, seed=s) for s in (50, 51, 52, 53, 54))
+    ck, cv = randn(B, H, W, hd, dtype=dt, seed=55), randn(B, H, W, hd, dtype=dt, seed=56)
+    kk, kv = randn(B, H, K, hd, dtype=dt, seed=57), randn(B, H, K, hd, dtype=dt, seed=58)
+    n_valid = torch.tensor([W, 0, W // 3, W - 5], device=DEVICE)
+    valid = torch.arange(W, device=DEVICE)[None, :] >= (W - n_valid)[:, None]
+    gen = torch.Generator(device=DEVICE).manual_seed(59)
+    kept_valid = torch.rand(B, K, device=DEVICE, generator=gen) < 0.5
+    kept_valid[0] = True
+    kept_valid[2] = torch.arange(K, device=DEVICE) % 40 == 0         # 13 valid, fewer than R
+    kept_valid[3] = False
+    qa, ka, window_k = q, k, ck
+    if free:   # memory tokens at the chunk's both ends, scored without rotary
+        s = torch.arange(S, device=DEVICE)
+        qa, ka = free_scores(q, q_raw, k, k_raw, (s < 8) | (s >= S - 8))
+        window_k = pad_sequence_keys(ck)
+    kernels = []
+    plain = attention.flash_varlen_lse
+
+    def counted(*args):
+        kernels.append(args[0].shape[-1])
+        return plain(*args)
+    monkeypatch.setattr(attention, "flash_varlen_lse", counted)
+    with torch.no_grad():
+        got = attend_top_kept(qa, ka, v, window_k, cv, valid, q, kk, kv, kept_valid, R)
+        seen = kept_top(q, kk, kept_valid, R)                  # the choice, as the read makes it
+    assert kernels == [qa.shape[-1]] and got.dtype == dt
+    keys = torch.cat([kk, ck], dim=2)
+    keys = pad_sequence_keys(keys) if free else keys
+    mask = torch.cat([seen, valid[:, None, None, :].expand(B, H, S, W)], dim=-1)
+    cpu = [t.cpu().double() for t in (qa, ka, v, keys, torch.cat([kv, cv], dim=2))]
+    want = attend_reference(*cpu, mask.cpu())
+    assert rel_err(got.cpu(), want) < 2e-2, rel_err(got.cpu(), want)
+    # a CUDA graph: no host synchronization inside, the same kernels replayed
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        attend_top_kept(qa, ka, v, window_k, cv, valid, q, kk, kv, kept_valid, R)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = attend_top_kept(qa, ka, v, window_k, cv, valid, q, kk, kv, kept_valid, R)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
 # ------------------------------------------------------------------------------- q/k/v kernel
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -183,9 +183,10 @@ def test_packed_varlen_attention_equals_the_masked_path_in_the_model(n_mem, kv_k
 
 
 def test_each_query_reads_its_best_kept_tokens_on_cuda_as_on_the_cpu():
-    """model.kv_keep_read on CUDA: the per-head, per-query mask over [kept | window] (the masked
-    SDPA path, with position-free memory's doubled head dims) gives the CPU's logits in float32
-    (TF32 off, so that no near tie of the choice flips); under bf16 autocast it runs."""
+    """model.kv_keep_read on CUDA: at inference the two-part read (attention.attend_top_kept,
+    with position-free memory's doubled head dims; in float32 [window | chunk] written out,
+    under bf16 autocast by the variable-length kernel) gives the CPU's logits in float32 (TF32
+    off, so that no near tie of the choice flips); under bf16 autocast it runs."""
     import copy
     torch.manual_seed(0)
     model = ElephantLM(cfg(n_mem=4, mem_rotary="free", kv_window=32, kv_keep=24, kv_keep_read=4,

@@ -443,3 +443,159 @@ def test_a_model_keeps_its_inference_capacity_when_loaded_and_an_explicit_one_wi
         from_pretrained(tmp_path / "m", kv_keep_read=-1)
     with pytest.raises(ConfigError, match="kv_keep_infer"):
         ModelConfig(kv_window=4, kv_keep=0, kv_keep_infer=8).validate()
+
+
+# ------------------------------------------------------------------ the two-part kept read
+def varlen_lse_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale, padded=False):
+    """What FlashAttention's varlen kernel returns with its log-sum-exp: out (total_q, H, hd) as
+    test_attention.varlen_reference, lse (H, total_q) of each query's scaled scores (`padded`:
+    (sequences, H, max_q), the layout before FlashAttention 2.6)."""
+    from test_attention import varlen_reference
+    lse = q.new_zeros(q.shape[1], q.shape[0])
+    lse_padded = q.new_zeros(len(cu_q) - 1, q.shape[1], max_q)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = (int(t) for t in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        nq, nk = q1 - q0, k1 - k0
+        if nq:
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+            seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+            lse[:, q0:q1] = scores.masked_fill(~seen, float("-inf")).logsumexp(-1)
+            lse_padded[i, :, :nq] = lse[:, q0:q1]
+    return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale), lse_padded if padded else lse
+
+
+def kept_read_case(dtype, free: bool, seed: int = 0):
+    """Queries, chunk keys and values (B, H, S, hd), a window of W slots and K kept tokens for
+    4 lanes: (0) a full window, every kept token valid; (1) an empty window, 5 of 7 kept tokens
+    valid, not the first ones; (2) the window's last 2 slots, 2 kept tokens valid (fewer than a
+    query reads); (3) the last 3 slots and no kept token. With `free`, the first query is a
+    memory token scored without rotary (`free_scores`): the scores' doubled q and k."""
+    from elephant.layers.attention import free_scores
+    g = torch.Generator().manual_seed(seed)
+    B, H, S, W, K, hd = 4, 2, 5, 6, 7, 8
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
+    q, k, v, q_raw, k_raw = (r(B, H, S, hd) for _ in range(5))
+    cache_k, cache_v, kept_k, kept_v = r(B, H, W, hd), r(B, H, W, hd), r(B, H, K, hd), r(B, H, K, hd)
+    slot = torch.arange(W)
+    cache_valid = slot[None, :] >= torch.tensor([0, W, W - 2, W - 3])[:, None]   # a suffix per lane
+    kept_valid = torch.zeros(B, K, dtype=torch.bool)
+    kept_valid[0] = True
+    kept_valid[1, [1, 2, 4, 5, 6]] = True
+    kept_valid[2, [3, 6]] = True
+    qa, ka = q, k
+    if free:
+        qa, ka = free_scores(q, q_raw, k, k_raw, torch.arange(S) == 0)
+    return q, qa, ka, v, cache_k, cache_v, cache_valid, kept_k, kept_v, kept_valid
+
+
+def masked_kept_read(q, qa, ka, v, cache_k, cache_v, cache_valid, kept_k, kept_v, kept_valid, read):
+    """Today's masked path of Attention.forward: each query's choice (`kept_top`) as a mask per
+    head and query over [kept | window], then SDPA over [kept | window | chunk]."""
+    from elephant.layers.attention import attend_reference, kept_top, pad_sequence_keys
+    free = qa.shape[-1] != q.shape[-1]
+    keys = torch.cat([kept_k, cache_k], dim=2)
+    keys = pad_sequence_keys(keys) if free else keys
+    B, H, S, _ = q.shape
+    seen = kept_top(qa, keys[:, :, :kept_k.shape[2]], kept_valid, read)
+    valid = torch.cat([seen, cache_valid[:, None, None, :].expand(B, H, S, -1)], dim=-1)
+    return attend_reference(qa, ka, v, keys, torch.cat([kept_v, cache_v], dim=2), valid)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("free", [False, True])
+@pytest.mark.parametrize("varlen", ["no", "flash", "flash-padded-lse"])
+def test_the_two_part_kept_read_equals_the_masked_path(monkeypatch, dtype, free, varlen):
+    """attend_top_kept: [window | chunk] (written out, or by the variable-length kernel, its kernel
+    replaced by what FlashAttention returns, its log-sum-exp in either layout) merged by
+    log-sum-exp with each query's best 3 of 7 kept tokens gives what the per-query mask over
+    [kept | window | chunk] gives, for lanes with full, empty and partly valid windows and all,
+    some, fewer than 3 and no valid kept tokens, with position-free memory's doubled scores too."""
+    from elephant.layers import attention
+    case = kept_read_case(dtype, free)
+    q, qa, ka, v, cache_k, cache_v, cache_valid, kept_k, kept_v, kept_valid = case
+    want = masked_kept_read(*case, read=3)
+    calls = []
+    if varlen != "no":
+        def kernel(*args):
+            calls.append(args[0].shape)
+            return varlen_lse_reference(*args, padded=varlen == "flash-padded-lse")
+        monkeypatch.setattr(attention, "varlen_supported", lambda q, v: True)
+        monkeypatch.setattr(attention, "flash_varlen_lse", kernel)
+    window_k = attention.pad_sequence_keys(cache_k) if free else cache_k
+    got = attention.attend_top_kept(qa, ka, v, window_k, cache_v, cache_valid, q, kept_k, kept_v,
+                                    kept_valid, 3)
+    # the kernel saw the lanes' S queries and values padded to the scores' head dims
+    assert calls == ([(4 * 5, 2, qa.shape[-1])] if varlen != "no" else [])
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert got.dtype == dtype and got.shape == v.shape
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_the_kept_read_by_blocks_of_lanes_equals_one_block(monkeypatch):
+    """top_kept_read takes the lanes in blocks of KEPT_READ_BLOCK score elements: a lane at a
+    time gives what all four at once give."""
+    from elephant.layers import kept_read
+    q, _, _, _, _, _, _, kept_k, kept_v, kept_valid = kept_read_case(torch.float64, False)
+    whole = kept_read.top_kept_read(q, kept_k, kept_v, kept_valid, 3, 0.3)
+    H, S, K = q.shape[1], q.shape[2], kept_k.shape[2]
+    monkeypatch.setattr(kept_read, "KEPT_READ_BLOCK", H * S * K)
+    lanes = kept_read.top_kept_read(q, kept_k, kept_v, kept_valid, 3, 0.3)
+    assert torch.isinf(whole[1][3]).all() and torch.isfinite(whole[1][:3]).all()  # lane 3: none
+    for a, b in zip(lanes, whole):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mem_rotary", ["none", "free"])
+def test_a_loaded_model_reads_its_best_kept_tokens_alike_by_the_two_part_read_and_the_mask(
+        tmp_path, monkeypatch, mem_rotary):
+    """from_pretrained(kv_keep=6) of a model that read 2 kept tokens in training: its chunked
+    forward takes the two-part read where no gradient is recorded (inference) and the per-query
+    mask where one is (training), and both give the same logits and states (float64), over
+    chunks where lanes hold more kept tokens than they read, and one lane starts a new document
+    (no kept token). A packed chunk (documents starting inside it) takes the mask either way."""
+    from elephant.hub import from_pretrained, save_pretrained
+    from elephant.layers import attention
+    model = make(seed=3, layers="AMA", kv_keep=2, n_mem=2 if mem_rotary == "free" else 0,
+                 mem_rotary=mem_rotary)
+    with torch.no_grad():   # keep scores that rank the tokens apart
+        for block in model.blocks:
+            if block.kind == "A":
+                block.mixer.keep_w.copy_(torch.randn(model.cfg.d_model, dtype=torch.float64))
+    save_pretrained(model, tmp_path / "m")
+    loaded = from_pretrained(tmp_path / "m", kv_keep=6)[0].double()
+    assert loaded.blocks[0].mixer.keep_read == 2
+    B, T, n = 3, 4, 7
+    chunks = torch.randint(0, V, (n, B, T), generator=torch.Generator().manual_seed(1))
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    starts[2, 2] = True                                  # the last chunk: packed
+    calls = []
+    plain = attention.attend_top_kept
+
+    def counted(*args, **kw):
+        calls.append(args[7].shape)                      # the kept keys read
+        return plain(*args, **kw)
+    monkeypatch.setattr(attention, "attend_top_kept", counted)
+
+    def stream(grad: bool):
+        state, logits, held = None, [], []
+        with torch.set_grad_enabled(grad):
+            for c in range(n):
+                reset = torch.tensor([False, True, False]) if c == 4 else None
+                out, state = loaded(chunks[c], state, reset, starts=starts if c == n - 1 else None)
+                logits.append(out.detach())
+                held.append(state.kv[0].keep_valid.sum(1))
+        return torch.stack(logits), state, torch.stack(held)
+
+    fast, fast_state, held = stream(False)
+    # every chunk but the packed one, both attention layers, read apart (the first from an
+    # empty state)
+    assert calls == [(B, loaded.cfg.n_heads, 6, loaded.cfg.head_dim)] * 2 * (n - 1)
+    assert held[3].min() > 2                             # more kept than a query reads
+    assert held[4, 1] == T < held[4, 0]                  # the new document's tokens alone
+    calls.clear()
+    masked, masked_state, _ = stream(True)
+    assert calls == []
+    torch.testing.assert_close(fast, masked, rtol=1e-10, atol=1e-10)
+    for name, t in fast_state.tensors().items():
+        torch.testing.assert_close(t, masked_state.tensors()[name].detach(), rtol=1e-10,
+                                   atol=1e-10, msg=name)

@@ -65,7 +65,8 @@ def test_meter_merge_equals_one_meter():
 
 
 def test_bucket_labels():
-    assert BUCKET_LABELS == ("0-512", "512-1K", "1K-2K", "2K-4K", "4K-8K", "8K-16K", "16K-32K", "32K+")
+    assert BUCKET_LABELS == ("0-512", "512-1K", "1K-2K", "2K-4K", "4K-8K", "8K-16K", "16K-32K",
+                             "32K-64K", "64K-128K", "128K-256K", "256K-512K", "512K-1M", "1M+")
 
 
 def test_buckets_by_position_edges():
@@ -79,7 +80,8 @@ def test_buckets_by_position_edges():
     assert d["1K-2K"] == {"tokens": 2, "nll_sum": 11.0, "loss": 5.5}
     assert d["2K-4K"] == {"tokens": 1, "nll_sum": 7.0, "loss": 7.0}
     assert d["16K-32K"] == {"tokens": 1, "nll_sum": 8.0, "loss": 8.0}
-    assert d["32K+"] == {"tokens": 2, "nll_sum": 19.0, "loss": 9.5}
+    assert d["32K-64K"] == {"tokens": 1, "nll_sum": 9.0, "loss": 9.0}
+    assert d["512K-1M"] == {"tokens": 1, "nll_sum": 10.0, "loss": 10.0}     # 10 ** 6 < 2 ** 20
     assert "4K-8K" not in d                       # empty buckets are left out
     assert sum(v["tokens"] for v in d.values()) == len(positions)
 
@@ -115,7 +117,7 @@ def test_position_bucket_sums_made_elsewhere_add_like_tokens():
     direct, summed = PositionBuckets(), PositionBuckets()
     direct.add(nll, positions)
     sums, counts = [0.0] * len(BUCKET_LABELS), [0] * len(BUCKET_LABELS)
-    sums[0], counts[0], sums[1], counts[1], sums[-1], counts[-1] = 1.5, 2, 2.0, 1, 4.0, 1
+    sums[0], counts[0], sums[1], counts[1], sums[7], counts[7] = 1.5, 2, 2.0, 1, 4.0, 1   # 32K-64K
     summed.add_sums(sums, counts)
     assert summed.to_dict() == direct.to_dict()
     with pytest.raises(ValueError, match="add_sums"):

@@ -126,3 +126,73 @@ def test_recall_source_cuts_each_splits_filler_from_that_split(tmp_path):
     assert train.identity["filler"]["source"] == "text" and "filler" not in synthetic.identity
     with pytest.raises(DataError, match="does not exist"):
         open_source("recall", "train", recall={"filler": str(tmp_path / "missing")})
+
+
+# ---------------------------------------------------------------- forms of the facts
+@pytest.mark.parametrize("template", ["sentence", "label", "assign"])
+@pytest.mark.parametrize("tokenizer", ["bytes", "neox"])
+def test_every_form_keeps_distances_exact_and_scores_the_digits_alone(template, tokenizer):
+    # a value piece that opens with a space (label, assign) is read as running text by a BPE
+    # tokenizer (" 482913"); its space alone is never an answer token (the byte tokenizer's)
+    tok = ByteTokenizer() if tokenizer == "bytes" else load_tokenizer(SHARED / "tokenizers" / "gpt-neox-20b")
+    distances = [150, 300, 2000]   # the second fact and the query stand within the first
+    doc = eval_document(np.random.default_rng(5), tok, distances, n_pairs=2, template=template)
+    assert [q.distance for q in doc.queries] == distances
+    for q in doc.queries:
+        answer = tok.decode(doc.tokens[q.answer_start:q.answer_start + q.answer_len].tolist())
+        assert answer.strip().isdigit() and len(answer.strip()) == 6 and answer.lstrip() == answer.strip()
+        if tokenizer == "bytes":
+            assert answer.isdigit()
+    marks = {"sentence": "What is the code of", "label": " code: ", "assign": "_code = "}
+    assert all((marks[t] in doc.text) == (t == template) for t in marks)
+
+
+def test_a_task_of_one_form_makes_the_same_documents_and_of_several_mixes_them():
+    one = list(RecallTask(max_gap=200).texts(7, 20))
+    assert one == list(RecallTask(max_gap=200, templates=("sentence",)).texts(7, 20))
+    mixed = list(RecallTask(max_gap=200, templates=("sentence", "label")).texts(7, 40))
+    labelled = sum(" code: " in t for t in mixed)
+    assert 5 < labelled < 35 and sum("What is the code" in t for t in mixed) == 40 - labelled
+    with pytest.raises(DataError, match="unknown fact template 'poem'; accepted: sentence, label, assign"):
+        RecallTask(templates=("poem",))
+
+
+# ---------------------------------------------------------------- mixed into a corpus
+def test_recall_mix_spreads_its_share_among_the_corpus_own_documents(tmp_path):
+    folder = _split_texts(tmp_path)
+    for i in range(39):   # 40 training documents of the corpus's own (lowercase) words
+        (folder / f"doc{i:02d}.train.txt").write_text(f"plain document {i} " + "word " * 400)
+    mix = {"share": 0.2, "templates": ("sentence", "label"), "min_gap": 16, "max_gap": 400,
+           "max_pairs": 2, "max_queries": 2}
+    base = open_source("text", "train", folder)
+    mixed = open_source("text", "train", folder, recall_mix=mix)
+    docs, own = list(mixed), list(base)
+    recall = [d for d in docs if "code" in d]
+    assert [d for d in docs if "code" not in d] == own          # every document, in its order
+    chars = sum(map(len, recall)) / sum(map(len, docs))
+    assert 0.2 <= chars < 0.2 + max(map(len, recall)) / sum(map(len, docs))   # a fifth of the text
+    assert "code" in docs[1] and "code" not in docs[0]            # spread: after every document
+    # their filler is the corpus's own training text: lowercase words, none of the test split's
+    words = {w for d in recall for w in d.split() if w.isalpha() and len(w) == 5}
+    assert any(w.islower() for w in words) and not any(w.isupper() for w in words)
+    assert mixed.identity["recall_mix"]["share"] == 0.2 and "recall_mix" not in base.identity
+    assert list(open_source("text", "train", folder, recall_mix=mix)) == docs   # deterministic
+    with pytest.raises(DataError, match="must be in \\(0, 1\\)"):
+        open_source("text", "train", folder, recall_mix=mix | {"share": 1.0})
+
+
+def test_recall_mix_reads_the_training_split_alone_and_refuses_what_it_cannot_mix(tmp_path):
+    from elephant.config import ConfigError, load_config
+    folder = _split_texts(tmp_path)
+    cfg = load_config(None, ["data.source=text", f"data.path={folder}", "data.recall_mix=0.1",
+                             "data.recall_max_gap=300"])
+    train = cfg.data.source_options("train")["recall_mix"]
+    assert train["share"] == 0.1 and train["templates"] == ("sentence", "label") and train["max_gap"] == 300
+    assert "recall_mix" not in cfg.data.source_options("test")
+    assert "recall_mix" not in cfg.data.source_options()
+    for bad, message in ((["data.recall_mix=1.5"], "data.recall_mix: expected a share in"),
+                         (["data.recall_mix=0.1", "data.source=bin"], "source 'bin' is pre-tokenized"),
+                         (["data.recall_mix=0.1", "data.source=recall"], "source 'recall' is made of them"),
+                         (["data.recall_mix_templates=sentence,sonnet"], "unknown form 'sonnet'")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad)

@@ -9,9 +9,13 @@ cached key keeps its position; a negative position means "not rotated" (memory t
 tokens (model.kv_keep, `kept=`), the layer's kept keys/values join the window as one cache (the
 invalid slots of both moved to its front, `with_kept_first`): rotated at a position just before the
 window (so at the same distance from the chunk however old they are), values scaled by
-sigmoid(keep score) (`Attention.kept_tokens`). With `free` (mem_rotary "free"),
-every query scores the memory tokens' keys without rotary (`free_scores`: one kernel call on
-doubled head dims).
+sigmoid(keep score) (`Attention.kept_tokens`). Where a query reads only its best kv_keep_read of
+more kept tokens (`reads_some_kept`): in training (a gradient recorded) and for packed documents,
+[kept | window] under a mask per head and query (`kept_top`); at inference, in two parts merged by
+log-sum-exp, [window | chunk] by the kernel below and each query's best kept tokens apart
+(`attend_top_kept`, layers/kept_read.py): no mask, each kept key scored once. With `free`
+(mem_rotary "free"), every query scores the memory tokens' keys without rotary (`free_scores`:
+one kernel call on doubled head dims).
 
 Which kernel: the mask that a chunk needs over [cache | chunk] is lower-right causal plus a per-lane
 validity mask of the cache, which a flash kernel takes only as variable-length sequences. So:
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import rotary_triton
+from .kept_read import masked_attention_lse, merge_by_lse, top_kept_read
 
 BACKENDS = ("sdpa", "flex", "reference")
 DEFAULT_BACKEND = os.environ.get("ELEPHANT_ATTN", "sdpa")
@@ -144,6 +149,10 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, align: int | None
 # mask and computes every masked tile (1.01 ms against 0.61 forward and backward at the recipe's
 # shape, benchmarks/kernels.py attention-paths). ELEPHANT_ATTN_VARLEN=0: the masked path (A/B).
 VARLEN = os.environ.get("ELEPHANT_ATTN_VARLEN", "1") != "0"
+# At inference, a layer that reads only some of its kept tokens reads them apart from the window
+# and merges the two by log-sum-exp (`attend_top_kept`); ELEPHANT_KEPT_TWO_PART=0: the masked
+# path instead (the benchmarks' A/B, and a fallback until the GPU has measured it)
+KEPT_TWO_PART = os.environ.get("ELEPHANT_KEPT_TWO_PART", "1") != "0"
 
 
 def varlen_supported(q: Tensor, v: Tensor) -> bool:
@@ -225,20 +234,38 @@ def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, ma
     return _varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, scale)[0]
 
 
+def flash_varlen_lse(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+                     max_k: int, scale: float) -> tuple[Tensor, Tensor]:
+    """`flash_varlen` with each query's log-sum-exp of its scaled scores: (out (total_q, H, hd),
+    lse (H, total_q) float32, FlashAttention-2's unpadded layout). No gradient reaches the
+    log-sum-exp (inference: the two-part kept read, `attend_top_kept`)."""
+    out, lse, _, _ = _varlen_op(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    return out, lse
+
+
 def attend_varlen(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
-                  cache_valid: Tensor, kernel=None) -> Tensor:
+                  cache_valid: Tensor, kernel=None, lse: bool = False):
     """Attention over [cache | chunk] as `attend_reference`, for a cache whose valid slots are a
     suffix of each lane's window (cache_valid (B, W), not checked: KVCache's invariant), by
     variable-length sequences (see VARLEN). q, k, v (B, H, S, hd) -> (B, H, S, hd), a view of
     (B, S, H, hd) rows (the layer's output projection reads them as they are). `kernel`: the
     varlen attention (default `flash_varlen`, looked up at the call: the CPU tests replace it by a
-    reference)."""
+    reference). `lse`: also each query's log-sum-exp (B, H, S) float32 (the kernel then default
+    `flash_varlen_lse`, returning (out, lse (H, B * S), or FlashAttention's older padded
+    (2B, H, S)))."""
     B, H, S, hd = q.shape
     W = cache_k.shape[2]
     Q = q.transpose(1, 2).reshape(B * S, H, hd)
     K = torch.cat([cache_k.to(k.dtype).transpose(1, 2), k.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
     V = torch.cat([cache_v.to(v.dtype).transpose(1, 2), v.transpose(1, 2)], 1).reshape(B * (W + S), H, hd)
     cu_q, cu_k = varlen_bounds(cache_valid.sum(1), S, W)
+    if lse:
+        out, lse = (kernel or flash_varlen_lse)(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
+        if lse.dim() == 3:   # FlashAttention before 2.6: (sequences, H, max_q), lane b's queries
+            lse = lse.view(B, 2, H, -1)[:, 1, :, :S]                    # in its sequence 2b + 1
+        else:                # queries flattened lane by lane: (H, B * S) -> (B, H, S)
+            lse = lse.view(H, B, S).transpose(0, 1)
+        return out.view(B, S, H, hd).transpose(1, 2), lse
     out = (kernel or flash_varlen)(Q, K, V, cu_q, cu_k, S, W + S, 1.0 / math.sqrt(hd))
     return out.view(B, S, H, hd).transpose(1, 2)
 
@@ -303,6 +330,43 @@ def attend(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor | None = None,
     if valid_suffix and varlen_supported(q, v):
         return attend_varlen(q, k, v, cache_k, cache_v, cache_valid)
     return attend_reference(q, k, v, cache_k, cache_v, cache_valid)
+
+
+def attend_lse(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
+               cache_valid: Tensor, backend: str = "sdpa") -> tuple[Tensor, Tensor]:
+    """Attention over [cache | chunk] as `attend` for a cache whose valid slots are a suffix of each
+    lane's window (KVCache's), with each query's log-sum-exp of its scaled scores: (out (B, H, S,
+    dv), lse (B, H, S) float32 or 64). Part 1 of the two-part kept read (`attend_top_kept`). For
+    sdpa, the variable-length kernel where it runs, position-free memory's values padded with
+    zeros to the doubled head dims of q and k (FlashAttention takes one head dim; the zero half
+    of its output is dropped); else written out (`kept_read.masked_attention_lse`, the
+    reference)."""
+    dv = v.shape[-1]
+    if backend == "sdpa" and dv <= q.shape[-1] and varlen_supported(q, q):
+        pad = q.shape[-1] - dv
+        if pad:
+            v, cache_v = F.pad(v, (0, pad)), F.pad(cache_v, (0, pad))
+        out, lse = attend_varlen(q, k, v, cache_k, cache_v, cache_valid, lse=True)
+        return out[..., :dv], lse
+    K, V = _with_cache(k, v, cache_k, cache_v)
+    return masked_attention_lse(q, K, V, attention_mask(q.shape[2], cache_valid))
+
+
+def attend_top_kept(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor,
+                    cache_valid: Tensor, q_kept: Tensor, kept_k: Tensor, kept_v: Tensor,
+                    kept_valid: Tensor, read: int, backend: str = "sdpa") -> Tensor:
+    """Each query over [its `read` best kept tokens | window | chunk], in two parts merged by
+    log-sum-exp (layers/kept_read.py): `attend_lse` over [window | chunk] (q, k (B, H, S, dk) as
+    the kernel scores them: position-free memory's doubled form too; v (B, H, S, hd); the window
+    cache_k/v (B, H, W, .), cache_valid (B, W) a suffix per lane), and `top_kept_read` of the kept
+    tokens kept_k, kept_v (B, H, K, hd), kept_valid (B, K), scored by the rotated queries q_kept
+    (B, H, S, hd) at 1 / sqrt(hd), as the masked path scores them. -> (B, H, S, hd). What
+    `kept_top` and the masked path compute, without their (B, H, S, K + W) mask and with each
+    kept key scored once; no gradient through part 1's log-sum-exp on the GPU (inference)."""
+    o1, lse1 = attend_lse(q, k, v, cache_k, cache_v, cache_valid, backend)
+    o2, lse2 = top_kept_read(q_kept, kept_k, kept_v, kept_valid, read,
+                             1.0 / math.sqrt(q_kept.shape[-1]))
+    return merge_by_lse(o1, lse1, o2, lse2)
 
 
 def attend_segments(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, cache_k: Tensor | None = None,
@@ -516,13 +580,20 @@ def kept_top(q: Tensor, keys: Tensor, valid: Tensor, read: int) -> Tensor:
     kv_keep_read): the valid ones whose keys it scores highest (`read` exactly, ties broken
     either way), all the valid ones when there are no more. q (B, H, S, hd), keys (B, H, K, hd)
     as the kernel scores them (position-free memory's padded form too), valid (B, K) ->
-    (B, H, S, K) bool. A choice, so no gradient."""
+    (B, H, S, K) bool. A choice, so no gradient. The masked path's; the two-part read
+    (`kept_read.top_kept_read`) makes the same choice from the same scores."""
     with torch.no_grad():
         seen = valid[:, None, None, :]
         s = torch.matmul(q, keys.to(q.dtype).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
         top = s.topk(read, dim=-1, sorted=False).indices       # unsorted: a select, no sort
         best = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
         return best & seen
+
+
+def records_graph(*tensors: Tensor) -> bool:
+    """Whether autograd records a graph of an operation on `tensors` (grad mode on and one of
+    them requiring a gradient): the two-part kept read runs only where it does not."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def with_kept_first(kept_k: Tensor, kept_v: Tensor, kept_valid: Tensor, cache_k: Tensor,
@@ -580,7 +651,8 @@ class Attention(nn.Module):
 
     def reads_some_kept(self, K: int) -> bool:
         """Whether each query reads only some of K kept tokens (model.kv_keep_read < K): its
-        best, chosen by `kept_top`, in the chunked forward and the generation step alike."""
+        best, chosen as `kept_top` chooses, in the chunked forward and the generation step alike
+        (at inference both read them apart from the window: `attend_top_kept`)."""
         return 0 < self.keep_read < K
 
     def kept_tokens(self, cache, start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -645,7 +717,9 @@ class Attention(nn.Module):
         start inside the chunk for the variable-length kernel, 0: none) and layouts (shared by
         the chunk's layers): see `attend_segments`.
         kept: the KVCache whose kept tokens the chunk also reads (model.kv_keep; `start` (B,) the
-        chunk's first position), before the window and like it (`kept_tokens`).
+        chunk's first position), before the window and like it (`kept_tokens`); where each query
+        reads only some of them, by the two-part read when no gradient is recorded and seg is
+        None (`attend_top_kept`), else by a mask per head and query.
         free (S,) bool: the memory tokens, whose keys every query scores without rotary
         (mem_rotary "free", `free_scores`; the prefix keys count as memory too).
 
@@ -659,17 +733,21 @@ class Attention(nn.Module):
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
         top = 0   # with more kept tokens than a query reads: how many there are (`kept_top`)
+        two_part = False   # ... read apart from the window (`attend_top_kept`)
         if cache_k is not None:   # the window carries no gradient (Transformer-XL)
             cache_k, cache_v = cache_k.detach(), cache_v.detach()
             if kept is not None:
                 kept_k, kept_v, kept_valid = self.kept_tokens(kept, start)
-                if self.reads_some_kept(kept_k.shape[2]):   # each query its own
+                if not self.reads_some_kept(kept_k.shape[2]):
+                    # kept tokens and window as one cache, its valid slots last
+                    cache_k, cache_v, cache_valid = with_kept_first(kept_k, kept_v, kept_valid,
+                                                                    cache_k, cache_v, cache_valid)
+                elif KEPT_TWO_PART and seg is None and not records_graph(q, kept_v):
+                    two_part = True   # inference, documents not packed: no mask
+                else:   # training, or packed documents: a mask per head and query over [kept | window]
                     top = kept_k.shape[2]
                     cache_k = torch.cat([kept_k.to(cache_k.dtype), cache_k], dim=2)
                     cache_v = torch.cat([kept_v.to(cache_v.dtype), cache_v], dim=2)
-                else:             # kept tokens and window as one cache, its valid slots last
-                    cache_k, cache_v, cache_valid = with_kept_first(kept_k, kept_v, kept_valid,
-                                                                    cache_k, cache_v, cache_valid)
         qa, ka = q, k
         if free is not None:    # the scores on doubled head dims; the window keeps the rotated k
             qa, ka = free_scores(q, raw[1], k, raw[0], free)
@@ -680,7 +758,10 @@ class Attention(nn.Module):
             W = cache_valid.shape[1]
             cache_valid = torch.cat([seen, cache_valid[:, None, None, :].expand(
                 B, self.n_heads, qa.shape[2], W)], dim=-1)
-        if seg is None:   # the cache's valid slots are a suffix of each lane's (KVCache, with_kept_first)
+        if two_part:      # [window | chunk] and each query's best kept tokens, merged
+            y = attend_top_kept(qa, ka, v, cache_k, cache_v, cache_valid, q, kept_k, kept_v,
+                                kept_valid, self.keep_read, self.backend)
+        elif seg is None:   # the cache's valid slots are a suffix of each lane's (KVCache, with_kept_first)
             y = attend(qa, ka, v, cache_k, cache_v, cache_valid, self.backend,
                        valid_suffix=True)                                      # (B, H, S, hd)
         else:             # a layer's own kept tokens: its valid slots are not its neighbours'

@@ -1,0 +1,340 @@
+"""Long context in the recipes users train (issue 70), and what each carried part is worth (issue 71).
+
+The wt103-70m recipe's model, optimizer and schedule (Pythia's tokenizer) trained on real long
+documents that every GPU machine has offline: the Python source of its standard library and
+site-packages, files held out by path for evaluation (data_packing.sources' 90/5/5 split). Beside
+it, on the same data and the same tokens per step, an all-attention model of the same size trained
+at a context of 8K tokens with flash attention (SDPA's causal kernel), read at evaluation with a
+sliding window of its trained context.
+
+    python benchmarks/long_study.py prepare VARIANT[,VARIANT]       # tokenize their corpora once
+    python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
+    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m]
+    python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
+    python benchmarks/long_study.py report [--out FILE]             # one results file
+    python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
+
+Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
+  recipe        configs/wt103-70m.toml as committed: kept tokens charged and dropped in training,
+                4,096 kept at inference reading 128, the recall mix, the length curriculum
+  recipe-nomix  the recipe without data.recall_mix
+  today         the recipe as it was before those settings (kept tokens, nothing else)
+  transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
+                lanes (the same 32,768 tokens a step) with the documents packed back to back (most
+                files are shorter than 8K: unpacked, half of each row would be padding), its MLP
+                widened to the recipe's size; the recipe's data (mix and curriculum included)
+
+`score` reads the held-out split: the loss over every test file with carried state, the loss by
+position over the test files of over 64K tokens (the transformer reads them in chunks of 1,024
+with a window of 7,168: every token sees 7K-8K tokens back), and the needle test
+(elephant/needle.py: one key at 1K, 4K and 64K tokens, with --needle-1m also 1M; 8 keys at 64K).
+`--drops` adds, over the same long files, a reset every 2K and each carried part dropped after
+every chunk (window, kept, memory, ssm: elephant.evaluate's drop). `report` gathers every scored
+variant into benchmarks/results/long_study_<date>_<device>.json with the goals' keys.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NEOX = ROOT / "shared" / "data" / "tokenizers" / "gpt-neox-20b"
+if not NEOX.is_dir():
+    NEOX = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt-neox-20b"
+DATA = ["data.source=pycode", "data.site_packages=true", "data.valid_split=",
+        "train.eval_every=0", "train.ckpt_every=250", "train.log_every=50", "train.keep_ckpts=1"]
+_NO_LONG = ["model.kv_keep_cost=0", "model.kv_keep_drop=0", "model.kv_keep_infer=0"]
+VARIANTS = {
+    "recipe": [],
+    "recipe-nomix": ["data.recall_mix=0"],
+    "today": _NO_LONG + ["data.recall_mix=0", "data.length_curriculum_steps=0"],
+    "transformer": ["model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
+                    "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192",
+                    "train.lanes=4", "data.pack=true"] + _NO_LONG,
+}
+RECIPE = ROOT / "configs" / "wt103-70m.toml"
+EVAL_CHUNK = 1024          # the transformer's evaluation chunk; its window: the rest of its context
+LONG_TOKENS = 65536        # the position study's files: over this many tokens
+INSIDE = ("0-512", "512-1K", "1K-2K", "2K-4K", "4K-8K")
+BEYOND = ("16K-32K", "32K-64K", "64K-128K", "128K-256K", "256K-512K", "512K-1M", "1M+")
+WORTH = ("8K-16K", "16K-32K")
+SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state=16",
+         "model.mamba_head_dim=16", "model.vocab_size=320", "data.tokenizer=bytes",
+         "data.site_packages=false", "train.device=cpu", "train.compile=off", "train.lanes=2",
+         "model.kv_window=64", "model.kv_keep=8", "model.kv_keep_infer=16",
+         "data.recall_max_gap=2048"]
+
+
+def overrides(name: str, args) -> list[str]:
+    """The variant's overrides of configs/wt103-70m.toml (its run dir and data cache, the steps)."""
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
+    out = DATA + [f"data.tokenizer={args.tokenizer}", f"data.cache_dir={args.cache}",
+                  f"train.max_steps={args.steps}", f"train.run_dir={Path(args.runs) / name}"]
+    out += VARIANTS[name]
+    if args.smoke:
+        out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if name == "transformer" else [])
+    if name == "transformer":   # its MLP widened until it has the recipe's parameters
+        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('recipe', args)))}")
+    return out
+
+
+def params(overrides: list[str]) -> int:
+    """The parameter count of configs/wt103-70m.toml's model under `overrides`."""
+    from elephant.config import load_config
+    from elephant.model import ElephantLM
+    import torch
+    with torch.device("meta"):   # counted, not allocated
+        return ElephantLM(load_config(RECIPE, overrides).model).num_params()
+
+
+def matched_mlp(overrides: list[str], target: int) -> int:
+    """The d_mlp (a multiple of 64) that brings the count closest to `target` (it is linear in
+    d_mlp: two points give the line)."""
+    p64, p128 = params(overrides + ["model.d_mlp=64"]), params(overrides + ["model.d_mlp=128"])
+    return max(64, 64 + 64 * round((target - p64) / ((p128 - p64) / 64) / 64))
+
+
+def config(name: str, args):
+    from elephant.config import load_config
+    return load_config(RECIPE, overrides(name, args))
+
+
+def prepare(args) -> int:
+    """Tokenize the corpora of the variants named (comma-separated) once, one after another, so
+    that variants trained side by side find them built."""
+    from elephant.evaluate import open_corpus
+    for name in args.variant.split(","):
+        data = config(name, args).data
+        for split in ("train", "test"):
+            t0 = time.perf_counter()
+            corpus = open_corpus(data, split, progress=False)[1]
+            print(f"[{name}] {split}: {len(corpus)} documents, {corpus.n_tokens / 1e6:.1f}M tokens "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return 0
+
+
+def train(args) -> int:
+    """Train (or go on training) one variant until its steps or `--stop-after-s`."""
+    from elephant.trainer import Trainer
+    cfg = config(args.variant, args)
+    resume = (Path(cfg.train.run_dir) / "checkpoints" / "latest").is_file()
+    trainer = Trainer(cfg, resume=resume, progress=False)
+    t0 = time.perf_counter()
+    result = trainer.fit(stop_after_s=args.stop_after_s)
+    print(f"[{args.variant}] step {result['step']} of {cfg.train.max_steps} in "
+          f"{time.perf_counter() - t0:.0f} s{' (resumed)' if resume else ''}", file=sys.stderr)
+    return 0
+
+
+def train_log(run_dir: Path) -> dict:
+    """A run's steps, its median training tokens/s and last loss, from log.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line]
+    steps = [r for r in rows if r.get("kind") == "train"]
+    rates = [r["tokens_per_s"] for r in steps[1:]] or [r["tokens_per_s"] for r in steps]
+    return {"steps": steps[-1]["step"] if steps else 0,
+            "tokens_per_s_median": statistics.median(rates) if rates else None,
+            "last_loss": steps[-1]["loss"] if steps else None,
+            "curve": [(r["step"], round(r["loss"], 4)) for r in steps]}
+
+
+def load(name: str, args, device):
+    """The trained variant as evaluation reads it; the transformer with its sliding window."""
+    from elephant.hub import from_pretrained
+    run = Path(args.runs) / name
+    model, tokenizer, cfg = from_pretrained(run, device=device)
+    chunk_len = cfg["train"]["chunk_len"]
+    if name == "transformer":
+        from elephant.config import ModelConfig
+        from elephant.model import ElephantLM
+        chunk_len = min(EVAL_CHUNK, chunk_len)
+        window = ModelConfig(**(cfg["model"] | {"kv_window": max(chunk_len, chunk_len * (
+            cfg["train"]["chunk_len"] // chunk_len - 1))}))
+        slid = ElephantLM(window).to(device)
+        slid.load_state_dict(model.state_dict())
+        model = slid.eval()
+    return model, tokenizer, cfg, chunk_len
+
+
+def band_losses(ev: dict, bytes_per_token: float) -> dict:
+    """{band: loss in nats per byte} of an evaluation's position curve."""
+    return {k: v["loss"] / bytes_per_token for k, v in ev["position_buckets"].items()}
+
+
+def score(args) -> int:
+    import torch
+
+    from benchmarks.lm_study import long_documents
+    from elephant.evaluate import evaluate, open_corpus
+    from elephant.needle import autocast_for, needle_test, text_for
+    name = args.variant
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    model, tokenizer, cfg, chunk_len = load(name, args, device)
+    data = config(name, args).data
+    test = open_corpus(data, "test", progress=False)[1]
+    long_test = long_documents(test, args.long_tokens, args.long_docs)
+    autocast = autocast_for(device)
+    common = dict(chunk_len=chunk_len, device=device, autocast=autocast, cuda_graph=cuda,
+                  compact=True, side=cuda)
+    out = {"variant": name, "params": model.num_params(), "chunk_len": chunk_len,
+           "kv_window": model.cfg.kv_window, "kv_keep": model.cfg.kv_keep,
+           "kv_keep_read": model.cfg.kv_keep_read, "train": train_log(Path(args.runs) / name)}
+    t0 = time.perf_counter()
+    ev = evaluate(model, test, lanes=64, max_docs=args.test_docs, **common)
+    out["test"] = {k: ev[k] for k in ("loss", "bits_per_byte", "documents", "tokens", "bytes")}
+    out["test"]["nats_per_byte"] = ev["loss"] * ev["tokens"] / ev["bytes"]
+    out["test"]["seconds"] = time.perf_counter() - t0
+    print(f"[{name}] test loss {ev['loss']:.4f}, {out['test']['nats_per_byte']:.4f} nats/byte over "
+          f"{ev['documents']} files", file=sys.stderr, flush=True)
+    runs = {"carried": {}}
+    if args.drops:
+        runs |= {"reset-2K": {"reset_every": 2048}, **{f"drop-{p}": {"drop": (p,)} for p in
+                                                        ("window", "kept", "memory", "ssm")}}
+    out["long"] = {"documents": len(long_test), "min_tokens": args.long_tokens}
+    for kind, extra in runs.items():
+        if not len(long_test):
+            break
+        t0 = time.perf_counter()
+        ev = evaluate(model, long_test, lanes=min(32, len(long_test)), **common, **extra)
+        bpt = ev["bytes"] / ev["tokens"]
+        out["long"][kind] = {"nats_per_byte": ev["loss"] / bpt, "bands": band_losses(ev, bpt),
+                             "tokens": ev["tokens"], "seconds": time.perf_counter() - t0}
+        print(f"[{name}] {len(long_test)} files over {args.long_tokens // 1024}K tokens, {kind}: "
+              f"{ev['loss'] / bpt:.4f} nats/byte", file=sys.stderr, flush=True)
+    haystack = text_for(data.__dict__, "test")
+    log = lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True)   # noqa: E731
+    short = [1024, 4096, 65536] if not args.smoke else [256, 1024]
+    lanes, long_lanes = (64, 16) if not args.smoke else (2, 1)
+    distances = short + ([1 << 20] if args.needle_1m and not args.smoke else [])
+    one = needle_test(model, tokenizer, haystack, distances, chunk_len, device, keys=(1,),
+                      lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log)
+    multi = needle_test(model, tokenizer, haystack, short[-1:], chunk_len, device, keys=(8,),
+                        lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log)
+    trained = needle_test(model, tokenizer, haystack, short[-1:], chunk_len, device, keys=(1,),
+                          lanes=lanes, long_lanes=long_lanes, form="label", autocast=autocast, log=log)
+    out["needle"] = {k: v for r in (one, multi) for k, v in r.items() if k.startswith("needle_")}
+    out["needle_label_form"] = {k: v for k, v in trained.items() if k.startswith("needle_")}
+    out["needle_passes"] = [{k: p[k] for k in ("keys", "by_distance", "lanes", "tokens_per_s",
+                                                "template")} for r in (one, multi, trained)
+                            for p in r["passes"]]
+    path = Path(args.runs) / name / "score.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"[{name}] wrote {path}", file=sys.stderr)
+    return 0
+
+
+def speed(args) -> int:
+    """The variant's training tokens/s alone on the GPU: `--steps` steps from scratch in a run dir
+    of its own, the median of the log records after the first (compilation)."""
+    import shutil
+
+    from elephant.trainer import Trainer
+    args.runs = str(Path(args.runs) / "speed")
+    cfg = config(args.variant, args)
+    cfg.train.log_every, cfg.train.ckpt_every = 10, 0
+    shutil.rmtree(cfg.train.run_dir, ignore_errors=True)
+    Trainer(cfg, progress=False).fit()
+    log = train_log(Path(cfg.train.run_dir))
+    rows = [json.loads(line) for line in (Path(cfg.train.run_dir) / "log.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in rows if r.get("kind") == "train"][2:]
+    out = {"variant": args.variant, "steps": log["steps"],
+           "tokens_per_s": statistics.median(rates) if rates else None}
+    (Path(args.runs).parent / f"speed-{args.variant}.json").write_text(json.dumps(out))
+    print(f"[{args.variant}] alone: {out['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def mean_gap(a: dict, b: dict, bands) -> float | None:
+    """The mean over `bands` held by both of a[band] - b[band]."""
+    common = [k for k in bands if k in a and k in b]
+    return sum(a[k] - b[k] for k in common) / len(common) if common else None
+
+
+def report(args) -> int:
+    from benchmarks.common import environment
+    runs = Path(args.runs)
+    scores = {p.parent.name: json.loads(p.read_text()) for p in sorted(runs.glob("*/score.json"))}
+    speeds = {p.stem.removeprefix("speed-"): json.loads(p.read_text())
+              for p in sorted(runs.glob("speed-*.json"))}
+    out = {"benchmark": "long_study", **environment("cpu" if args.smoke else None),
+           "steps": args.steps, "variants": scores, "speed": speeds}
+    recipe, tf = scores.get("recipe"), scores.get("transformer")
+    if recipe:
+        out |= recipe["needle"]
+        carried = recipe["long"].get("carried", {}).get("bands", {})
+        if "drop-memory" in recipe["long"]:
+            out["memory_worth_8k_32k"] = mean_gap(recipe["long"]["drop-memory"]["bands"], carried, WORTH)
+            out["part_worth_8k_32k"] = {k.removeprefix("drop-"): mean_gap(v["bands"], carried, WORTH)
+                                        for k, v in recipe["long"].items() if k.startswith("drop-")}
+            out["context_gain_8k_32k"] = mean_gap(recipe["long"]["reset-2K"]["bands"], carried, WORTH)
+        if tf and "carried" in tf["long"]:
+            theirs = tf["long"]["carried"]["bands"]
+            out["vs_long_transformer_inside"] = mean_gap(theirs, carried, INSIDE)
+            out["vs_long_transformer_beyond"] = mean_gap(theirs, carried, BEYOND)
+    if "recipe" in speeds and "transformer" in speeds and speeds["transformer"]["tokens_per_s"]:
+        out["speed_vs_long_transformer"] = (speeds["recipe"]["tokens_per_s"]
+                                            / speeds["transformer"]["tokens_per_s"])
+    for name in ("today", "recipe-nomix"):
+        if recipe and name in scores:   # the LM loss over every test file, paired (same seed)
+            out[f"recipe_minus_{name.replace('-', '_')}_nats_per_byte"] = (
+                recipe["test"]["nats_per_byte"] - scores[name]["test"]["nats_per_byte"])
+    path = Path(args.out) if args.out else (
+        Path("/tmp") / "long_study_smoke.json" if args.smoke else ROOT / "benchmarks" / "results" /
+        f"long_study_{time.strftime('%Y-%m-%d')}_{out['device'].replace(' ', '_')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    keys = [k for k in out if k.startswith(("needle", "vs_", "speed_vs", "memory_worth", "recipe_minus",
+                                            "context_gain"))]
+    print(json.dumps({k: out[k] for k in keys}, indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def smoke(args) -> int:
+    """Every step at a tiny size on the CPU: train two variants a few steps, score, report."""
+    import shutil
+    args.smoke, args.steps = True, 4
+    shutil.rmtree(args.runs, ignore_errors=True)
+    for name in ("recipe", "transformer"):
+        args.variant, args.stop_after_s = name, 0.0
+        train(args)
+        args.drops, args.needle_1m = name == "recipe", False
+        score(args)
+    return report(args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("prepare", "train", "score", "speed", "report", "smoke"))
+    p.add_argument("variant", nargs="?", default="recipe")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--stop-after-s", type=float, default=0.0)
+    p.add_argument("--runs", default="/tmp/long-study")
+    p.add_argument("--cache", default="/tmp/elephant-cache")
+    p.add_argument("--tokenizer", default=str(NEOX))
+    p.add_argument("--drops", action="store_true")
+    p.add_argument("--needle-1m", action="store_true")
+    p.add_argument("--long-tokens", type=int, default=LONG_TOKENS)
+    p.add_argument("--long-docs", type=int, default=64)
+    p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    args.smoke = False
+    if args.command == "smoke":
+        args.long_tokens, args.long_docs, args.test_docs = 2048, 3, 8
+        args.runs = "/tmp/long-study-smoke"
+        args.cache = "/tmp/long-study-smoke-cache"
+        return smoke(args)
+    return {"prepare": prepare, "train": train, "score": score, "speed": speed,
+            "report": report}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
