@@ -56,7 +56,8 @@ def parse(argv):
     p.add_argument("--drop", default="", metavar="PARTS",
                    help="what each carried part is worth: clear these parts of the state after "
                         "every chunk, carry the rest (comma-separated: window, kept, memory, ssm "
-                        "(the Mamba conv/SSM state); e.g. --drop memory,kept); the loss by "
+                        "(the Mamba and delta rule layers' conv and recurrent state), delta (the "
+                        "D layers' alone); e.g. --drop memory,kept); the loss by "
                         "position compares band by band with the carried run's")
     add_kept_arguments(p)
     n = p.add_argument_group("the needle test (instead of the loss): a key with a random value "

@@ -158,8 +158,9 @@ def long_documents(corpus, min_tokens: int, limit: int, shortest: bool = False):
 
 
 def carries_state(model_cfg) -> bool:
-    """Whether the model carries anything from chunk to chunk: memory, a KV window, Mamba state."""
-    return bool(model_cfg.n_mem or model_cfg.kv_window or "M" in model_cfg.layers)
+    """Whether the model carries anything from chunk to chunk: memory, a KV window, Mamba or
+    delta rule state."""
+    return bool(model_cfg.n_mem or model_cfg.kv_window or {"M", "D"} & set(model_cfg.layers))
 
 
 def context_gain(carried: dict, reset: dict, bytes_per_token: float) -> dict:

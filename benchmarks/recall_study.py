@@ -68,13 +68,15 @@ def train_and_eval(name: str, overrides: list[str], budget_s: float, out: Path, 
               "config": cfg.to_dict(), "params": model.num_params(), "steps": info["steps"],
               "train_seconds": info["train_seconds"], "curve": info["curve"], "recall": {}}
     dist = [parse_count(d) for d in distances.split(",")]
-    parts = ["none", "memory", "kv", "ssm"]
+    parts = ["none", "memory", "kv", "ssm", "delta"]
     for part in parts:
         if part == "memory" and not cfg.model.n_mem:
             continue
         if part == "kv" and not cfg.model.kv_window:
             continue
-        if part == "ssm" and "M" not in cfg.model.layers:
+        if part == "ssm" and not {"M", "D"} & set(cfg.model.layers):
+            continue
+        if part == "delta" and "D" not in cfg.model.layers:
             continue
         r = evaluate_recall(model, tokenizer, dist, lanes, cfg.train.chunk_len, device,
                             n_pairs=1, autocast=autocast, ablation=part)

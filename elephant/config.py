@@ -65,7 +65,9 @@ class ModelConfig:
     vocab_size: int = 50304
     d_model: int = 512
     n_heads: int = 8                 # attention heads; head size = d_model // n_heads
-    layers: str = "MAMMAMMA"         # one letter per layer: M = Mamba-2 mixer, A = attention
+    layers: str = "MAMMAMMA"         # one letter per layer: M = Mamba-2 mixer, A = attention,
+                                     # D = gated delta rule mixer (layers/delta.py: n_heads heads,
+                                     # keys of d_model / n_heads, values delta_expand_v times that)
     d_mlp: int = 1536                # hidden size of the GLU MLP that follows every mixer (0: no MLP)
     elephant_a: float = 1.0          # elephant activation f(x) = 1 / (1 + |x / a|^d)
     elephant_d: float = 8.0
@@ -124,7 +126,12 @@ class ModelConfig:
     mamba_head_dim: int = 64         # Mamba-2 head size P; heads = expand * d_model // P
     expand: int = 2
     d_conv: int = 4                  # causal depthwise conv width
-    ssd_chunk: int = 64              # block length of the chunked SSD scan
+    ssd_chunk: int = 64              # block length of the chunked SSD scan (and of the D layers'
+                                     # chunked delta rule)
+    delta_expand_v: float = 1.5      # D layers: each head's value size over its key size
+                                     # (d_model / n_heads). 1.5 gives a D layer about the
+                                     # parameters of a Mamba-2 layer at expand 2 (1.04x at
+                                     # d_model 512; 2.0, 1.28x); its state is n_heads x key x value
     tied_embeddings: bool = False
     bptt_chunks: int = 1             # chunks that gradients flow through memory / SSM state
     norm_eps: float = 1e-5
@@ -134,7 +141,7 @@ class ModelConfig:
                                      # beside the Mamba mixers' outputs (RMS 0.08-0.16 at init) and
                                      # makes Adam's steps small beside it: with 0.02 the hybrid did
                                      # not learn to copy under the LM loss (docs/RESULTS.md)
-    mamba_out_scale: float = 1.0     # the Mamba out-projection's init std, times this: its input is
+    mamba_out_scale: float = 1.0     # the Mamba (and D) out-projection's init std, times this: its input is
                                      # normalized (RMS 1), so at 1 a mixer adds 4-8x the embedding's
                                      # RMS (0.02) to the residual stream at init
     attn_x0: bool = False            # every attention layer's input is norm1(x) + g * rmsnorm(x0),
@@ -175,6 +182,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def delta_value_dim(self) -> int:
+        """A D layer's value size per head: delta_expand_v x head_dim (validated integral)."""
+        return round(self.delta_expand_v * self.head_dim)
+
     def validate(self) -> None:
         _positive(self, "vocab_size", "d_model", "n_heads", "d_state", "mamba_head_dim", "expand",
                   "d_conv", "ssd_chunk", "bptt_chunks", "elephant_a", "elephant_d", "rope_base",
@@ -203,12 +215,18 @@ class ModelConfig:
         _non_negative(self, "mem_write_cost", "kv_keep_cost")
         if not 0.0 <= self.mem_gate_min < 1.0:
             raise ConfigError(f"model.mem_gate_min: expected a value in [0, 1), got {self.mem_gate_min}")
-        if not self.layers or set(self.layers) - {"M", "A"}:
-            raise ConfigError(f"model.layers: expected a non-empty string of 'M' (Mamba-2) and "
-                              f"'A' (attention), got {self.layers!r}")
+        if not self.layers or set(self.layers) - {"M", "A", "D"}:
+            raise ConfigError(f"model.layers: expected a non-empty string of 'M' (Mamba-2), "
+                              f"'A' (attention) and 'D' (gated delta rule), got {self.layers!r}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.n_heads: must divide model.d_model={self.d_model}, "
                               f"got {self.n_heads}")
+        _positive(self, "delta_expand_v")
+        value = self.delta_expand_v * self.head_dim
+        if abs(value - round(value)) > 1e-9:
+            raise ConfigError(f"model.delta_expand_v: times the head size d_model / n_heads = "
+                              f"{self.head_dim} it must give a whole value size, got "
+                              f"{self.delta_expand_v} (value size {value:g})")
         if self.head_dim % 2:
             raise ConfigError(f"model.n_heads: d_model / n_heads must be even for rotary "
                               f"positions, got head size {self.head_dim}")

@@ -238,7 +238,7 @@ def dropped(model, state, parts):
     """`state` with the carried `parts` cleared (state.drop_parts; the model's initial memory)."""
     if not parts:
         return state
-    return drop_parts(state, parts, model.mem_init if model.cfg.n_mem else None)
+    return drop_parts(state, parts, model.mem_init if model.cfg.n_mem else None, model.cfg.layers)
 
 
 def autocast_dtype(autocast, device) -> torch.dtype | None:

@@ -9,8 +9,8 @@ the carried state and goes on one token at a time:
   * at a chunk's start the read-memory tokens run through every layer (their keys/values stay for
     the chunk; Mamba layers advance through them);
   * a token attends to [the frozen window of earlier chunks | this chunk's read memory | this
-    chunk's tokens so far]; Mamba layers advance their conv and SSM state by one token
-    (`Mamba2.step`);
+    chunk's tokens so far]; Mamba and delta rule layers advance their conv and recurrent state
+    by one token (`Mamba2.step`, `GatedDeltaNet.step`);
   * after `chunk_len` tokens the write slots run (attending to all of the above), the next read
     memory is `model.update_memory(read, written)` and the window takes this chunk's token keys.
 The step path equals the chunked forward (tests/test_generate.py: fp64, logits to 1e-9).
@@ -86,7 +86,7 @@ class Decoder:
         self.conv: list[Tensor | None] = []
         self.ssm: list[Tensor | None] = []
         for i, block in enumerate(model.blocks):
-            if block.kind == "M":
+            if block.recurrent:
                 self.kv.append(None)
                 self.conv.append(state.conv[i].clone())
                 self.ssm.append(state.ssm[i].clone())
@@ -206,7 +206,7 @@ class Decoder:
         x0 = self.model.stack_input(x)
         for i, block in enumerate(self.model.blocks):
             h = block.mixer_input(x, x0)
-            if block.kind == "M":
+            if block.recurrent:
                 if S == 1:
                     h, conv, ssm = block.mixer.step(h[:, 0], self.conv[i], self.ssm[i])
                     h = h[:, None]

@@ -189,7 +189,8 @@ def model_card(config: dict, n_params: int, name: str = "elephant model") -> str
     layers = m["layers"]
     rows = [
         ("layers", f"`{layers}` ({len(layers)}: {layers.count('M')} Mamba-2, "
-                   f"{layers.count('A')} attention)"),
+                   f"{layers.count('A')} attention"
+                   + (f", {layers.count('D')} gated delta rule)" if "D" in layers else ")")),
         ("d_model", m["d_model"]),
         ("attention heads", m["n_heads"]),
         ("MLP hidden (elephant GLU)", m["d_mlp"]),

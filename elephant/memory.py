@@ -80,7 +80,7 @@ def initial_prefix(model, dtype=None) -> list[tuple]:
     out = []
     x0 = model.stack_input(x)
     for i, block in enumerate(model.blocks):
-        if block.kind == "M":
+        if block.recurrent:   # Mamba-2, delta rule: (conv tail, recurrent state)
             x, (conv, ssm) = block(x, pos, (fresh.conv[i], fresh.ssm[i]))
             out.append((conv[0], ssm[0]))
         else:   # k: at position -1, i.e. before rotary, what `free` memory keys are too

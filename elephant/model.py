@@ -2,8 +2,8 @@
 
     model(tokens[B, T], state, reset[B]) -> (logits[B, T, V] or loss, new_state)
 
-Each layer is a pre-norm residual block: a mixer (Mamba-2 or attention, by the letters of
-`cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
+Each layer is a pre-norm residual block: a mixer (Mamba-2, attention or the gated delta rule of
+layers/delta.py, by the letters M, A, D of `cfg.layers`) followed by an elephant-gated GLU MLP. With `attn_x0` an attention layer also reads
 the stack's RMS-normalized input (the token embeddings, the memory vectors) through a gain
 (learned, or held: `attn_x0_gain`), so that the token's identity reaches it whatever the Mamba
 layers before it wrote. With `n_mem > 0` every chunk is framed as
@@ -19,8 +19,8 @@ and values of up to kv_keep earlier tokens kept past the window: at every chunk'
 layer keeps the best-scored of its kept tokens and the chunk's tokens (a learned linear score of the
 token's input, with exploration noise in training), so a token worth keeping is carried bit for bit
 until better ones displace it; it is read as if it stood just before the window, whatever its age,
-and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 layers start
-from the lane's carried conv and SSM state. Gradients flow through memory and SSM state for
+and its value is scaled by sigmoid(score), which is where the score learns. Mamba-2 and delta rule
+layers start from the lane's carried conv and recurrent (SSM, delta rule) state. Gradients flow through memory and SSM state for
 `bptt_chunks` chunks: a state that has been through that many chunks is detached before the next
 one. With memory-only backpropagation (`RecurrentState.track_memory_path`) the chain of memory
 updates is kept across those detaches: a gradient that reaches a chunk's read memory travels on
@@ -43,6 +43,7 @@ from torch.nn import functional as F
 from .compile import compile_chunk_steps
 from .config import ModelConfig
 from .layers.attention import Attention, segment_room
+from .layers.delta import GatedDeltaNet
 from .layers.elephant import ElephantMLP
 from .layers.head import cross_entropy_reference, linear_cross_entropy
 from .layers.mamba import Mamba2
@@ -51,12 +52,18 @@ from .state import KVCache, RecurrentState, fresh_state
 from .window import forward_window, window_chunks
 
 
+MIXERS = {"M": Mamba2, "A": Attention, "D": GatedDeltaNet}   # cfg.layers' letters
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, kind: str):
         super().__init__()
         self.kind = kind
+        # Mamba-2 and the gated delta rule carry (conv state, recurrent state) from chunk to chunk,
+        # in RecurrentState's conv / ssm lists; attention carries its KV cache
+        self.recurrent = kind in ("M", "D")
         self.norm1 = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mixer = Mamba2(cfg) if kind == "M" else Attention(cfg)
+        self.mixer = MIXERS[kind](cfg)
         # attn_x0: the gain of the stack's normalized input added to the attention's input (set
         # by ElephantLM.reset_parameters): one per channel, one for the layer, or (attn_x0_gain
         # "fixed") a buffer that training leaves
@@ -91,7 +98,7 @@ class Block(nn.Module):
                 layouts: dict | None = None, x0: Tensor | None = None) -> tuple[Tensor, tuple]:
         """seg (B, S) segment ids of packed documents (None: one document per lane) and init the
         initial-memory prefix's state of this layer for segments > 0 (Mamba: (conv tail, SSM state);
-        attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
+        delta rule: (conv tail, S); attention: (k, v)), see ElephantLM.forward. `start` (B,): the position of the chunk's first
         token in the lane's carried document (for kept tokens). `free` (S,) bool: the memory
         tokens, scored without rotary by attention (mem_rotary "free"). The new state of an
         attention layer is (k, v), with kept tokens (k, v, keys before rotary, the normalized
@@ -100,7 +107,7 @@ class Block(nn.Module):
         layout, shared by the chunk's attention layers (attention.attend_segments_varlen). `x0`:
         the stack's normalized input (B, S, D), read by attention layers with `attn_x0`."""
         h = self.mixer_input(x, x0)
-        if self.kind == "M":
+        if self.recurrent:
             conv, ssm = layer_state
             if seg is None:
                 h, conv, ssm = self.mixer(h, conv, ssm)
@@ -252,7 +259,10 @@ class ElephantLM(nn.Module):
         """Training FLOPs per chunk token (forward + backward = 3 x forward), for MFU.
 
         Matrix products: 6 per weight; attention scores and values over the average number of
-        keys a query sees; the SSD scan's intra-chunk and state products. The blocks run over
+        keys a query sees; the SSD scan's intra-chunk and state products; the chunked delta rule's
+        (per head and token of a block of L: k.k and q.k over the block (2 L dk), the scores
+        times the writes (L dv), the triangular solve (L (dk + dv) / 2) and three state
+        products (3 dk dv)). The blocks run over
         the memory slots too (S = T + 2 n_mem positions a chunk), counted as overhead on the T
         real tokens; the output head runs over the T tokens alone, so it counts once a token.
         """
@@ -267,6 +277,9 @@ class ElephantLM(nn.Module):
         L = min(cfg.ssd_chunk, S)
         H, P, N = cfg.mamba_heads, cfg.mamba_head_dim, cfg.d_state
         per_position += cfg.layers.count("M") * 6 * H * (L * (N + P) + 3 * P * N)
+        K, V = cfg.head_dim, cfg.delta_value_dim
+        per_position += cfg.layers.count("D") * 6 * cfg.n_heads * (L * (2 * K + V + (K + V) / 2)
+                                                                   + 3 * K * V)
         return per_position * S / T + 6 * head
 
     def compile_for(self, how: str, backend: str | None = None) -> None:
@@ -289,7 +302,8 @@ class ElephantLM(nn.Module):
 
     def set_fast_paths(self, fast: bool = True) -> None:
         """Fast paths (Triton SSD and conv on CUDA, SDPA and the fused q/k/v kernel, fused elephant
-        MLP) or the reference paths (PyTorch SSD and conv, explicit-mask attention, autograd MLP):
+        MLP; the D layers' Triton conv) or the reference paths (PyTorch SSD and conv, explicit-mask
+        attention, autograd MLP):
         the equivalence tests and the benchmarks switch between them. The SSD choice is
         process-wide (layers.ssd.set_backend). The loss takes the blocked linear + cross-entropy
         (layers/head.py) or the whole logits."""
@@ -498,7 +512,7 @@ class ElephantLM(nn.Module):
         new = RecurrentState(pos=new_pos, chunks=state.chunks + 1)
         for i, block in enumerate(self.blocks):
             init = None if prefix is None else prefix[i]
-            if block.kind == "M":
+            if block.recurrent:
                 x, (conv, ssm) = block(x, pos, (state.conv[i], state.ssm[i]), seg=seg, init=init)
                 new.kv.append(None)
                 new.conv.append(conv)

@@ -42,18 +42,20 @@ def label(n: int) -> str:
     return str(n)
 
 
-ABLATIONS = ("none", "memory", "kv", "keep", "ssm")
+ABLATIONS = ("none", "memory", "kv", "keep", "ssm", "delta")
 
 
 def ablate(model, state, part: str):
     """The state with one carried part dropped after a chunk, to see what carries a fact:
     memory -> the initial memory, kv -> an empty window, keep -> no kept tokens (model.kv_keep),
-    ssm -> zero Mamba conv/SSM state (state.drop_parts)."""
+    ssm -> zero conv and recurrent state of every Mamba-2 and delta rule (D) layer, delta -> of
+    the D layers alone (state.drop_parts)."""
     if part == "none":
         return state
     if part not in ABLATIONS:
         raise ValueError(f"ablation: expected one of {', '.join(ABLATIONS)}, got {part!r}")
-    return drop_parts(state, parse_parts(part), model.mem_init if model.cfg.n_mem else None)
+    return drop_parts(state, parse_parts(part), model.mem_init if model.cfg.n_mem else None,
+                      model.cfg.layers)
 
 
 def filler_for(spec: str, split: str, site_packages: bool = False) -> str | None:

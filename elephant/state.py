@@ -2,7 +2,8 @@
 
 Per lane (batch row) it holds the rotary position reached in the current document, every
 attention layer's window of cached keys/values (and its kept tokens, model.kv_keep), every Mamba-2
-layer's conv and SSM state, and the RMT read memory. Shapes are fixed at creation (the KV window
+layer's conv and SSM state (and every gated delta rule layer's conv state and S, in the same two
+lists), and the RMT read memory. Shapes are fixed at creation (the KV window
 has `kv_window` slots whether they are filled or not, with a validity mask), so a compiled model
 never sees a new shape.
 
@@ -92,9 +93,11 @@ class KVCache:
 @dataclass
 class RecurrentState:
     pos: Tensor                                       # (B,) int64 tokens of the document seen so far
-    kv: list[KVCache | None] = field(default_factory=list)      # one per layer (None: Mamba / no cache)
-    conv: list[Tensor | None] = field(default_factory=list)     # (B, conv_dim, d_conv - 1) per Mamba layer
-    ssm: list[Tensor | None] = field(default_factory=list)      # (B, H, P, N) float32 per Mamba layer
+    kv: list[KVCache | None] = field(default_factory=list)      # one per layer (None: M, D / no cache)
+    # per Mamba-2 (M) and gated delta rule (D) layer: the conv state (B, conv_dim, d_conv - 1) and
+    # the recurrent state in float32, (B, H, P, N) for M, S (B, H, dk, dv) for D
+    conv: list[Tensor | None] = field(default_factory=list)
+    ssm: list[Tensor | None] = field(default_factory=list)
     memory: Tensor | None = None                      # (B, n_mem, D) read memory of the next chunk
     chunks: int = 0                                   # chunks processed since the last detach
     # Memory-only backpropagation (training only; never saved): `memory_path` has the value of
@@ -276,7 +279,8 @@ class RecurrentState:
 # The parts of a lane's state that carry context from chunk to chunk, as `drop_parts` names them
 # (eval.py --drop, elephant.recall eval --ablate): the attention KV window, the kept tokens, the
 # RMT memory, and the Mamba conv and SSM state (with any other mixer state kept in those lists)
-CARRIED_PARTS = ("window", "kept", "memory", "ssm")
+# ssm: every Mamba-2 and gated delta rule (D) layer's conv and recurrent state; delta: the D layers'
+CARRIED_PARTS = ("window", "kept", "memory", "ssm", "delta")
 PART_ALIASES = {"kv": "window", "keep": "kept", "mamba": "ssm"}
 
 
@@ -298,11 +302,14 @@ def parse_parts(text: str, flag: str = "--drop") -> tuple[str, ...]:
     return tuple(p for p in CARRIED_PARTS if p in parts)
 
 
-def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None) -> "RecurrentState":
+def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None,
+               layers: str | None = None) -> "RecurrentState":
     """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document
     clears them (`RecurrentState.reset`: an empty window, no kept tokens, the initial memory
-    `init_memory`, zero Mamba state), the rest and the positions kept: what one part carries from
-    chunk to chunk is what its loss or recall loses when it is dropped after every chunk."""
+    `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
+    carries from chunk to chunk is what its loss or recall loses when it is dropped after every
+    chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
+    layers."""
     if not parts:
         return state
     cleared = state.reset(torch.ones(state.lanes, dtype=torch.bool, device=state.pos.device),
@@ -319,18 +326,24 @@ def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None
                   for c, e in zip(state.kv, cleared.kv)]
     if "ssm" in parts:
         out.conv, out.ssm = cleared.conv, cleared.ssm
+    elif "delta" in parts:
+        if layers is None or len(layers) != len(state.conv):
+            raise ValueError(f"drop_parts: dropping 'delta' needs the model's layers (one letter "
+                             f"per layer, {len(state.conv)}), got {layers!r}")
+        out.conv = [c if kind == "D" else t for t, c, kind in zip(state.conv, cleared.conv, layers)]
+        out.ssm = [c if kind == "D" else t for t, c, kind in zip(state.ssm, cleared.ssm, layers)]
     return out
 
 
 def fresh_state(cfg, blocks, batch: int, device, dtype, kv_dtype,
                 mem_init: Tensor | None = None) -> RecurrentState:
     """ElephantLM.init_state's work (the arguments are told there): every lane at a document's
-    start, in the layout of `blocks` (each Mamba block's mixer makes its zero conv and SSM
-    state, each attention layer an empty window of kv_window slots and kv_keep kept tokens) and
+    start, in the layout of `blocks` (each Mamba or delta rule block's mixer makes its zero conv
+    and recurrent state, each attention layer an empty window of kv_window slots and kv_keep kept tokens) and
     the read memory `mem_init` (n_mem, D) in every lane."""
     state = RecurrentState(pos=torch.zeros(batch, dtype=torch.long, device=device))
     for block in blocks:
-        if block.kind == "M":
+        if block.recurrent:
             conv, ssm = block.mixer.init_state(batch, device, dtype)
             state.kv.append(None)
             state.conv.append(conv)

@@ -48,7 +48,8 @@ def forward_chunks(model, tokens, T, reset_at=None):
 
 CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0), ("AA", 0, 6, 0),
          ("MM", 2, 0, 0), ("AMMA", 1, 12, 0),
-         ("MAMA", 2, 5, 3), ("AA", 0, 4, 6)]     # kept tokens past the window (kv_keep)
+         ("MAMA", 2, 5, 3), ("AA", 0, 4, 6),     # kept tokens past the window (kv_keep)
+         ("MDAD", 2, 5, 0), ("DD", 0, 0, 0)]     # gated delta rule layers (GatedDeltaNet.step)
 
 
 @pytest.mark.parametrize("layers, n_mem, kv_window, kv_keep", CASES)

@@ -32,7 +32,7 @@ def run_chunks(model, tokens, lengths, state=None):
 
 @pytest.mark.parametrize("layers, attn_x0", [("MAMA", False), ("AMMA", False), ("MM", False),
                                              ("AA", False), ("MAMA", True), ("AA", True),
-                                             ("MAMA", "norm")])
+                                             ("MAMA", "norm"), ("MDAD", False)])
 def test_chunked_equals_whole_document(layers, attn_x0):
     model = make(layers=layers, kv_window=64, attn_x0=bool(attn_x0), attn_x0_norm=attn_x0 == "norm")
     tokens = torch.randint(0, 97, (2, 50))
@@ -106,10 +106,10 @@ def test_lanes_never_influence_each_other(n_mem):
 
 
 @pytest.mark.parametrize("bptt", [1, 2, 3])
-@pytest.mark.parametrize("layers", ["MA", "AA"])
+@pytest.mark.parametrize("layers", ["MA", "AA", "DA"])
 def test_gradient_depth_is_bptt_chunks(bptt, layers):
     # The loss of chunk t reaches the chunks of its BPTT window [t - bptt + 1, t] through the carried
-    # memory and SSM state, and nothing before it (KV caches never carry gradient).
+    # memory and SSM (or delta rule) state, and nothing before it (KV caches never carry gradient).
     # gates half open: shut gates (the default) pass no gradient to the write slots until their
     # gate vectors move from zero
     model = make(n_mem=2, kv_window=8, bptt_chunks=bptt, layers=layers, mem_gate_init=0.0)

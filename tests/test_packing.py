@@ -25,17 +25,18 @@ def starts_at(B, T, *cols) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("n_mem, kv_window, kv_keep, mem_rotary, attn_x0",
-                         [(3, 16, 0, "none", False), (0, 16, 0, "none", False),
-                          (3, 0, 0, "none", False), (3, 16, 4, "none", False),
-                          (3, 16, 4, "free", False), (3, 16, 4, "free", True)])
+@pytest.mark.parametrize("n_mem, kv_window, kv_keep, mem_rotary, attn_x0, layers",
+                         [(3, 16, 0, "none", False, "MAMA"), (0, 16, 0, "none", False, "MAMA"),
+                          (3, 0, 0, "none", False, "MAMA"), (3, 16, 4, "none", False, "MAMA"),
+                          (3, 16, 4, "free", False, "MAMA"), (3, 16, 4, "free", True, "MAMA"),
+                          (3, 16, 4, "none", False, "MDAD")])
 def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, mem_rotary,
-                                                     attn_x0):
+                                                     attn_x0, layers):
     # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
     # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged (with
     # kept tokens: doc A's tokens 0-7 would be readable in chunk 2, had B not started).
     model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep, mem_rotary=mem_rotary,
-                 attn_x0=attn_x0)
+                 attn_x0=attn_x0, layers=layers)
     T, b0 = 12, 7
     gen = torch.Generator().manual_seed(1)
     chunks = torch.randint(0, V, (3, 2, T), generator=gen)
@@ -58,7 +59,7 @@ def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, 
         assert torch.equal(t, state_b.tensors()[name]), name
 
 
-@pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA"])
+@pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA", "MDAD"])
 def test_document_starting_mid_chunk_equals_document_fed_alone(layers):
     # memory off, a window covering the document: doc B starting at token 7 of a chunk and running on
     # into the next two chunks gives the logits of one pass over doc B in a fresh state
@@ -87,7 +88,8 @@ def test_document_starting_mid_chunk_equals_document_fed_alone(layers):
 @pytest.mark.parametrize("layers, mem_update, mem_rotary, attn_x0",
                          [("MAMA", "gated", "none", False), ("AMMA", "replace", "none", False),
                           ("MM", "gated", "none", False), ("MAMA", "gated", "chunk", False),
-                          ("AMMA", "gated", "free", False), ("AMMA", "gated", "free", True)])
+                          ("AMMA", "gated", "free", False), ("AMMA", "gated", "free", True),
+                          ("MDAD", "gated", "none", False)])
 def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update, mem_rotary, attn_x0):
     # memory on: doc B starting at token 5 of a chunk (and filling it) gives the logits, and leaves the
     # state, of doc B starting a chunk of its own after a reset; so does the chunk after that
@@ -108,10 +110,11 @@ def test_document_starting_mid_chunk_sees_initial_memory(layers, mem_update, mem
     assert (after_packed - after_reset).abs().max() < 1e-10
 
 
-def test_gradients_do_not_cross_a_document_boundary():
+@pytest.mark.parametrize("layers", ["MAMA", "MDAD"])
+def test_gradients_do_not_cross_a_document_boundary(layers):
     # the loss of doc B (starting mid-chunk) has no gradient into doc A's tokens, in this chunk or
     # the one before, nor into the state doc A carried in
-    model = make(n_mem=3, kv_window=16, bptt_chunks=4)
+    model = make(n_mem=3, kv_window=16, bptt_chunks=4, layers=layers)
     embedded = []
     handle = model.embed.register_forward_hook(lambda m, a, out: embedded.append(out))
     T, b0 = 12, 6

@@ -1,4 +1,5 @@
-"""The model's layers: attention, the Mamba-2 mixer and its SSD scan, the elephant MLP, the head."""
+"""The model's layers: attention, the Mamba-2 mixer and its SSD scan, the gated delta rule mixer,
+the elephant MLP, the head."""
 from __future__ import annotations
 
 import torch

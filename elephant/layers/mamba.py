@@ -134,6 +134,41 @@ def segment_conv_reference(window: torch.Tensor, seg: torch.Tensor, weight: torc
     return out, state
 
 
+def short_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+               seg: torch.Tensor | None = None, tail: torch.Tensor | None = None,
+               fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixers' causal depthwise conv and its SiLU: x (B, L, C) this chunk's inputs, conv_state
+    (B, C, K-1) the carried ones, weight (C, 1, K), bias (C,); seg (B, L) segment ids and `tail`
+    (C, K-1) the inputs a segment > 0 starts after (see `segment_conv`). Returns silu(conv) (B, L,
+    C) in x's dtype and the conv state after the chunk (B, C, K-1) in conv_state's dtype (so that
+    a state keeps its dtype from chunk to chunk). On CUDA (with `fast`) the Triton conv, reading
+    [carried inputs | this chunk] in place, channels last; else conv1d, or `segment_conv`."""
+    if fast and x.is_cuda and conv_triton.supported(x):
+        return conv_triton.depthwise_conv(x, conv_state, weight, bias, seg, tail, silu=True)
+    K = weight.shape[-1]
+    window = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=2)   # (B, C, K-1+L)
+    if seg is None:
+        new_conv_state = window[:, :, window.shape[2] - (K - 1):].to(conv_state.dtype)
+        out = F.conv1d(window, weight.to(window.dtype), bias.to(window.dtype),
+                       groups=window.shape[1])                                  # (B, C, L)
+    else:
+        out, new_conv_state = segment_conv(window, seg, weight, bias, tail)
+        new_conv_state = new_conv_state.to(conv_state.dtype)
+    return F.silu(out).transpose(1, 2), new_conv_state
+
+
+def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` for one token, x (B, C): a dot product over the window [carried inputs | this
+    input], accumulated in float32 as a conv kernel does. Returns (silu(conv) (B, C), new state)."""
+    window = torch.cat([conv_state.to(x.dtype), x.unsqueeze(2)], dim=2)        # (B, C, K)
+    new_conv_state = window[:, :, 1:].to(conv_state.dtype)
+    acc = torch.promote_types(window.dtype, torch.float32)
+    w = weight.to(acc)[:, 0]                                                     # (C, K)
+    out = ((window.to(acc) * w).sum(-1) + bias.to(acc)).to(window.dtype)
+    return F.silu(out), new_conv_state
+
+
 class Mamba2(nn.Module):
     fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
     fast_conv = True           # on CUDA, the Triton conv (conv_triton); False: conv1d / segment_conv
@@ -198,25 +233,9 @@ class Mamba2(nn.Module):
                 self.D, self.norm.weight, ssm_state, self._dims(), self.norm.eps, seg, init)
             return self.out_proj(out), new_conv_state.contiguous(), new_ssm_state.contiguous()
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-
-        if self.fast_conv and xBC.is_cuda and conv_triton.supported(xBC):
-            # the Triton conv reads [carried inputs | this chunk] in place, channels last
-            tail = None if seg is None or init is None else init[0]
-            xBC, new_conv_state = conv_triton.depthwise_conv(xBC, conv_state, self.conv1d.weight,
-                                                             self.conv1d.bias, seg, tail, silu=True)
-            return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
-        # causal depthwise conv over [carried inputs | this chunk]; keep the last d_conv - 1 inputs
-        window = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=2)  # (B, conv_dim, K-1+L)
-        if seg is None:
-            # in the incoming state's dtype, so that a state keeps its dtype from chunk to chunk
-            new_conv_state = window[:, :, window.shape[2] - (self.d_conv - 1):].to(conv_state.dtype)
-            xBC = F.conv1d(window, self.conv1d.weight.to(window.dtype),
-                           self.conv1d.bias.to(window.dtype), groups=self.conv_dim)  # (B, conv_dim, L)
-        else:
-            tail = None if init is None else init[0]
-            xBC, new_conv_state = segment_conv(window, seg, self.conv1d.weight, self.conv1d.bias, tail)
-            new_conv_state = new_conv_state.to(conv_state.dtype)
-        xBC = F.silu(xBC).transpose(1, 2)                                          # (B, L, conv_dim)
+        tail = None if seg is None or init is None else init[0]
+        xBC, new_conv_state = short_conv(xBC, conv_state, self.conv1d.weight, self.conv1d.bias,
+                                         seg, tail, fast=self.fast_conv)          # (B, L, conv_dim)
         return self._after_conv(xBC, z, dt, ssm_state, seg, init, b, l, new_conv_state)
 
     def _dims(self) -> list[int]:
@@ -267,12 +286,7 @@ class Mamba2(nn.Module):
         b = x.shape[0]
         zxbcdt = self.in_proj(x)
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, self.heads], dim=-1)
-        window = torch.cat([conv_state.to(xBC.dtype), xBC.unsqueeze(2)], dim=2)  # (B, conv_dim, K)
-        new_conv_state = window[:, :, 1:].to(conv_state.dtype)
-        acc = torch.promote_types(window.dtype, torch.float32)  # accumulate as a conv kernel does
-        w = self.conv1d.weight.to(acc)[:, 0]                                       # (conv_dim, K)
-        xBC = ((window.to(acc) * w).sum(-1) + self.conv1d.bias.to(acc)).to(window.dtype)
-        xBC = F.silu(xBC)                                                          # (B, conv_dim)
+        xBC, new_conv_state = conv_step(xBC, conv_state, self.conv1d.weight, self.conv1d.bias)
         xs, Bm, Cm = xBC.split([self.d_inner, self.d_state, self.d_state], dim=-1)
 
         cdt = ssm_state.dtype                        # float32, or float64 for fp64 models
