@@ -232,6 +232,26 @@ def run(args) -> int:
     return 0
 
 
+def load_for_reading(args):
+    """(device, model, tokenizer, config) of --checkpoint for the needle test and generation: on
+    --device (auto: CUDA when there is one), with --kv-keep / --kv-keep-read, the tokenizer saved
+    with it or --tokenizer's (a HubError when there is neither)."""
+    import torch
+
+    from elephant.hub import HubError, from_pretrained
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
+                                               kv_keep_read=args.kv_keep_read)
+    if args.tokenizer:
+        from data_packing import load_tokenizer
+        tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer is None:
+        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
+                       f"names none (give --tokenizer)")
+    return device, model, tokenizer, config
+
+
 def run_needle(args) -> int:
     """The needle test (elephant/needle.py) on the model's own kind of text, held out: its data's
     --split (default test), or --data / --data-path / data.* overrides."""
@@ -241,7 +261,6 @@ def run_needle(args) -> int:
 
     from elephant.config import Config, DataConfig, ConfigError, apply_overrides, parse_count
     from elephant.fsutil import atomic_write_json
-    from elephant.hub import HubError, from_pretrained
     from elephant.needle import autocast_for, format_needles, needle_test, text_for
 
     distances = [parse_count(d) for d in args.needle.split(",") if d.strip()]
@@ -254,15 +273,7 @@ def run_needle(args) -> int:
                           f"key counts must be positive")
     if args.push_to_hub or args.baseline or args.drop:
         raise ConfigError("--needle scores recall alone: leave out --push-to-hub, --baseline and --drop")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
-                                               kv_keep_read=args.kv_keep_read)
-    if args.tokenizer:
-        from data_packing import load_tokenizer
-        tokenizer = load_tokenizer(args.tokenizer)
-    if tokenizer is None:
-        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model (give --tokenizer)")
+    device, model, tokenizer, config = load_for_reading(args)
     data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
     if args.data:
         data.source, data.path = args.data, ""
@@ -299,7 +310,6 @@ def run_generate(args) -> int:
 
     from elephant.generate import (GenerationError, TextStream, check_settings, generate,
                                    training_chunk_len)
-    from elephant.hub import HubError, from_pretrained
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     if args.prompt_file is not None:
@@ -312,16 +322,7 @@ def run_generate(args) -> int:
         text = args.prompt
     if not text:
         raise GenerationError("the prompt is empty: give --prompt TEXT or a non-empty --prompt-file")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
-                                               kv_keep_read=args.kv_keep_read)
-    if args.tokenizer:
-        from data_packing import load_tokenizer
-        tokenizer = load_tokenizer(args.tokenizer)
-    if tokenizer is None:
-        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
-                       f"names none (give --tokenizer)")
+    device, model, tokenizer, config = load_for_reading(args)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
     ids = tokenizer.encode(text)
