@@ -301,10 +301,12 @@ def test_unsupported_loading_options_are_refused_in_one_line(byte_export):
 
 
 def test_elephant_and_its_hub_module_do_not_import_transformers():
-    # every module `import elephant` / `import elephant.hub` can reach, lazy imports included
-    # (tests/test_imports.py's graph; data_packing's submodules all, as it imports them by name)
+    # every module `import elephant` / `import elephant.hub` / `from elephant import generate`
+    # can reach, lazy imports included (tests/test_imports.py's graph; data_packing's submodules
+    # all, as it imports them by name)
     files = module_files()
-    todo = ["elephant", "elephant.hub"] + [m for m in files if m.startswith("data_packing")]
+    todo = ["elephant", "elephant.hub", "elephant.generate"] + [m for m in files
+                                                                 if m.startswith("data_packing")]
     reached = set()
     while todo:
         name = todo.pop()
