@@ -9,7 +9,8 @@ The haystack is the model's own kind of text, held out: stretches of its data's 
 words, so that the needle stands where a user's long document would have it. Each document
 states `keys` facts ("silver_fox_code = 482913" in the default form, "assign"), then states the
 first key again at each distance from its previous mention and scores the value's tokens
-teacher-forced (the model's most likely next token against each; chance about 0.10 for a digit).
+teacher-forced (the model's most likely next token against each; chance is 0.10 a digit with the
+byte tokenizer, near 0 with a BPE tokenizer, whose value tokens hold several digits each).
 Documents are streamed chunk by chunk with carried state, exactly as eval.py streams text (no
 context limit, constant memory): `elephant.recall.evaluate_recall` does the streaming.
 
@@ -93,8 +94,8 @@ def format_needles(result: dict) -> str:
     for n, row in rows.items():
         lines.append(f"| {n} | " + " | ".join(f"{row[lab]:.3f}" if lab in row else "-"
                                               for lab in labels) + " |")
-    return "\n".join(lines + [f"needle form {result['form']!r}; value-token accuracy, chance "
-                              f"about 0.10 a digit; {result['seconds']:.0f} s"])
+    return "\n".join(lines + [f"needle form {result['form']!r}; value-token accuracy (chance 0.10 "
+                              f"a byte digit, near 0 a BPE token); {result['seconds']:.0f} s"])
 
 
 def autocast_for(device) -> object:
