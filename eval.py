@@ -134,40 +134,19 @@ def run(args) -> int:
 
     from data_packing import get_corpus, open_source
     from data_packing.sources import canonical_split
-    from elephant.config import Config, DataConfig, apply_overrides, load_config
     from elephant.evaluate import evaluate, parse_reset_every
     from elephant.fsutil import atomic_write_json
-    from elephant.hub import HubError, export_run, from_pretrained, push_to_hub, save_pretrained
+    from elephant.hub import HubError, export_run, push_to_hub, save_pretrained
     from elephant.metrics import plot_position_loss
     from elephant.state import parse_parts
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
     progress = not args.no_progress and sys.stderr.isatty()
     if (args.kv_keep is not None or args.kv_keep_read is not None) and args.push_to_hub:
         raise HubError("--kv-keep or --kv-keep-read with --push-to-hub: the pushed model would not "
                        "say which kept tokens its figures were measured with; push without them")
-    model, tokenizer, config = from_pretrained(args.checkpoint, device=device, kv_keep=args.kv_keep,
-                                               kv_keep_read=args.kv_keep_read)
+    device, model, tokenizer, config = load_for_reading(args)
     split = canonical_split(args.split)
-
-    data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
-    if args.data:
-        if args.data.endswith(".toml"):
-            data = load_config(args.data).data
-        else:
-            data.source, data.path = args.data, ""
-            data.validate()
-    if args.data_path:
-        data.path = args.data_path
-    if args.overrides:
-        data = apply_overrides(Config(data=data), args.overrides, sections=("data",)).data
-    if args.tokenizer:
-        from data_packing import load_tokenizer
-        tokenizer = load_tokenizer(args.tokenizer)
-    if tokenizer is None:
-        raise HubError(f"{args.checkpoint}: no tokenizer saved with the model, and its config "
-                       f"names none")
+    data = data_to_read(args, config)
     tokenizer_spec = data.tokenizer
     export_dir = Path(args.checkpoint)
     if args.tokenizer:
@@ -232,8 +211,26 @@ def run(args) -> int:
     return 0
 
 
+def data_to_read(args, config: dict):
+    """The data settings a reading of --checkpoint uses: the run's own (its config's [data]), or
+    --data (a recipe's [data], or a source name), then --data-path and the data.* overrides."""
+    from elephant.config import Config, DataConfig, apply_overrides, load_config
+    data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
+    if args.data:
+        if args.data.endswith(".toml"):
+            data = load_config(args.data).data
+        else:
+            data.source, data.path = args.data, ""
+            data.validate()
+    if args.data_path:
+        data.path = args.data_path
+    if args.overrides:
+        data = apply_overrides(Config(data=data), args.overrides, sections=("data",)).data
+    return data
+
+
 def load_for_reading(args):
-    """(device, model, tokenizer, config) of --checkpoint for the needle test and generation: on
+    """(device, model, tokenizer, config) of --checkpoint for every reading of it: on
     --device (auto: CUDA when there is one), with --kv-keep / --kv-keep-read, the tokenizer saved
     with it or --tokenizer's (a HubError when there is neither)."""
     import torch
@@ -259,7 +256,7 @@ def run_needle(args) -> int:
 
     import torch
 
-    from elephant.config import Config, DataConfig, ConfigError, apply_overrides, parse_count
+    from elephant.config import ConfigError, parse_count
     from elephant.fsutil import atomic_write_json
     from elephant.needle import autocast_for, format_needles, needle_test, text_for
 
@@ -274,15 +271,9 @@ def run_needle(args) -> int:
     if args.push_to_hub or args.baseline or args.drop:
         raise ConfigError("--needle scores recall alone: leave out --push-to-hub, --baseline and --drop")
     device, model, tokenizer, config = load_for_reading(args)
-    data = DataConfig(**config["data"]) if isinstance(config.get("data"), dict) else DataConfig()
-    if args.data:
-        data.source, data.path = args.data, ""
-    if args.data_path:
-        data.path = args.data_path
-    if args.overrides:
-        data = apply_overrides(Config(data=data), args.overrides, sections=("data",)).data
     from data_packing.sources import canonical_split
-    haystack = text_for(data.__dict__, canonical_split(args.split))
+    data = data_to_read(args, config)
+    haystack = text_for(data, canonical_split(args.split))
     chunk_len = args.chunk_len or (config.get("train") or {}).get("chunk_len", 512)
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
     result = needle_test(model, tokenizer, haystack, distances, chunk_len, device, keys=keys,

@@ -216,7 +216,7 @@ def score(args) -> int:
                              "tokens": ev["tokens"], "seconds": time.perf_counter() - t0}
         print(f"[{name}] {len(long_test)} files over {args.long_tokens // 1024}K tokens, {kind}: "
               f"{ev['loss'] / bpt:.4f} nats/byte", file=sys.stderr, flush=True)
-    haystack = text_for(data.__dict__, "test")
+    haystack = text_for(data, "test")
     log = lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True)   # noqa: E731
     short = [1024, 4096, 65536] if not args.smoke else [256, 1024]
     lanes, long_lanes = (64, 16) if not args.smoke else (2, 1)

@@ -32,18 +32,16 @@ LONG = 128 * 1024
 DEFAULT_FORM = "assign"
 
 
-def text_for(data: dict, split: str = "test") -> str | None:
-    """The haystack text of a run's `data` settings (a DataConfig's dict): its source's `split`,
-    joined (data_packing.sources.filler_text); for a recall corpus its data.recall_filler's
-    text, None for the synthetic filler."""
+def text_for(data, split: str = "test") -> str | None:
+    """The haystack text of a run's data settings (a DataConfig): its source's `split`, joined
+    (data_packing.sources.filler_text); for a recall corpus its data.recall_filler's text, None
+    for the synthetic filler."""
     from data_packing.sources import filler_text, open_source
     from .recall import filler_for
-    source = data.get("source", "pycode")
-    if source == "recall":
-        return filler_for(data.get("recall_filler", ""), split, bool(data.get("site_packages")))
-    options = {"site_packages": bool(data.get("site_packages"))} if source == "pycode" else {}
-    return filler_text(open_source(source, split, data.get("path") or None,
-                                   text_field=data.get("text_field", "text"), **options))
+    if data.source == "recall":
+        return filler_for(data.recall_filler, split, data.site_packages)
+    return filler_text(open_source(data.source, split, data.path or None,
+                                   text_field=data.text_field, **data.source_options()))
 
 
 def needle_key(n_keys: int, distance: int) -> str:

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from elephant.config import add_kept_arguments, parse_count
-from elephant.evaluate import document_chunks
+from elephant.evaluate import document_chunks, dropped
 from elephant.model import in_eval_mode
-from elephant.state import drop_parts, parse_parts
+from elephant.state import parse_parts
 
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
@@ -54,8 +54,7 @@ def ablate(model, state, part: str):
         return state
     if part not in ABLATIONS:
         raise ValueError(f"ablation: expected one of {', '.join(ABLATIONS)}, got {part!r}")
-    return drop_parts(state, parse_parts(part), model.mem_init if model.cfg.n_mem else None,
-                      model.cfg.layers)
+    return dropped(model, state, parse_parts(part))
 
 
 def filler_for(spec: str, split: str, site_packages: bool = False) -> str | None:

@@ -278,8 +278,8 @@ class RecurrentState:
 
 # The parts of a lane's state that carry context from chunk to chunk, as `drop_parts` names them
 # (eval.py --drop, elephant.recall eval --ablate): the attention KV window, the kept tokens, the
-# RMT memory, and the Mamba conv and SSM state (with any other mixer state kept in those lists)
-# ssm: every Mamba-2 and gated delta rule (D) layer's conv and recurrent state; delta: the D layers'
+# RMT memory, every Mamba-2 and gated delta rule (D) layer's conv and recurrent state (ssm), and
+# the D layers' alone (delta)
 CARRIED_PARTS = ("window", "kept", "memory", "ssm", "delta")
 PART_ALIASES = {"kv": "window", "keep": "kept", "mamba": "ssm"}
 

@@ -85,8 +85,9 @@ def test_the_needle_is_stated_in_a_form_of_its_own_among_the_haystack():
 def test_the_haystack_is_the_data_held_out_split(tmp_path):
     for split, word in (("train", "trainword"), ("test", "testword")):
         (tmp_path / f"{split}.txt").write_text(" ".join([word] * 100))
-    text = text_for({"source": "text", "path": str(tmp_path)}, "test")
+    from elephant.config import DataConfig
+    text = text_for(DataConfig(source="text", path=str(tmp_path)), "test")
     assert "testword" in text and "trainword" not in text
-    assert text_for({"source": "recall", "recall_filler": ""}, "test") is None   # synthetic filler
+    assert text_for(DataConfig(source="recall", recall_filler=""), "test") is None   # synthetic
     with pytest.raises(Exception, match="does not exist"):
-        text_for({"source": "text", "path": str(tmp_path / "missing")}, "test")
+        text_for(DataConfig(source="text", path=str(tmp_path / "missing")), "test")
