@@ -46,6 +46,17 @@ _STACK = ["--config", "configs/recall.toml", "model.attn_x0=false", "model.n_mem
 _WIDE = ["model.d_model=512", "model.n_heads=8", "model.d_mlp=1536", "model.layers=MAMMAMMA",
          "model.d_state=64", "train.lanes=32"]          # wt103-70m's width and depth
 _TEXT = ["data.recall_filler=pycode", "data.site_packages=true"]
+
+
+def recipe_model(recipe: str) -> list[str]:
+    """Every model setting of `recipe` (configs/NAME.toml) as overrides, its defaults included, so
+    that another recipe's file takes that recipe's model whole (the byte vocabulary aside)."""
+    from dataclasses import fields
+
+    from elephant.config import load_config
+    model = load_config(ROOT / recipe).model
+    return [f"model.{f.name}={getattr(model, f.name)}" for f in fields(model)
+            if f.name != "vocab_size"]
 SHAPES = {
     "recall": _STACK + ["train.lanes=64"],
     # the recall recipe as users train it: memory, window, kept tokens, BPTT over 8 chunks
@@ -54,6 +65,11 @@ SHAPES = {
     # fact carried past the window by memory and kept tokens, learned from the LM loss (issue 57;
     # score it at 4096 and 65536 with --distances)
     "recall-recipe-text": ["--config", "configs/recall.toml", *_TEXT],
+    # the recall recipe's task, data, schedule and steps (trained on every byte, Python source as
+    # the filler) with the wt103-70m recipe's [model] whole: does the LM recipe's model carry a fact
+    # past its window (issue 70)? Score it at 4096 and 65536 with --distances
+    "wt103-70m-model-recall-text": ["--config", "configs/recall.toml",
+                                    *recipe_model("configs/wt103-70m.toml"), *_TEXT],
     # wt103-70m's model as its recipe sets it (memory, window, BPTT 2), on the same bytes
     "wt103-70m-recipe": ["--config", "configs/wt103-70m.toml", "model.vocab_size=320",
                          "data.source=recall", "data.tokenizer=bytes", "data.valid_split=",
@@ -81,7 +97,20 @@ LAYERS = {
     "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
+    "delta": lambda L: every_second_mamba_delta(L),
 }
+
+_KEEP_RECALL = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_drop=0.1"]
+
+
+def every_second_mamba_delta(layers: str) -> str:
+    """The layer string with the 2nd, 4th, ... Mamba-2 mixer a delta rule: MAMAMA -> MADAMA."""
+    out, seen = [], 0
+    for c in layers:
+        seen += c == "M"
+        out.append("D" if c == "M" and seen % 2 == 0 else c)
+    return "".join(out)
+
 
 # name: (overrides, hook names); variants named in LAYERS also change model.layers
 VARIANTS = {
@@ -147,6 +176,13 @@ VARIANTS = {
     "gate-half-open": (["model.mem_gate_init=0"], []),   # memory gates start half open, not shut
     # documents no longer than a cap that grows from 1K bytes to the longest over 300 steps
     "length-curriculum": (["data.length_curriculum_steps=300", "data.length_curriculum_start=1024"], []),
+    # the recall recipe's kept-token settings on another recipe's model: 4,096 kept at inference
+    # (each query reading what it trained with), charged and dropped in training; and with its
+    # gradient depth too (8 chunks, a quarter of the lanes: the same tokens a step as BPTT 2)
+    "keep-recall": (_KEEP_RECALL, []),
+    "keep-recall-bptt8": (_KEEP_RECALL + ["model.bptt_chunks=8", "train.lanes=16"], []),
+    # every second Mamba-2 mixer a gated delta rule (the D layer: an associative memory)
+    "delta": ([], []),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }
