@@ -387,24 +387,32 @@ for stage in $stages; do
       # on the same machine resumes them; LONG_END_AT=0: no training), then LONG_SCORE's
       # variants scored side by side (LONG_HYBRID, default keep-mix, with LONG_HYBRID_SCORE: the
       # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
-      # one results file
+      # one results file. LONG_VARIANTS="a b / c d": a and b side by side, then c and d
       L="python benchmarks/long_study.py --runs /tmp/long-study --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
       variants=${LONG_VARIANTS:-keep-mix transformer}
       if [ "${LONG_END_AT:-540}" != 0 ]; then
-        timeout 300 $L prepare ${variants// /,} 2>&1 | tee "$LOGS/long_prepare.log" | tail -8
-        left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
-        [ $left -lt 30 ] && { echo "long: only $left s left before LONG_END_AT: no training"; variants=""; }
-        for v in $variants; do
-          timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1 &
+        all=$(echo ${variants//\// })
+        timeout 300 $L prepare ${all// /,} 2>&1 | tee "$LOGS/long_prepare.log" | tail -8
+        # groups split by " / " train in turn, each group's variants side by side
+        IFS=/ read -ra groups <<< "$variants"
+        for group in "${groups[@]}"; do
+          left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
+          [ $left -lt 30 ] && { echo "long: only $left s left before LONG_END_AT: $group not trained"; continue; }
+          for v in $group; do
+            timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1 &
+          done
+          wait
         done
-        wait
+        variants=$all
         for v in $variants; do echo "--- $v"; grep -E "^step|\\[$v\\]|rror" "$LOGS/long_train_$v.log" | tail -3; done
       fi
       score=${LONG_SCORE:-$variants}
       [ "$score" = skip ] && score=""
+      n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
       for v in $score; do
         extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &
+        n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
       done
       wait
       for v in $score; do grep -E "needle|nats/byte|rror" "$LOGS/long_score_$v.log" | tail -14; done

@@ -19,6 +19,9 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   keep          + the recall recipe's kept-token settings (kept tokens charged and dropped in
                 training, 4,096 kept at inference reading 128) and its length curriculum
   keep-mix      + a fifth of the training text as recall documents (data.recall_mix)
+  keep-model    the kept-token settings alone (a recipe's [model]; no curriculum); -bptt8: with
+                gradients through 8 chunks (8 lanes, the same tokens a step); -bptt8-mix: and a
+                twentieth of the text as recall documents
   transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
                 lanes (the same 32,768 tokens a step) with the documents packed back to back (most
                 files are shorter than 8K: unpacked, half of each row would be padding), its MLP
@@ -31,8 +34,9 @@ position over the test files of over 64K tokens (the transformer reads them in c
 with a window of 7,168: every token sees 7K-8K tokens back), and the needle test
 (elephant/needle.py: one key at 1K, 4K and 64K tokens, with --needle-1m also 1M; 8 keys at 64K).
 `--drops` adds, over the same long files, a reset every 2K and each carried part dropped after
-every chunk (window, kept, memory, ssm: elephant.evaluate's drop). `report` gathers every scored
-variant into benchmarks/results/long_study_<date>_<device>.json with the goals' keys.
+every chunk (window, kept, memory, ssm: elephant.evaluate's drop). A variant named NAME@SEED trains with
+train.seed=SEED; `report` pairs each with today@SEED (vs_today_paired_nats_per_byte). `report`
+gathers every scored variant into benchmarks/results/long_study_<date>_<device>.json with the goals' keys.
 """
 from __future__ import annotations
 
@@ -57,10 +61,19 @@ _KEEP = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_d
 # a fifth of the training text as recall documents cut from the corpus's own text
 _MIX = ["data.recall_mix=0.2", "data.recall_min_gap=64", "data.recall_max_gap=65536",
         "data.recall_max_queries=8"]
+_BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
+# a twentieth of the training text as recall documents, in every form but the needle's
+_MIX_SMALL = ["data.recall_mix=0.05", "data.recall_min_gap=64", "data.recall_max_gap=65536",
+              "data.recall_max_queries=8"]
 VARIANTS = {
     "today": [],
     "keep": _KEEP,
     "keep-mix": _KEEP + _MIX,
+    # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
+    # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
+    "keep-model": _KEEP[:3],
+    "keep-model-bptt8": _KEEP[:3] + _BPTT8,
+    "keep-model-bptt8-mix": _KEEP[:3] + _BPTT8 + _MIX_SMALL,
     "transformer": _KEEP[3:] + _MIX + [
         "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
         "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192", "train.lanes=4",
@@ -79,17 +92,41 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
          "data.recall_max_gap=2048"]
 
 
+def split_seed(name: str) -> tuple[str, str]:
+    """"keep@2" -> ("keep", "2"): a variant trained with train.seed=2 ("" for the recipe's seed),
+    so that seeds of one variant and their pairs train side by side."""
+    base, _, seed = name.partition("@")
+    if base not in VARIANTS or (seed and not seed.isdigit()):
+        raise SystemExit(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}, "
+                         "each may end in @SEED")
+    return base, seed
+
+
 def overrides(name: str, args) -> list[str]:
     """The variant's overrides of configs/wt103-70m.toml (its run dir and data cache, the steps)."""
-    if name not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}")
+    base, seed = split_seed(name)
     out = DATA + [f"data.tokenizer={args.tokenizer}", f"data.cache_dir={args.cache}",
                   f"train.max_steps={args.steps}", f"train.run_dir={Path(args.runs) / name}"]
-    out += VARIANTS[name]
+    out += VARIANTS[base] + ([f"train.seed={seed}"] if seed else [])
     if args.smoke:
-        out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if name == "transformer" else [])
-    if name == "transformer":   # its MLP widened until it has the recipe's parameters
+        out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if base == "transformer" else [])
+    if base == "transformer":   # its MLP widened until it has the recipe's parameters
         out.append(f"model.d_mlp={matched_mlp(out, params(overrides('today', args)))}")
+    return out
+
+
+def paired(scores: dict) -> dict:
+    """Each variant's test loss minus today's at the same seed (nats/byte), per seed and their mean:
+    {variant: {"by_seed": {seed: diff}, "mean": ...}}."""
+    out: dict = {}
+    for name, score in scores.items():
+        base, seed = split_seed(name)
+        today = scores.get("today" + (f"@{seed}" if seed else ""))
+        if base != "today" and today:
+            diff = score["test"]["nats_per_byte"] - today["test"]["nats_per_byte"]
+            out.setdefault(base, {"by_seed": {}})["by_seed"][seed or "recipe"] = diff
+    for row in out.values():
+        row["mean"] = statistics.mean(row["by_seed"].values())
     return out
 
 
@@ -158,7 +195,7 @@ def load(name: str, args, device):
     run = Path(args.runs) / name
     model, tokenizer, cfg = from_pretrained(run, device=device)
     chunk_len = cfg["train"]["chunk_len"]
-    if name == "transformer":
+    if split_seed(name)[0] == "transformer":
         from elephant.config import ModelConfig
         from elephant.model import ElephantLM
         chunk_len = min(EVAL_CHUNK, chunk_len)
@@ -289,6 +326,7 @@ def report(args) -> int:
     if args.hybrid in speeds and "transformer" in speeds and speeds["transformer"]["tokens_per_s"]:
         out["speed_vs_long_transformer"] = (speeds[args.hybrid]["tokens_per_s"]
                                             / speeds["transformer"]["tokens_per_s"])
+    out["vs_today_paired_nats_per_byte"] = paired(scores)
     for name, score in scores.items():   # the LM loss over every test file, paired (same seed)
         if name not in (args.hybrid, "transformer"):
             out[f"{args.hybrid}_minus_{name}_nats_per_byte".replace("-", "_")] = (
