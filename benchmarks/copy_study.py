@@ -181,6 +181,9 @@ VARIANTS = {
     # gradient depth too (8 chunks, a quarter of the lanes: the same tokens a step as BPTT 2)
     "keep-recall": (_KEEP_RECALL, []),
     "keep-recall-bptt8": (_KEEP_RECALL + ["model.bptt_chunks=8", "train.lanes=16"], []),
+    # and trained with 4x the slots a query reads, so that the read learns to pick its best 128
+    # among more, as it must among the 4,096 of inference
+    "keep-recall-512-read-128": (_KEEP_RECALL + ["model.kv_keep=512", "model.kv_keep_read=128"], []),
     # every second Mamba-2 mixer a gated delta rule (the D layer: an associative memory)
     "delta": ([], []),
     "eager": (["train.compile=off"], []),
