@@ -22,6 +22,10 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   keep-model    the kept-token settings alone (a recipe's [model]; no curriculum); -bptt8: with
                 gradients through 8 chunks (8 lanes, the same tokens a step); -bptt8-mix: and a
                 twentieth of the text as recall documents
+  nomem         the RMT memory off (model.n_mem = 0)
+  keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
+                learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
+                the memory off
   transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
                 lanes (the same 32,768 tokens a step) with the documents packed back to back (most
                 files are shorter than 8K: unpacked, half of each row would be padding), its MLP
@@ -72,6 +76,12 @@ VARIANTS = {
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _KEEP[:3],
+    # the RMT memory off (model.n_mem = 0): what it costs or saves at equal steps and time
+    "nomem": ["model.n_mem=0"],
+    # trained with 4x the kept slots a query reads (512, reading 128), 4,096 kept at inference;
+    # the memory off
+    "keep-read": _KEEP[:2] + ["model.kv_keep=512", "model.kv_keep_read=128"],
+    "keep-read-nomem": _KEEP[:2] + ["model.kv_keep=512", "model.kv_keep_read=128", "model.n_mem=0"],
     "keep-model-bptt8": _KEEP[:3] + _BPTT8,
     "keep-model-bptt8-mix": _KEEP[:3] + _BPTT8 + _MIX_SMALL,
     "transformer": _KEEP[3:] + _MIX + [
