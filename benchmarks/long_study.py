@@ -9,7 +9,7 @@ sliding window of its trained context.
 
     python benchmarks/long_study.py prepare VARIANT[,VARIANT]       # tokenize their corpora once
     python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
-    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m]
+    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--lite]
     python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
     python benchmarks/long_study.py report [--hybrid keep-mix] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
@@ -22,6 +22,7 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   keep-model    the kept-token settings alone (a recipe's [model]; no curriculum); -bptt8: with
                 gradients through 8 chunks (8 lanes, the same tokens a step); -bptt8-mix: and a
                 twentieth of the text as recall documents
+  keep-mix-half keep with half the text as recall documents, gaps to 16K characters
   nomem         the RMT memory off (model.n_mem = 0)
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
                 learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
@@ -73,6 +74,9 @@ VARIANTS = {
     "today": [],
     "keep": _KEEP,
     "keep-mix": _KEEP + _MIX,
+    # half the text as recall documents, gaps to 16K characters: more queries a token
+    "keep-mix-half": _KEEP + ["data.recall_mix=0.5", "data.recall_min_gap=64",
+                              "data.recall_max_gap=16384", "data.recall_max_queries=8"],
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _KEEP[:3],
@@ -248,6 +252,10 @@ def score(args) -> int:
     out["test"]["seconds"] = time.perf_counter() - t0
     print(f"[{name}] test loss {ev['loss']:.4f}, {out['test']['nats_per_byte']:.4f} nats/byte over "
           f"{ev['documents']} files", file=sys.stderr, flush=True)
+    if args.lite:   # the loss over the test files alone
+        path = Path(args.runs) / name / "score.json"
+        path.write_text(json.dumps(out, indent=1))
+        return 0
     runs = {"carried": {}}
     if args.drops:
         runs |= {"reset-2K": {"reset_every": 2048}, **{f"drop-{p}": {"drop": (p,)} for p in
@@ -379,6 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", default=str(NEOX))
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
+    p.add_argument("--lite", action="store_true", help="score: the test loss alone")
     p.add_argument("--long-tokens", type=int, default=LONG_TOKENS)
     p.add_argument("--long-docs", type=int, default=64)
     p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
