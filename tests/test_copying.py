@@ -165,3 +165,35 @@ def test_copy_study_variant_names_carry_a_seed():
     for bad in ("nothing", "hybrid@", "hybrid@two", "nothing@1"):
         with pytest.raises(KeyError):
             variant(bad)
+
+
+def test_a_recipes_model_taken_whole_into_the_recall_recipe():
+    # the shape wt103-70m-model-recall-text: configs/recall.toml with every model setting of
+    # wt103-70m (its defaults too, so none of recall.toml's own model settings survives), the
+    # byte vocabulary aside; the delta variant's layers
+    from benchmarks.copy_study import ROOT, SHAPES, every_second_mamba_delta
+    from elephant.config import load_config
+    shape = SHAPES["wt103-70m-model-recall-text"]
+    got = load_config(ROOT / shape[1], shape[2:])
+    want = load_config(ROOT / "configs" / "wt103-70m.toml").model
+    recall = load_config(ROOT / "configs" / "recall.toml")
+    assert got.model.vocab_size == recall.model.vocab_size
+    assert vars(got.model) | {"vocab_size": want.vocab_size} == vars(want)
+    assert got.data.source == "recall" and got.train.lanes == recall.train.lanes
+    assert every_second_mamba_delta("MAMAMA") == "MADAMA"
+    assert every_second_mamba_delta("MAMMAMMA") == "MADMADMA"
+    assert every_second_mamba_delta("AA") == "AA"
+
+
+def test_long_study_pairs_each_variant_with_todays_run_at_its_seed():
+    from benchmarks.long_study import paired, split_seed
+    assert split_seed("keep-read@3") == ("keep-read", "3") and split_seed("today") == ("today", "")
+    for bad in ("nothing", "today@x"):
+        with pytest.raises(SystemExit):
+            split_seed(bad)
+    loss = lambda x: {"test": {"nats_per_byte": x}}   # noqa: E731
+    out = paired({"today@1": loss(0.50), "nomem@1": loss(0.502), "today@2": loss(0.51),
+                  "nomem@2": loss(0.509), "nomem@3": loss(0.4)})   # @3 has no pair: left out
+    assert out["nomem"]["by_seed"] == pytest.approx({"1": 0.002, "2": -0.001})
+    assert out["nomem"]["mean"] == pytest.approx(0.0005)
+    assert "today" not in out
