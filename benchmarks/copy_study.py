@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 # stack shapes start from the bare stack (attention without model.attn_x0, as before it was a
 # setting); the x0 variants turn it on. The *-recipe shapes are the recipes as users train them.
 _STACK = ["--config", "configs/recall.toml", "model.attn_x0=false", "model.n_mem=0",
-          "model.kv_window=0", "model.kv_keep=0", "model.kv_keep_drop=0", "model.bptt_chunks=1",
+          "model.kv_window=0", "model.kv_keep=0", "model.kv_keep_drop=0", "model.kv_keep_infer=0",
+          "model.kv_keep_cost=0", "model.bptt_chunks=1",
           "data.recall_max_gap=2048", "train.chunk_len=512", "train.compile=auto"]
 _WIDE = ["model.d_model=512", "model.n_heads=8", "model.d_mlp=1536", "model.layers=MAMMAMMA",
          "model.d_state=64", "train.lanes=32"]          # wt103-70m's width and depth
@@ -645,6 +646,9 @@ def main() -> int:
                    help="numbers of kept tokens (e.g. 512,2048) the last checkpoint is also read "
                         "with past the shortest distance, in place of its trained model.kv_keep")
     p.add_argument("--eval-lanes", type=int, default=64)
+    p.add_argument("--parallel", type=int, default=int(os.environ.get("COPY_PARALLEL", "0")),
+                   help="at most this many variants at once, the rest started as they end "
+                        "(0: all at once; four of wt103-70m's width outgrow an 80 GB GPU)")
     p.add_argument("--score", metavar="FOLDER",
                    help="no training: score the weights an earlier call saved (COPY_WEIGHTS: a "
                         "folder w-<variant> of parts) at --distances, --ablate and --keep-eval, "
@@ -711,6 +715,7 @@ def main() -> int:
     t0 = time.time()
     # on a machine of several GPUs the variants take them in turn (each process sees one)
     gpus = 0 if args.cpu_smoke else gpu_count()
+    waiting = []   # (name, command, environment): started while fewer than --parallel run
     for i, n in enumerate(names):
         run_dir = runs / n
         base, overrides, _, seed = variant(n)
@@ -720,16 +725,28 @@ def main() -> int:
                f"train.max_steps={args.steps}",
                f"train.ckpt_every={args.ckpt_every}", "train.keep_ckpts=100", "train.eval_every=0",
                "train.log_every=25", "train.tensorboard=false", f"train.run_dir={run_dir}"]
-        log = open(out / f"{n}.log", "w")
         own = env if gpus < 2 else dict(env, CUDA_VISIBLE_DEVICES=str(i % gpus))
-        procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
-                                     cwd=ROOT), log)
+        waiting.append((n, cmd, own))
+
+    def running() -> int:
+        return sum(pr.poll() is None for pr, _ in procs.values())
+
+    def start_waiting() -> None:
+        while waiting and (not args.parallel or running() < args.parallel):
+            n, cmd, own = waiting.pop(0)
+            log = open(out / f"{n}.log", "w")
+            procs[n] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=own,
+                                         cwd=ROOT), log)
+    start_waiting()
     stopped = False
     # the call's own limit (gpu.sh's timeout): stop waiting and sum up what the variants wrote
     cut: list[float] = []
     signal.signal(signal.SIGTERM, lambda *_: cut.append(time.time()))
-    while not cut and any(pr.poll() is None for pr, _ in procs.values()):
+    while not cut and (waiting or running()):
+        if not stopped:
+            start_waiting()
         if args.deadline_s and time.time() - t0 > args.deadline_s and not stopped:
+            waiting.clear()   # past the deadline nothing more starts
             for n, (pr, _) in procs.items():   # those still training: checkpoint, then score
                 if pr.poll() is None and not (out / f"{n}.json").exists():
                     pr.send_signal(signal.SIGTERM)
@@ -751,7 +768,8 @@ def main() -> int:
                                   **{k: v for k, v in result.items() if k.startswith("lm_recall_")},
                                   "copy": result.get("copy"),
                                   "first_step_at_0.99": result.get("first_step_at_0.99"),
-                                  "returncode": procs[n][0].returncode, "layers": result.get("layers"),
+                                  "returncode": procs[n][0].returncode if n in procs else "not started",
+                                  "layers": result.get("layers"),
                                   "final_loss": result["losses"][-1]["loss"] if result["losses"] else None}
         print(n, json.dumps(summary["variants"][n]),
               [(r["step"], round(r.get("128", r.get("copy", -1)), 3)) for r in result["recall"]],

@@ -66,7 +66,9 @@
 #           last checkpoint again with each part dropped after every chunk, COPY_KEEP_EVAL=512,2048
 #           the same with that many kept tokens instead of the trained number; COPY_WEIGHTS=$OUT
 #           returns each run's last weights (w-<variant>/part.*: 2 files a variant; at most 8
-#           files come back) before it is scored, for a later call to score without training:
+#           files come back) before it is scored, for a later call to score without training;
+#           COPY_PARALLEL=3: at most 3 variants at once, the rest as they end (four of wt103-70m's
+#           width ran out of memory on an 80 GB H100):
 #   long    benchmarks/long_study.py (issues 70, 71): the wt103-70m recipe's model on Python source
 #           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
 #           "keep-mix transformer") trained side by side for LONG_STEPS, scored (loss by position over

@@ -197,3 +197,22 @@ def test_long_study_pairs_each_variant_with_todays_run_at_its_seed():
     assert out["nomem"]["by_seed"] == pytest.approx({"1": 0.002, "2": -0.001})
     assert out["nomem"]["mean"] == pytest.approx(0.0005)
     assert "today" not in out
+
+
+def test_copy_study_parallel_starts_a_variant_only_as_another_ends(tmp_path):
+    # --parallel 1: the second variant's run starts after the first has trained and scored (four
+    # variants of wt103-70m's width at once outgrew an 80 GB GPU); both end with their results
+    import subprocess
+    import sys
+
+    from benchmarks.copy_study import ROOT
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    subprocess.run([sys.executable, "benchmarks/copy_study.py", "--cpu-smoke", "--parallel", "1",
+                    "--variants", "hybrid,attn", "--steps", "1", "--ckpt-every", "1",
+                    "--distances", "64", "--out", str(out), "--runs", str(runs),
+                    f"data.cache_dir={tmp_path / 'cache'}"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert {n: v["returncode"] for n, v in summary["variants"].items()} == {"hybrid": 0, "attn": 0}
+    first_done = (out / "hybrid.json").stat().st_mtime
+    assert first_done <= (runs / "attn" / "env.json").stat().st_mtime
