@@ -99,6 +99,7 @@ LAYERS = {
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
     "delta": lambda L: every_second_mamba_delta(L),
+    "delta-keep-drop-0.5": lambda L: every_second_mamba_delta(L),
 }
 
 _KEEP_RECALL = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_drop=0.1"]
@@ -185,8 +186,11 @@ VARIANTS = {
     # and trained with 4x the slots a query reads, so that the read learns to pick its best 128
     # among more, as it must among the 4,096 of inference
     "keep-recall-512-read-128": (_KEEP_RECALL + ["model.kv_keep=512", "model.kv_keep_read=128"], []),
-    # every second Mamba-2 mixer a gated delta rule (the D layer: an associative memory)
+    # every second Mamba-2 mixer a gated delta rule (the D layer: an associative memory); and
+    # with the kept tokens dropped after 1 chunk in 2 in training, so that what outlives a few
+    # chunks must be carried by the delta rule or the memory slots
     "delta": ([], []),
+    "delta-keep-drop-0.5": (["model.kv_keep_drop=0.5"], []),
     "eager": (["train.compile=off"], []),
     "reference": (["train.compile=off"], ["reference"]),   # PyTorch reference paths, no kernels
 }
