@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from elephant.config import ModelConfig
-from elephant.layers.mamba import conv_step, short_conv
+from elephant.layers.mamba import conv_step, decay_parameters, short_conv
 from elephant.layers.ssd import segment_cumsum, segment_masks
 
 BACKENDS = ("torch", "fla")
@@ -288,11 +288,8 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
                                 bias=True)
         # the decay alpha = exp(-exp(A_log) softplus(a + dt_bias)), Mamba-2's parameterisation and
-        # init: dt = softplus(dt_bias) log-uniform in [dt_min, dt_max], -exp(A_log) in -[1, 16]
-        dt = torch.exp(torch.rand(H) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(*A_range)))
+        # init (dt log-uniform in [dt_min, dt_max], -exp(A_log) in -A_range)
+        self.dt_bias, self.A_log = decay_parameters(H, dt_min, dt_max, dt_floor, A_range)
         self.norm = HeadRMSNormGated(H, dv, cfg.norm_eps)
         self.out_proj = nn.Linear(H * dv, self.d_model, bias=False)
         nn.init.normal_(self.in_proj.weight, std=cfg.init_std)

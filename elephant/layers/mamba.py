@@ -169,6 +169,19 @@ def conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     return F.silu(out), new_conv_state
 
 
+def decay_parameters(heads: int, dt_min: float, dt_max: float, dt_floor: float,
+                     A_range: tuple[float, float]) -> tuple[nn.Parameter, nn.Parameter]:
+    """Per-head (dt_bias, A_log) of Mamba-2's decay, exp(-exp(A_log) softplus(raw + dt_bias)) a
+    step, at their initialisation (also the delta rule's, layers/delta.py): dt = softplus(raw +
+    dt_bias) starts log-uniform in [dt_min, dt_max] (dt_bias = softplus^-1(dt)), and A = -exp(A_log)
+    uniform in -A_range."""
+    dt = torch.exp(torch.rand(heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_floor)
+    dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+    A_log = nn.Parameter(torch.log(torch.empty(heads).uniform_(*A_range)))
+    return dt_bias, A_log
+
+
 class Mamba2(nn.Module):
     fused_segment_init = True  # False: the scan restarts from zero and add_segment_init adds ssm_init
     fast_conv = True           # on CUDA, the Triton conv (conv_triton); False: conv1d / segment_conv
@@ -198,12 +211,7 @@ class Mamba2(nn.Module):
                                  bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
                                 bias=True)
-        # dt = softplus(raw + dt_bias) starts log-uniform in [dt_min, dt_max]: dt_bias = softplus^-1(dt)
-        dt = torch.exp(torch.rand(self.heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-        # A = -exp(A_log), uniform in -[1, 16]: per-head decay rates
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.heads).uniform_(*A_range)))
+        self.dt_bias, self.A_log = decay_parameters(self.heads, dt_min, dt_max, dt_floor, A_range)
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm = GatedRMSNorm(self.d_inner, cfg.norm_eps)
         self.out_proj = nn.Linear(self.d_inner, self.d_model, bias=False)
