@@ -13,7 +13,7 @@ from elephant.config import ConfigError, ModelConfig
 from elephant.layers import delta
 from elephant.layers.delta import (GatedDeltaNet, delta_rule_chunked, delta_rule_recurrent,
                                    delta_rule_step)
-from tiny_lm import tiny_lm
+from tiny_lm import packed_and_alone, tiny_lm
 
 V = 97
 
@@ -196,21 +196,14 @@ def test_layer_restarts_conv_and_state_at_each_boundary(with_init):
     x = torch.randn(2, L, 32, dtype=torch.float64)
     conv0, s0 = random_state(m, 2)
     bounds = [0, 2, 3, 11, 12, 13, 26, L]
-    seg = segments(2, L, bounds[1:-1])
     init = None
     if with_init:
         init = (torch.randn(m.conv_dim, 3, dtype=torch.float64),
                 torch.randn(m.heads, m.key_dim, m.value_dim, dtype=torch.float64))
-    y, conv, s = m(x, conv0, s0, seg=seg, init=init)
+    (y, conv, s), alone = packed_and_alone(m, x, conv0, s0, bounds, init)
     for i, (a, b_) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if i == 0:
-            c_in, s_in = conv0, s0
-        elif init is None:
-            c_in, s_in = m.init_state(2, dtype=torch.float64)
-        else:
-            c_in, s_in = init[0].expand(2, -1, -1), init[1].expand(2, -1, -1, -1)
-        y_i, conv_i, s_i = m(x[:, a:b_], c_in, s_in)
-        torch.testing.assert_close(y[:, a:b_], y_i, rtol=1e-11, atol=1e-11)
+        torch.testing.assert_close(y[:, a:b_], alone[i][0], rtol=1e-11, atol=1e-11)
+    _, conv_i, s_i = alone[-1]
     torch.testing.assert_close(conv, conv_i, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(s, s_i, rtol=1e-11, atol=1e-11)
 

@@ -46,6 +46,17 @@ def forward_chunks(model, tokens, T, reset_at=None):
     return torch.cat(outs, dim=1)
 
 
+def decode_tokens(dec, tokens, T, reset_at):
+    """Logits of the Decoder's token steps over `tokens`; lane 1 starts a new document where
+    chunk `reset_at` of forward_chunks starts."""
+    got = []
+    for t in range(tokens.shape[1]):
+        if t == reset_at * T:
+            dec.reset([False, True])
+        got.append(dec.step(tokens[:, t]))
+    return torch.stack(got, dim=1)
+
+
 CASES = [("MAMA", 0, 0, 0), ("MAMA", 2, 8, 0), ("MAMA", 3, 3, 0), ("AA", 2, 0, 0), ("AA", 0, 6, 0),
          ("MM", 2, 0, 0), ("AMMA", 1, 12, 0),
          ("MAMA", 2, 5, 3), ("AA", 0, 4, 6),     # kept tokens past the window (kv_keep)
@@ -60,13 +71,7 @@ def test_step_path_equals_chunked_forward(layers, n_mem, kv_window, kv_keep, mem
                  mem_rotary=mem_rotary, attn_x0=attn_x0, **kw)
     tokens = torch.randint(0, V, (2, 4 * T + 3))   # five chunks, the last partial
     want = forward_chunks(model, tokens, T, reset_at=2)
-    dec = Decoder(model, 2, T)
-    got = []
-    for t in range(tokens.shape[1]):
-        if t == 2 * T:
-            dec.reset([False, True])
-        got.append(dec.step(tokens[:, t]))
-    got = torch.stack(got, dim=1)
+    got = decode_tokens(Decoder(model, 2, T), tokens, T, reset_at=2)
     assert (got - want).abs().max().item() < 1e-9
 
 
@@ -108,14 +113,9 @@ def test_step_path_reads_its_best_kept_tokens_of_many_as_the_chunked_forward_by_
         return plain(q, keys, *args)
     monkeypatch.setattr(module, "top_kept_read", counted)
     dec = Decoder(model, 2, T)
-    got = []
-    for t in range(tokens.shape[1]):
-        if t == 4 * T:
-            dec.reset([False, True])
-        got.append(dec.step(tokens[:, t]))
+    got = decode_tokens(dec, tokens, T, reset_at=4)
     assert int(dec.kept[1]["keep_valid"].sum(1).min()) > 2    # more kept than a query reads
     assert reads and set(reads) == {6}
-    got = torch.stack(got, dim=1)
     assert (fast - masked).abs().max().item() < 1e-9
     assert (got - fast).abs().max().item() < 1e-9
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from elephant.config import ModelConfig
 from elephant.layers.mamba import Mamba2, segment_conv, segment_conv_reference
 from elephant.model import ElephantLM
-from tiny_lm import assert_same_run, chunks_with_grads, tiny_lm
+from tiny_lm import assert_same_run, chunks_with_grads, packed_and_alone, tiny_lm
 
 V = 97
 
@@ -185,23 +185,14 @@ def test_conv_and_scan_restart_at_each_boundary(with_init):
     x = torch.randn(2, L, 32, generator=gen, dtype=torch.float64)
     conv0, ssm0 = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in m.init_state(2))
     bounds = [0, 2, 3, 11, 12, 13, 26, L]  # segments of 1, 2, 8 and 13 tokens; the last one of 3
-    seg = torch.zeros(2, L, dtype=torch.long)
-    for k, a in enumerate(bounds[1:-1], start=1):
-        seg[:, a:] = k
     init = None
     if with_init:
         init = (torch.randn(m.conv_dim, 3, generator=gen, dtype=torch.float64),
                 torch.randn(m.heads, m.head_dim, m.d_state, generator=gen, dtype=torch.float64))
-    y, conv, ssm = m(x, conv0, ssm0, seg=seg, init=init)
+    (y, conv, ssm), alone = packed_and_alone(m, x, conv0, ssm0, bounds, init)
     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if k == 0:
-            c_in, s_in = conv0, ssm0
-        elif init is None:
-            c_in, s_in = m.init_state(2, dtype=torch.float64)
-        else:
-            c_in, s_in = init[0].expand(2, -1, -1), init[1].expand(2, -1, -1, -1)
-        y_k, conv_k, ssm_k = m(x[:, a:b], c_in, s_in)
-        assert (y[:, a:b] - y_k).abs().max() < 1e-12, k
+        assert (y[:, a:b] - alone[k][0]).abs().max() < 1e-12, k
+    _, conv_k, ssm_k = alone[-1]
     assert (conv - conv_k).abs().max() < 1e-12 and (ssm - ssm_k).abs().max() < 1e-12
 
 

@@ -1,4 +1,5 @@
-"""The small fp64 models that the model-level tests build (imported by the test files)."""
+"""The small fp64 models that the model-level tests build, and a mixer run packed and per segment
+(imported by the test files)."""
 import torch
 
 from elephant.config import ModelConfig
@@ -37,3 +38,24 @@ def assert_same_run(got: tuple, want: tuple, tol: float = 1e-10) -> None:
     assert got[2].keys() == want[2].keys()
     for name, g in got[2].items():
         torch.testing.assert_close(g, want[2][name], rtol=tol, atol=tol, msg=name)
+
+
+def packed_and_alone(mixer, x, conv0, state0, bounds, init=None) -> tuple:
+    """A sequence mixer (Mamba-2 or the delta rule) over x (B, L, D) packed in the segments that
+    start at `bounds` (0, ..., L), and over each segment alone: segment 0 from the carried
+    (conv0, state0), later ones from a zero state or from `init` (conv tail, state) as a packed
+    call starts them. Returns the packed call's (y, conv, state) and each lone call's."""
+    seg = torch.zeros(x.shape[0], x.shape[1], dtype=torch.long)
+    for k, a in enumerate(bounds[1:-1], start=1):
+        seg[:, a:] = k
+    packed = mixer(x, conv0, state0, seg=seg, init=init)
+    alone = []
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if k == 0:
+            c_in, s_in = conv0, state0
+        elif init is None:
+            c_in, s_in = mixer.init_state(x.shape[0], dtype=x.dtype)
+        else:
+            c_in, s_in = init[0].expand(x.shape[0], -1, -1), init[1].expand(x.shape[0], -1, -1, -1)
+        alone.append(mixer(x[:, a:b], c_in, s_in))
+    return packed, alone
