@@ -10,6 +10,16 @@ from pathlib import Path
 import torch
 
 
+def split_seed(name: str, known) -> tuple[str, str]:
+    """A study's variant name "hybrid@2" -> ("hybrid", "2"): the variant hybrid trained with
+    train.seed=2, so that seeds of one variant train side by side ("" without "@"). KeyError for a
+    base not in `known` or a seed that is not a number."""
+    base, at, seed = name.partition("@")
+    if base not in known or (at and not seed.isdigit()):
+        raise KeyError(name)
+    return base, seed
+
+
 def timer(device):
     """(start(), stop(handle) -> ms) with CUDA events on GPU, perf_counter on CPU."""
     if device.type == "cuda":

@@ -88,6 +88,15 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
          "data.recall_docs=200", "data.recall_max_gap=64", "train.compile=off", "train.device=cpu"]
 
 
+def every_second_mamba_delta(layers: str) -> str:
+    """The layer string with the 2nd, 4th, ... Mamba-2 mixer a delta rule: MAMAMA -> MADAMA."""
+    out, seen = [], 0
+    for c in layers:
+        seen += c == "M"
+        out.append("D" if c == "M" and seen % 2 == 0 else c)
+    return "".join(out)
+
+
 # the layer string of a variant from the shape's own (L)
 LAYERS = {
     "attn": lambda L: "A" * len(L),                      # all attention, as many layers
@@ -98,22 +107,11 @@ LAYERS = {
     "attn-only-its": lambda L: "A" * L.count("A"),       # only the hybrid's attention layers
     "mamba": lambda L: "M" * len(L),
     "order": lambda L: L.translate(str.maketrans("MA", "AM")),   # Mamba and attention swapped
-    "delta": lambda L: every_second_mamba_delta(L),
-    "delta-keep-drop-0.5": lambda L: every_second_mamba_delta(L),
+    "delta": every_second_mamba_delta,
+    "delta-keep-drop-0.5": every_second_mamba_delta,
 }
 
 _KEEP_RECALL = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_drop=0.1"]
-
-
-def every_second_mamba_delta(layers: str) -> str:
-    """The layer string with the 2nd, 4th, ... Mamba-2 mixer a delta rule: MAMAMA -> MADAMA."""
-    out, seen = [], 0
-    for c in layers:
-        seen += c == "M"
-        out.append("D" if c == "M" and seen % 2 == 0 else c)
-    return "".join(out)
-
-
 # name: (overrides, hook names); variants named in LAYERS also change model.layers
 VARIANTS = {
     "attn": ([], []),
@@ -200,11 +198,10 @@ def variant(name: str) -> tuple[str, list[str], list[str], list[str]]:
     """A variant's (base name, overrides, hooks, seed override). "hybrid@2" is the variant hybrid
     with train.seed=2 (after the command line's overrides), so seeds of one variant train side
     by side. KeyError for an unknown one."""
-    base, at, seed = name.partition("@")
-    if base not in VARIANTS or (at and not seed.isdigit()):
-        raise KeyError(name)
+    from benchmarks.common import split_seed
+    base, seed = split_seed(name, VARIANTS)
     overrides, hooks = VARIANTS[base]
-    return base, overrides, hooks, [f"train.seed={seed}"] if at else []
+    return base, overrides, hooks, [f"train.seed={seed}"] if seed else []
 
 
 # ------------------------------------------------------------------ the copy corpus

@@ -63,24 +63,27 @@ DATA = ["data.source=pycode", "data.site_packages=true", "data.valid_split=",
 # the recall recipe's kept-token settings (configs/recall.toml) and its length curriculum
 _KEEP = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_drop=0.1",
          "data.length_curriculum_steps=300", "data.length_curriculum_start=1024"]
-# a fifth of the training text as recall documents cut from the corpus's own text
-_MIX = ["data.recall_mix=0.2", "data.recall_min_gap=64", "data.recall_max_gap=65536",
-        "data.recall_max_queries=8"]
+
+
+def _mix(share: float, max_gap: int = 65536) -> list[str]:
+    """A `share` of the training text as recall documents cut from the corpus's own text, in the
+    mix's forms (not the needle's), gaps of 64 to `max_gap` characters, up to 8 queries each."""
+    return [f"data.recall_mix={share}", "data.recall_min_gap=64",
+            f"data.recall_max_gap={max_gap}", "data.recall_max_queries=8"]
+
+
+_MIX = _mix(0.2)   # a fifth of the training text
 _BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
 # the kept-token settings without the drop: a lane's kept tokens dropped after 1 chunk in 10 (the
 # recall recipe's, so that its memory must learn) leave a fact 64K tokens back (128 chunks) a
 # 0.9^128 ~ 1e-6 chance of outliving them in training, and the memory never learned to carry it
 _NODROP = _KEEP[:2]
-# a twentieth of the training text as recall documents, in every form but the needle's
-_MIX_SMALL = ["data.recall_mix=0.05", "data.recall_min_gap=64", "data.recall_max_gap=65536",
-              "data.recall_max_queries=8"]
 VARIANTS = {
     "today": [],
     "keep": _KEEP,
     "keep-mix": _KEEP + _MIX,
     # half the text as recall documents, gaps to 16K characters: more queries a token
-    "keep-mix-half": _NODROP + _KEEP[3:] + ["data.recall_mix=0.5", "data.recall_min_gap=64",
-                              "data.recall_max_gap=16384", "data.recall_max_queries=8"],
+    "keep-mix-half": _NODROP + _KEEP[3:] + _mix(0.5, max_gap=16384),
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _NODROP,
@@ -91,7 +94,7 @@ VARIANTS = {
     "keep-read": _NODROP + ["model.kv_keep=512", "model.kv_keep_read=128"],
     "keep-read-nomem": _NODROP + ["model.kv_keep=512", "model.kv_keep_read=128", "model.n_mem=0"],
     "keep-model-bptt8": _NODROP + _BPTT8,
-    "keep-model-bptt8-mix": _NODROP + _BPTT8 + _MIX_SMALL,
+    "keep-model-bptt8-mix": _NODROP + _BPTT8 + _mix(0.05),   # a twentieth of the text
     "transformer": _KEEP[3:] + _MIX + [
         "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
         "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192", "train.lanes=4",
@@ -112,12 +115,13 @@ SMOKE = ["model.d_model=32", "model.n_heads=2", "model.d_mlp=64", "model.d_state
 
 def split_seed(name: str) -> tuple[str, str]:
     """"keep@2" -> ("keep", "2"): a variant trained with train.seed=2 ("" for the recipe's seed),
-    so that seeds of one variant and their pairs train side by side."""
-    base, _, seed = name.partition("@")
-    if base not in VARIANTS or (seed and not seed.isdigit()):
+    so that seeds of one variant and their pairs train side by side (benchmarks.common.split_seed)."""
+    from benchmarks.common import split_seed as split
+    try:
+        return split(name, VARIANTS)
+    except KeyError:
         raise SystemExit(f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}, "
-                         "each may end in @SEED")
-    return base, seed
+                         "each may end in @SEED") from None
 
 
 def overrides(name: str, args) -> list[str]:
@@ -257,9 +261,7 @@ def score(args) -> int:
     print(f"[{name}] test loss {ev['loss']:.4f}, {out['test']['nats_per_byte']:.4f} nats/byte over "
           f"{ev['documents']} files", file=sys.stderr, flush=True)
     if args.lite:   # the loss over the test files alone
-        path = Path(args.runs) / name / "score.json"
-        path.write_text(json.dumps(out, indent=1))
-        return 0
+        return write_score(args, name, out)
     runs = {"carried": {}}
     if args.drops:
         runs |= {"reset-2K": {"reset_every": 2048}, **{f"drop-{p}": {"drop": (p,)} for p in
@@ -291,6 +293,11 @@ def score(args) -> int:
     out["needle_passes"] = [{k: p[k] for k in ("keys", "by_distance", "lanes", "tokens_per_s",
                                                 "template")} for r in (one, multi, trained)
                             for p in r["passes"]]
+    return write_score(args, name, out)
+
+
+def write_score(args, name: str, out: dict) -> int:
+    """A variant's scores into RUNS/<variant>/score.json (what `report` gathers)."""
     path = Path(args.runs) / name / "score.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"[{name}] wrote {path}", file=sys.stderr)
