@@ -37,7 +37,8 @@ and keep "recipe-nomix": the recipe file held keep-mix's settings then.
 `score` reads the held-out split: the loss over every test file with carried state, the loss by
 position over the test files of over 64K tokens (the transformer reads them in chunks of 1,024
 with a window of 7,168: every token sees 7K-8K tokens back), and the needle test
-(elephant/needle.py: one key at 1K, 4K and 64K tokens, with --needle-1m also 1M; 8 keys at 64K).
+(elephant/needle.py: one key at 128 tokens (inside the window), 1K, 4K and 64K, with --needle-1m
+also 1M; 8 keys at 64K).
 `--drops` adds, over the same long files, a reset every 2K and each carried part dropped after
 every chunk (window, kept, memory, ssm: elephant.evaluate's drop). A variant named NAME@SEED trains with
 train.seed=SEED; `report` pairs each with today@SEED (vs_today_paired_nats_per_byte). `report`
@@ -279,7 +280,8 @@ def score(args) -> int:
               f"{ev['loss'] / bpt:.4f} nats/byte", file=sys.stderr, flush=True)
     haystack = text_for(data, "test")
     log = lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True)   # noqa: E731
-    short = [1024, 4096, 65536] if not args.smoke else [256, 1024]
+    # 128: inside the window, where copying needs no carried state (is the value copied at all?)
+    short = [128, 1024, 4096, 65536] if not args.smoke else [256, 1024]
     lanes, long_lanes = (64, 16) if not args.smoke else (2, 1)
     distances = short + ([1 << 20] if args.needle_1m and not args.smoke else [])
     one = needle_test(model, tokenizer, haystack, distances, chunk_len, device, keys=(1,),
