@@ -154,6 +154,7 @@ VARIANTS = {
     # with, the recipe's model recalled worse: docs/RESULTS.md)
     "keep-drop-0": (["model.kv_keep_drop=0"], []),
     "keep-drop-0.25": (["model.kv_keep_drop=0.25"], []),
+    "keep-drop-0.5": (["model.kv_keep_drop=0.5"], []),   # the gated slots' share of delta-keep-drop-0.5
     "keep-512": (["model.kv_keep=512"], []),
     # a quarter of the kept tokens in training, so that the score must pick among 4x as many
     # bytes a slot (read later with more: COPY_KEEP_EVAL=128)
