@@ -5,7 +5,8 @@ benchmarks/kernel_benches/; `python benchmarks/kernels.py NAME --help` says what
     python benchmarks/kernels.py layers --cpu-smoke
 
 Most need CUDA; `ssd`, `kept-read`, `layers`, `model` and `optim-step` also run at tiny shapes on the CPU
-(--cpu-smoke: they check that the code runs, not its speed).
+(--cpu-smoke: they check that the code runs, not its speed); `field --cpu-smoke` checks its argument
+mappings onto the field's kernels against references of them.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ COMMANDS = {
     "gated-norm": ("layers", "gated_norm", "the gated RMSNorm backward's launch sweep"),
     "model": ("model", "model_bench", "the ~70M model's step, reference and fast paths (--cpu-smoke)"),
     "optim-step": ("model", "optim_step", "the trainer's optimizer phase: host, GPU, graphed (--cpu-smoke)"),
+    "field": ("field", "field", "scan, conv and attention beside mamba-ssm, fla, flash-attn (--cpu-smoke)"),
 }
 
 
