@@ -75,6 +75,10 @@
 #           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
+#   field   kernels.py field (issue 72): the SSD scan, the Mamba conv and attention beside mamba-ssm's
+#           and fla's kernels (causal-conv1d and flash-attn-4 where installed) at the wt103-70m and
+#           fineweb-124m shapes -> benchmarks/results/field_kernels_<gpu>.json; fla-core and
+#           mamba-ssm installed from the wheels in .whl/ (carry .whl; FIELD_ARGS passed on)
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -424,6 +428,21 @@ for stage in $stages; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
       done
       $L report --hybrid ${LONG_HYBRID:-keep-mix} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
+    field)
+      # the field's wheels (.whl/, carried: no index here) into a folder of their own, searched
+      # first by this stage alone: fla-core (`pip download fla-core==0.6.0 --no-deps -d .whl`)
+      # and mamba-ssm, an sdist on PyPI, as a wheel of its Python and Triton code
+      # (`MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip wheel mamba-ssm==2.3.2.post1
+      # --no-deps --no-build-isolation -w .whl`: no CUDA extension, so the benchmark imports its
+      # Triton scan without the package's __init__); einops only if the image lacks it. Not
+      # carried: flash-attn-4 (its nvidia-cutlass-dsl-libs wheel alone is 88 MiB, over a call's
+      # 64) and causal-conv1d (a CUDA build)
+      site=/tmp/field-site
+      pip_whl="python -m pip install -q --no-index --no-deps --upgrade --find-links .whl --target $site"
+      $pip_whl fla-core mamba-ssm 2>&1 | tail -3
+      python -c "import einops" 2>/dev/null || $pip_whl einops 2>&1 | tail -3
+      PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout ${FIELD_TIMEOUT:-420} \
+        python benchmarks/kernels.py field ${FIELD_ARGS:-} 2>&1 | tee "$LOGS/field_kernels.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured
