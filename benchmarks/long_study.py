@@ -288,7 +288,9 @@ def score(args) -> int:
                       lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log)
     multi = needle_test(model, tokenizer, haystack, short[-1:], chunk_len, device, keys=(8,),
                         lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log)
-    trained = needle_test(model, tokenizer, haystack, short[-1:], chunk_len, device, keys=(1,),
+    # the mix's own form at every short distance (one pass): recall of a trained form beside
+    # the held-out one's (what the mix taught, and what of it carries over to another form)
+    trained = needle_test(model, tokenizer, haystack, short, chunk_len, device, keys=(1,),
                           lanes=lanes, long_lanes=long_lanes, form="label", autocast=autocast, log=log)
     out["needle"] = {k: v for r in (one, multi) for k, v in r.items() if k.startswith("needle_")}
     out["needle_label_form"] = {k: v for k, v in trained.items() if k.startswith("needle_")}
