@@ -66,11 +66,13 @@ _KEEP = ["model.kv_keep_infer=4096", "model.kv_keep_cost=0.01", "model.kv_keep_d
          "data.length_curriculum_steps=300", "data.length_curriculum_start=1024"]
 
 
-def _mix(share: float, max_gap: int = 65536) -> list[str]:
+def _mix(share: float, max_gap: int = 65536, forms: str = "") -> list[str]:
     """A `share` of the training text as recall documents cut from the corpus's own text, in the
-    mix's forms (not the needle's), gaps of 64 to `max_gap` characters, up to 8 queries each."""
+    mix's forms (`forms`, default the config's; never the needle's), gaps of 64 to `max_gap`
+    characters, up to 8 queries each."""
     return [f"data.recall_mix={share}", "data.recall_min_gap=64",
-            f"data.recall_max_gap={max_gap}", "data.recall_max_queries=8"]
+            f"data.recall_max_gap={max_gap}", "data.recall_max_queries=8"] + (
+        [f"data.recall_mix_templates={forms}"] if forms else [])
 
 
 _MIX = _mix(0.2)   # a fifth of the training text
@@ -85,6 +87,9 @@ VARIANTS = {
     "keep-mix": _KEEP + _MIX,
     # half the text as recall documents, gaps to 16K characters: more queries a token
     "keep-mix-half": _NODROP + _KEEP[3:] + _mix(0.5, max_gap=16384),
+    # the same with each fact in a form drawn from a family (key styles, separators, placements:
+    # data_packing/recall.py "varied"), so that recall is learned of what was stated, not of a form
+    "keep-mix-half-varied": _NODROP + _KEEP[3:] + _mix(0.5, max_gap=16384, forms="varied"),
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _NODROP,

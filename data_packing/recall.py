@@ -25,7 +25,9 @@ exact for any tokenizer.
 
 Facts come in several forms (`TEMPLATES`): the question above ("sentence"), or the key stated
 again and its value expected to follow, as a name recurs in a document: "Silver fox code: 482913"
-("label") or "silver_fox_code = 482913" ("assign"). A training task may mix forms; the needle test
+("label") or "silver_fox_code = 482913" ("assign"); or one drawn per fact from a family of key
+styles, separators and placements ("varied": "sleepyAnchorToken: 270549", "gentle-meadow-tag :=
+569765. "), which never draws the assign form. A training task may mix forms; the needle test
 (elephant/needle.py) reads a form the training mix leaves out, so it measures recall, not a form.
 
 As a corpus source (`open_source("recall", split)`, `data.source = "recall"`), each split draws its
@@ -73,16 +75,6 @@ def keys() -> list[str]:
     return [f"the {a} {n}" for a in ADJECTIVES for n in NOUNS]
 
 
-def fact_text(key: str, value: str, template: str = "sentence") -> tuple[str, str, str]:
-    """(before, value, after) of a fact stated in `template`'s form (TEMPLATES)."""
-    return TEMPLATES[template][0](key, value)
-
-
-def query_text(key: str, value: str, template: str = "sentence") -> tuple[str, str, str]:
-    """(before, answer, after) of a query in `template`'s form (TEMPLATES)."""
-    return TEMPLATES[template][1](key, value)
-
-
 def _label(key: str) -> str:
     """'the silver fox' -> 'Silver fox'."""
     name = key.removeprefix("the ")
@@ -106,7 +98,43 @@ TEMPLATES = {
               lambda k, v: (f"\n{_label(k)} code:", " " + v, "\n")),
     "assign": (lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n"),
                lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n")),
+    # one of many forms, drawn per fact (`varied_form`): the key written in one of several styles,
+    # one of several separators, on a line of its own or inside running text. Filled in below.
+    "varied": None,
 }
+# what a varied fact names (the key's last word) and how it writes the key
+SUFFIXES = ("code", "id", "key", "number", "pin", "port", "seed", "serial", "tag", "token")
+KEY_STYLES = {
+    "snake": lambda w: "_".join(w),                                    # silver_fox_code
+    "camel": lambda w: w[0] + "".join(x.title() for x in w[1:]),       # silverFoxCode
+    "kebab": lambda w: "-".join(w),                                    # silver-fox-code
+    "upper": lambda w: "_".join(w).upper(),                            # SILVER_FOX_CODE
+    "title": lambda w: " ".join(w).capitalize(),                       # Silver fox code
+    "dotted": lambda w: ".".join(w),                                   # silver.fox.code
+    "phrase": lambda w: f"the {w[-1]} of the {' '.join(w[:-1])}",      # the code of the silver fox
+}
+# a separator's text before the value piece, and whether the value piece opens with a space
+SEPARATORS = ((":", True), (" =", True), (" is", True), (" ->", True), (" =>", True),
+              (" :=", True), ("=", False), (":", False), ("\t", False), (" equals", True))
+
+
+def varied_form(rng: np.random.Generator):
+    """A (fact, query) pair of TEMPLATES' kind drawn at random: the key in one of KEY_STYLES with one
+    of SUFFIXES, one of SEPARATORS, on a line of its own or inside running text; the query states
+    the key again as the fact did. Never the needle's default form ("assign": a snake_case key and
+    " ="), so that the needle test still reads a form the training mix leaves out."""
+    styles = list(KEY_STYLES)
+    style = styles[int(rng.integers(0, len(styles)))]
+    suffix = SUFFIXES[int(rng.integers(0, len(SUFFIXES)))]
+    seps = [s for s in SEPARATORS if not (style == "snake" and s[0] == " =")]
+    sep, space = seps[int(rng.integers(0, len(seps)))]
+    own_line = bool(rng.integers(0, 2))
+    lead, tail = ("\n", "\n") if own_line else (" ", ". ")
+
+    def say(k: str, v: str) -> tuple[str, str, str]:
+        words = k.removeprefix("the ").split() + [suffix]
+        return f"{lead}{KEY_STYLES[style](words)}{sep}", (" " if space else "") + v, tail
+    return say, say
 
 
 def check_templates(names) -> tuple[str, ...]:
@@ -230,6 +258,10 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
     chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
     names = [all_keys[int(i)] for i in chosen]
     values = [value(rng, digits) for _ in range(n_pairs)]
+    # each fact's (fact, query) form; "varied" draws one per fact (the other templates draw none,
+    # so their documents are the ones they always were)
+    forms = ([varied_form(rng) for _ in range(n_pairs)] if template == "varied"
+             else [TEMPLATES[template]] * n_pairs)
     pieces: list[list[int]] = []
     texts: list[str] = []
     length = 0
@@ -247,14 +279,14 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
         add(filler.text(lead))
     last_mention = []
     for k in range(n_pairs):
-        before, val, after = fact_text(names[k], values[k], template)
+        before, val, after = forms[k][0](names[k], values[k])
         add(before)
         start = add(val)
         last_mention.append(start + len(pieces[-1]))   # the token after the value
         add(after)
     queries = []
     for k, distance in plan:
-        before, answer, after = query_text(names[k], values[k], template)
+        before, answer, after = forms[k][1](names[k], values[k])
         before_ids = tokenizer.encode(before)
         skip = answer_span(tokenizer, tokenizer.encode(answer))   # a leading space: not scored
         need = last_mention[k] - 1 + distance - len(before_ids) - skip - length   # filler tokens

@@ -129,7 +129,7 @@ def test_recall_source_cuts_each_splits_filler_from_that_split(tmp_path):
 
 
 # ---------------------------------------------------------------- forms of the facts
-@pytest.mark.parametrize("template", ["sentence", "label", "assign"])
+@pytest.mark.parametrize("template", ["sentence", "label", "assign", "varied"])
 @pytest.mark.parametrize("tokenizer", ["bytes", "neox"])
 def test_every_form_keeps_distances_exact_and_scores_the_digits_alone(template, tokenizer):
     # a value piece that opens with a space (label, assign) is read as running text by a BPE
@@ -147,13 +147,40 @@ def test_every_form_keeps_distances_exact_and_scores_the_digits_alone(template, 
     assert all((marks[t] in doc.text) == (t == template) for t in marks)
 
 
+def test_varied_facts_take_many_forms_each_asked_as_stated_and_never_the_needles():
+    from data_packing.recall import KEY_STYLES, varied_form
+    tok = ByteTokenizer()
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(60):
+        doc = eval_document(rng, tok, [100, 400], n_pairs=1, template="varied")
+        text = doc.text
+        q0, q1 = doc.queries
+        # the query states the key as the fact did: the text before each answer is the fact's
+        before = [text[:q.answer_start].rsplit("\n", 1)[-1][-12:] for q in (q0, q1)]
+        fact_value = text[q0.answer_start:q0.answer_start + q0.answer_len]
+        assert fact_value.isdigit() and fact_value == text[q1.answer_start:q1.answer_start + q1.answer_len]
+        assert before[0] == before[1]
+        assert text.count(fact_value) == 3    # stated once, asked twice
+        assert "_code =" not in text          # the needle's default form is left out
+        seen.add(text[q0.answer_start - 1])   # the character before the value: the separator's
+    assert len(seen) >= 4
+    # every key style and separator is drawn; the snake_case key with " =" never
+    says = [varied_form(np.random.default_rng(i))[0]("the silver fox", "1") for i in range(400)]
+    befores = {b for b, _, _ in says}
+    for style in KEY_STYLES:
+        assert any(KEY_STYLES[style](["silver", "fox", s]) in b for b in befores
+                   for s in ("code", "id", "key", "number", "pin", "port", "seed", "serial", "tag", "token"))
+    assert not any(b.endswith("_code =") or "silver_fox_" in b and b.endswith(" =") for b in befores)
+
+
 def test_a_task_of_one_form_makes_the_same_documents_and_of_several_mixes_them():
     one = list(RecallTask(max_gap=200).texts(7, 20))
     assert one == list(RecallTask(max_gap=200, templates=("sentence",)).texts(7, 20))
     mixed = list(RecallTask(max_gap=200, templates=("sentence", "label")).texts(7, 40))
     labelled = sum(" code: " in t for t in mixed)
     assert 5 < labelled < 35 and sum("What is the code" in t for t in mixed) == 40 - labelled
-    with pytest.raises(DataError, match="unknown fact template 'poem'; accepted: sentence, label, assign"):
+    with pytest.raises(DataError, match="unknown fact template 'poem'; accepted: sentence, label, assign, varied"):
         RecallTask(templates=("poem",))
 
 
