@@ -171,6 +171,8 @@ def run(args) -> int:
                        "state dropped are not its own; push without --drop")
     use_bf16 = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if use_bf16 else None
+    if device.type == "cuda":   # the pass's peak below: from the weights resident at its start
+        torch.cuda.reset_peak_memory_stats(device)
     ours = evaluate(model, corpus, lanes=args.lanes, chunk_len=chunk_len, device=device,
                     autocast=autocast, max_docs=args.max_docs, progress=progress,
                     cuda_graph=args.cuda_graph and device.type == "cuda", compact=args.compact,
@@ -179,9 +181,12 @@ def run(args) -> int:
     context = f"reset every {reset_every} tokens" if reset_every else "unlimited (recurrent)"
     if drop:
         context += f", {', '.join(drop)} dropped after every chunk"
+    # peak_mem_gb: the most CUDA memory the pass held allocated (GiB; weights included), what
+    # stays flat however long the documents (benchmarks/eval_speed.py); None on the CPU
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     ours.update(parameters=model.num_params(), chunk_len=chunk_len, reset_every=reset_every,
                 kv_keep=model.cfg.kv_keep, drop=list(drop), context=context,
-                source=data.source, split=split)
+                source=data.source, split=split, peak_mem_gb=peak)
     results = {"elephant": ours}
 
     if args.baseline:
