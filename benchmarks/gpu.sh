@@ -79,6 +79,11 @@
 #           and fla's kernels (causal-conv1d and flash-attn-4 where installed) at the wt103-70m and
 #           fineweb-124m shapes -> benchmarks/results/field_kernels_<gpu>.json; fla-core and
 #           mamba-ssm installed from the wheels in .whl/ (carry .whl; FIELD_ARGS passed on)
+#   eval-speed  benchmarks/eval_speed.py (issue 72): eval.py timed as a whole command, launch to
+#           exit, on a random wt103-70m model and its kv_keep=0 shape: 64 lanes over ~16M tokens
+#           of source files and one 1M-token document, cold and warm, and where a warm run's time
+#           goes phase by phase -> benchmarks/results/eval_speed_<gpu>.json (carry
+#           shared/data/tokenizers/gpt-neox-20b; EVAL_SPEED_ARGS passed on; ~3 min on an H100)
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -443,6 +448,11 @@ for stage in $stages; do
       python -c "import einops" 2>/dev/null || $pip_whl einops 2>&1 | tail -3
       PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout ${FIELD_TIMEOUT:-420} \
         python benchmarks/kernels.py field ${FIELD_ARGS:-} 2>&1 | tee "$LOGS/field_kernels.log" | tail -30 ;;
+    eval-speed)
+      # each eval.py run's own JSON and the breakdowns' marks beside the log
+      timeout ${EVAL_SPEED_TIMEOUT:-420} python benchmarks/eval_speed.py --work /tmp/eval-speed \
+        ${EVAL_SPEED_ARGS:-} 2>&1 | tee "$LOGS/eval_speed.log" | tail -50
+      mkdir -p "$LOGS/eval_speed_json" && cp /tmp/eval-speed/json/*.json "$LOGS/eval_speed_json/" 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
   esac
   # pack after every stage: a call cut short still returns what was measured
