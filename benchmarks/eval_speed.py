@@ -234,7 +234,8 @@ def eval_run(export: Path, text: Path, lanes: int, cache: Path, json_path: Path,
     if cold:
         shutil.rmtree(cache, ignore_errors=True)
     before = triton_files()
-    argv = [sys.executable, str(ROOT / "eval.py"), *eval_argv(export, text, lanes, json_path, cache, smoke)]
+    argv = [sys.executable, str(ROOT / "eval.py"),
+            *eval_argv(export, text, lanes, json_path, cache, smoke)]
     wall, rc, err = run_command(argv, timeout)
     out = {"wall_s": wall, "rc": rc, "cold": cold, "lanes": lanes,
            "triton_cache_new_files": triton_files() - before, "json": str(json_path)}
@@ -434,7 +435,8 @@ class PassProbe:
                 "graph": self_.graph is not None, "side": self_.stream is not None,
                 "main_chunk": probe.main_chunks})
 
-        Pass.__init__, Pass._chunk, Pass.sums, Static.__init__ = pass_init, pass_chunk, pass_sums, static_made
+        Pass.__init__, Pass._chunk, Pass.sums = pass_init, pass_chunk, pass_sums
+        Static.__init__ = static_made
 
     def now(self) -> float:
         return time.time() - self.launched
@@ -492,9 +494,17 @@ def headline(cases: dict, recipe: str, zero: str) -> dict:
     return out
 
 
+def slug(name: str) -> str:
+    """A model's or run's name as a file name: "wt103-70m kv_keep=0" -> "wt103-70m_kv_keep0"."""
+    return name.replace(" ", "_").replace("=", "")
+
+
 def describe(case: str, name: str, kind: str, r: dict) -> str:
+    """A run's line (a breakdown's: its phases too)."""
     if "error" in r:
-        return f"{case:10s} {name:24s} {kind:5s}: FAILED (rc {r.get('rc')}): {r['error'].strip()[-300:]}"
+        return f"{case:10s} {name:24s} {kind}: FAILED (rc {r.get('rc')}): {r['error'].strip()[-300:]}"
+    if kind == "breakdown":
+        return format_breakdown(case, name, r)
     peak = f", peak {r['peak_mem_gb']:.2f} GB" if r.get("peak_mem_gb") is not None else ""
     return (f"{case:10s} {name:24s} {kind:5s}: {r['tokens']:,} tokens in {r['wall_s']:.2f} s "
             f"({fmt_rate(r['tok_s'])} tokens/s{peak}; {r['triton_cache_new_files']} new kernel files)")
@@ -536,48 +546,40 @@ def study(args) -> int:
               "cases": {c: {} for c in cases}, "models": {}, "corpora": {}, "failures": []}
 
     from data_packing import load_tokenizer
-    texts = {}   # the text folders, one set per tokenizer
+    models, texts = [], {}   # texts: the text folders of each tokenizer
     for name, recipe, keep in variants(recipes, keeps):
         tok = "bytes" if smoke else str(TOKENIZERS / RECIPE_TOKENIZER[recipe])
-        if tok not in texts:
-            folder = work / "text" / (Path(tok).name if tok != "bytes" else "bytes")
+        tok_name = Path(tok).name
+        if tok_name not in texts:
+            texts[tok_name] = work / "text" / tok_name
             t0 = time.perf_counter()
-            report["corpora"][Path(tok).name] = write_corpora(folder, load_tokenizer(tok), sizes,
-                                                             site_packages=not smoke)
-            report["corpora"][Path(tok).name]["write_s"] = time.perf_counter() - t0
-            texts[tok] = folder
-        export = work / "ckpt" / name.replace(" ", "_").replace("=", "")
+            report["corpora"][tok_name] = write_corpora(texts[tok_name], load_tokenizer(tok), sizes,
+                                                        site_packages=not smoke)
+            report["corpora"][tok_name]["write_s"] = time.perf_counter() - t0
+        export = work / "ckpt" / slug(name)
         report["models"][name] = build_export(recipe, keep, tok, export, smoke)
         print(f"{name}: {report['models'][name]['parameters']:,} parameters, saved to {export}",
               file=sys.stderr, flush=True)
+        models.append((name, tok_name, export))
 
     first_of = {}
-    for name, recipe, keep in variants(recipes, keeps):
-        tok = "bytes" if smoke else str(TOKENIZERS / RECIPE_TOKENIZER[recipe])
-        first_of.setdefault(tok, name)
-        export = work / "ckpt" / name.replace(" ", "_").replace("=", "")
-        first = first_of[tok] == name
-        for case, kind in run_plan(cases, first, cold):
+    breakdowns = [c for c in args.breakdown.split(",") if c]
+    for name, tok_name, export in models:
+        first = first_of.setdefault(tok_name, name) == name
+        for case, kind in run_plan(cases, first, cold) + [(c, "breakdown") for c in breakdowns if first]:
             lanes = sizes["lanes"] if case == "64_lanes" else 1
-            cache = work / "cache" / f"{Path(tok).name}-{case}"
-            tag = f"{case}-{name}-{kind}".replace(" ", "_").replace("=", "")
-            r = eval_run(export, texts[tok] / case, lanes, cache, work / "json" / f"{tag}.json",
-                         smoke, timeout, cold=kind == "cold")
+            cache = work / "cache" / f"{tok_name}-{case}"
+            tag = slug(f"{case}-{name}-{kind}")
+            if kind == "breakdown":
+                r = breakdown_run(case, export, texts[tok_name] / case, lanes, cache, work / "json",
+                                  tag, smoke, timeout)
+            else:
+                r = eval_run(export, texts[tok_name] / case, lanes, cache,
+                             work / "json" / f"{tag}.json", smoke, timeout, cold=kind == "cold")
             report["cases"][case].setdefault(name, {})[kind] = r
             print(describe(case, name, kind, r), flush=True)
             if "error" in r:
                 report["failures"].append(f"{case} {name} {kind}: rc {r['rc']}")
-        for case in [c for c in args.breakdown.split(",") if c] if first else []:
-            lanes = sizes["lanes"] if case == "64_lanes" else 1
-            cache = work / "cache" / f"{Path(tok).name}-{case}"
-            tag = f"{case}-{name}-breakdown".replace(" ", "_").replace("=", "")
-            b = breakdown_run(case, export, texts[tok] / case, lanes, cache, work / "json", tag, smoke, timeout)
-            report["cases"][case][name]["breakdown"] = b
-            if "error" in b:
-                report["failures"].append(f"{case} {name} breakdown: rc {b['rc']}")
-                print(f"{case} {name} breakdown: FAILED: {b['error'][-300:]}", flush=True)
-            else:
-                print(format_breakdown(case, name, b), flush=True)
 
     for runs in (r for by_model in report["cases"].values() for r in by_model.values()):
         if "wall_s" in runs.get("cold", {}) and "wall_s" in runs.get("warm", {}):
@@ -590,6 +592,9 @@ def study(args) -> int:
     report = environment(device) | report
     gpu = "cpu" if smoke else torch.cuda.get_device_name()
     path = write_report(report, "eval_speed", args.out, smoke, gpu)
+    if not args.work:   # a folder of its own: the runs' JSON kept, the models and data not
+        for sub in ("ckpt", "text", "cache"):
+            shutil.rmtree(work / sub, ignore_errors=True)
     print(f"64 lanes: {fmt_rate(report['eval_tok_s_64_lanes'])} tokens/s (goal 2.5M); one 1M-token "
           f"document: {fmt_rate(report['eval_tok_s_1m_doc'])} (goal 500K); wrote {path}")
     if report["failures"]:
@@ -631,8 +636,8 @@ def main(argv=None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=0,
                     help="1m_doc's tokens, at least (default 2^20; smoke 3K)")
     ap.add_argument("--timeout", type=float, default=0, help="seconds a run may take (default 300)")
-    ap.add_argument("--work", help="scratch folder (its ckpt, text, cache and json made again; "
-                                   "default a new temporary folder)")
+    ap.add_argument("--work", help="scratch folder (its ckpt, text, cache and json made again and "
+                                   "kept; default a new temporary folder, its runs' JSON kept)")
     ap.add_argument("--out", help="result file (default benchmarks/results/eval_speed_<gpu>.json)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="a tiny model, the stdlib's text, bytes as tokens, on the CPU")
