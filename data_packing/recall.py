@@ -37,6 +37,7 @@ training text.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -315,7 +316,7 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
         queries.append(Query(k, start, n, start - (last_mention[k] - 1)))
         last_mention[k] = start + n
         add(after)
-    tokens = np.fromiter((t for p in pieces for t in p), dtype=np.int64, count=length)
+    tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=length)
     return RecallDocument(tokens, queries, "".join(texts))
 
 

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
+import numpy as np
+
 from data_packing.errors import DataError
 
 # Names a vocabulary may give its end-of-text token, most common first.
@@ -56,7 +58,12 @@ class ByteTokenizer:
         return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        """The text of `ids`, the end-of-text id and any id past 255 dropped, invalid UTF-8
+        replaced."""
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if a.size and (a.min() < 0 or a.max() > 255):
+            a = a[(a >= 0) & (a < 256)]
+        return a.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> Path:
         """The marker file load_tokenizer reads, and beside it the same tokenizer for transformers
