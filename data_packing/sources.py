@@ -260,8 +260,10 @@ def _recall(split: str, options: dict) -> Source:
     task = RecallTask(**options)
     if split != "train":   # held-out splits: a tenth of the documents, from their own seed
         n_docs = max(1, n_docs // 10)
-    # version 2: filler refined until a query stands at its distance exactly (1 fell a few short)
-    identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 2}
+    # version 2: filler refined until a query stands at its distance exactly (1 fell a few short);
+    # 3: a stretch still short after that is continued by its own start (a cache built by 2
+    # before that change holds other documents)
+    identity = {"source": "recall", "split": split, "docs": n_docs, **options, "version": 3}
     if filler is not None:
         identity["filler"] = filler.identity
 
@@ -297,8 +299,9 @@ def with_recall_mix(base: Source, mix: dict) -> Source:
         raise DataError(f"recall mix: the share of recall documents must be in (0, 1), got {share}")
     options["templates"] = tuple(options.get("templates", ("sentence",)))
     task = RecallTask(**options)   # checks the gaps, counts and templates
+    # version 2: as the recall source's 3 (a mix cached by 1 could hold the older documents)
     identity = {**base.identity, "recall_mix": {"share": share, **options,
-                                                "templates": list(task.templates), "version": 1}}
+                                                "templates": list(task.templates), "version": 2}}
 
     def docs():
         task.filler = filler_text(base)
