@@ -404,7 +404,11 @@ for stage in $stages; do
       variants=${LONG_VARIANTS:-keep-mix transformer}
       if [ "${LONG_END_AT:-540}" != 0 ]; then
         all=$(echo ${variants//\// })
+        # the corpora count against LONG_END_AT: a recall mix's took ~75 s to prepare on the H100
+        # host (2026-12-07: two of them, one after the other, left no time to train)
+        p0=$(date +%s)
         timeout 300 $L prepare ${all// /,} 2>&1 | tee "$LOGS/long_prepare.log" | tail -8
+        echo "long: corpora prepared in $(( $(date +%s) - p0 )) s"
         # groups split by " / " train in turn, each group's variants side by side
         IFS=/ read -ra groups <<< "$variants"
         for group in "${groups[@]}"; do
@@ -422,6 +426,7 @@ for stage in $stages; do
       [ "$score" = skip ] && score=""
       n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
       for v in $score; do
+        [ -d /tmp/long-study/$v ] || { echo "long: $v has no run to score"; continue; }
         extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &

@@ -18,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import math
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -611,11 +612,15 @@ def field(args) -> int:
     kernels = {name: import_kernel(name) for name in LIBRARIES}
     for name, (_, info) in kernels.items():
         print(f"{name:16s} {info.get('version') or 'not installed: ' + info['not_installed']}", flush=True)
-    rows, dims = [], {}
+    rows, dims, t0 = [], {}, time.perf_counter()
     for recipe in [r for r in args.recipes.split(",") if r]:
         d = recipe_dims(recipe, args.lanes)
         dims[recipe] = d
         for case in cases_for(ops, d, device, torch.bfloat16, kernels):
+            # where the time goes when a call is cut short (the first case's compiles and the field
+            # kernels' autotuning took over 100 s on an H100 and printed nothing: 2026-12-07)
+            print(f"{recipe} {case.op}: checking and timing ({time.perf_counter() - t0:.0f} s in)",
+                  flush=True)
             for row in run_case(case, recipe, device, args.tol, args.iters, args.warmup, args.graph):
                 rows.append(row)
                 print(summary_line(row), flush=True)
