@@ -319,8 +319,9 @@ class DataConfig:
                                      # Training split only; evaluation reads the corpus alone. 0:
                                      # off (docs/RESULTS.md)
     recall_mix_templates: str = "sentence,label"   # the forms those facts take (recall.TEMPLATES,
-                                     # comma-separated); the needle test (eval.py --needle) reads
-                                     # "assign", which the default leaves out
+                                     # comma-separated; "varied" draws each fact's key style,
+                                     # separator and placement); the needle test (eval.py --needle)
+                                     # reads "assign", which none of them draws
     length_curriculum_steps: int = 0   # over the first N steps a document may start a lane only
                                        # if it is no longer than a cap that grows geometrically from
                                        # length_curriculum_start tokens to the longest document; a
