@@ -195,13 +195,14 @@ def prepare(args) -> int:
     the other), the test corpus first."""
     from concurrent.futures import ProcessPoolExecutor
 
+    from elephant.evaluate import corpus_request
+
     def first_of_each(split: str) -> list[str]:
         """The first variant of each distinct corpus of `split` (what get_corpus builds from)."""
         seen: dict[str, str] = {}
         for name in args.variant.split(","):
-            d = config(name, args).data
-            key = json.dumps([d.source, d.tokenizer, d.path, d.append_eot, d.text_field,
-                              d.source_options(split)], sort_keys=True, default=str)
+            key = json.dumps(corpus_request(config(name, args).data, split), sort_keys=True,
+                             default=str)
             seen.setdefault(key, name)
         return list(seen.values())
     for name in first_of_each("test"):   # the mix is the training split's alone

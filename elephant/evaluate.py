@@ -88,18 +88,24 @@ from .model import in_eval_mode
 from .state import drop_parts
 
 
+def corpus_request(data_cfg, split: str) -> tuple[tuple, dict]:
+    """The arguments data_packing.get_corpus builds a split's corpus from (progress aside): two
+    settings with the same request read the same cached corpus."""
+    return ((data_cfg.source, split, data_cfg.tokenizer, data_cfg.cache_dir),
+            dict(path=data_cfg.path or None, append_eot=data_cfg.append_eot,
+                 text_field=data_cfg.text_field, **data_cfg.source_options(split)))
+
+
 def open_corpus(data_cfg, split: str, rt=None, progress: bool = True):
     """(tokenizer, tokenized corpus) of a split, built into the cache by rank 0 first."""
     from data_packing import get_corpus
 
     main = rt is None or rt.rank == 0
     distributed = rt is not None and rt.world > 1
+    args, kwargs = corpus_request(data_cfg, split)
 
     def build(show):
-        return get_corpus(data_cfg.source, split, data_cfg.tokenizer, data_cfg.cache_dir,
-                          path=data_cfg.path or None, append_eot=data_cfg.append_eot,
-                          progress=show, text_field=data_cfg.text_field,
-                          **data_cfg.source_options(split))
+        return get_corpus(*args, progress=show, **kwargs)
     if main:
         corpus = build(progress)
     if distributed:
