@@ -400,7 +400,8 @@ for stage in $stages; do
       # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
       # one results file. LONG_VARIANTS="a b / c d": a and b side by side, then c and d;
       # LONG_LITE's variants scored by their test loss alone
-      L="python benchmarks/long_study.py --runs /tmp/long-study --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
+      runs=/tmp/long-study
+      L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
       variants=${LONG_VARIANTS:-keep-mix transformer}
       if [ "${LONG_END_AT:-540}" != 0 ]; then
         all=$(echo ${variants//\// })
@@ -426,7 +427,7 @@ for stage in $stages; do
       [ "$score" = skip ] && score=""
       n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
       for v in $score; do
-        [ -d /tmp/long-study/$v ] || { echo "long: $v has no run to score"; continue; }
+        [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
         extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &

@@ -99,8 +99,9 @@ TEMPLATES = {
               lambda k, v: (f"\n{_label(k)} code:", " " + v, "\n")),
     "assign": (lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n"),
                lambda k, v: (f"\n{_ident(k)} =", " " + v, "\n")),
-    # one of many forms, drawn per fact (`varied_form`): the key written in one of several styles,
-    # one of several separators, on a line of its own or inside running text. Filled in below.
+    # one of many forms, drawn per fact: the key written in one of several styles, one of several
+    # separators, on a line of its own or inside running text. No fixed pair: build_document
+    # draws each fact's from `varied_form`
     "varied": None,
 }
 # what a varied fact names (the key's last word) and how it writes the key
