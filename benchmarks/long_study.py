@@ -23,6 +23,8 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
                 curriculum); -bptt8: with gradients through 8 chunks (8 lanes, the same tokens a
                 step); -bptt8-mix: and a twentieth of the text as recall documents
   keep-mix-half keep without the keep drop, half the text as recall documents, gaps to 16K
+                (-varied: each fact in a form drawn from a family)
+  mix-varied    the recipe as it is with a quarter of the text as recall documents, varied forms
   nomem         the RMT memory off (model.n_mem = 0)
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
                 learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
@@ -90,6 +92,9 @@ VARIANTS = {
     # the same with each fact in a form drawn from a family (key styles, separators, placements:
     # data_packing/recall.py "varied"), so that recall is learned of what was stated, not of a form
     "keep-mix-half-varied": _NODROP + _KEEP[3:] + _mix(0.5, max_gap=16384, forms="varied"),
+    # the recipe's model as it is (128 kept tokens, read whole at inference) with a quarter of the
+    # text as recall documents in the varied forms: a data setting alone, what a recipe can take
+    "mix-varied": _mix(0.25, max_gap=16384, forms="varied"),
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _NODROP,
