@@ -32,8 +32,8 @@ styles, separators and placements ("varied": "sleepyAnchorToken: 270549", "gentl
 
 As a corpus source (`open_source("recall", split)`, `data.source = "recall"`), each split draws its
 documents from its own seed, so train, valid and test never share a document. Mixed into another
-corpus (`data.recall_mix`, data_packing/sources.py), the documents stand among that corpus's own
-training text.
+corpus (`data.recall_mix`, data_packing/sources.py), they are made of that corpus's own training
+text as it comes (StreamFiller), with facts and queries set in it.
 """
 from __future__ import annotations
 
@@ -224,7 +224,60 @@ class TextFiller(Filler):
         return self.corpus[start:start + need + 32]
 
 
-def make_filler(rng: np.random.Generator, corpus: str | None) -> Filler:
+class StreamEnd(Exception):
+    """A StreamFiller's documents ran out before a stretch was whole."""
+
+
+class StreamFiller(Filler):
+    """Filler read from a stream of documents in their order, each character once: the stretches
+    follow one another (documents joined by blank lines, each stretch cut at a word boundary and
+    the rest kept for the next), so that recall documents made with it are the stream's own text
+    with facts and queries set in it, and repeat none of it. `docs`: an iterator of texts, which
+    the caller may go on reading (what this filler has not taken); StreamEnd when it runs out,
+    `rest()` the text taken and not yet used."""
+
+    def __init__(self, docs):
+        super().__init__(np.random.default_rng(0))   # draws nothing: the stream is the text
+        self.docs, self.buf, self.pos = docs, "", 0
+
+    def _have(self, n: int) -> None:
+        while len(self.buf) - self.pos < n:
+            doc = next(self.docs, None)
+            if doc is None:
+                raise StreamEnd
+            left = self.buf[self.pos:]
+            self.buf, self.pos = left + ("\n\n" if left else "") + doc, 0
+
+    def text(self, n_chars: int) -> str:
+        self._have(n_chars + 1)
+        end = self.pos + n_chars
+        if self.buf[end] != " ":   # mid-word: end at the word before, or after this one
+            cut = self.buf.rfind(" ", self.pos, end)
+            if cut > self.pos:
+                end = cut + 1
+            else:
+                while True:
+                    cut = self.buf.find(" ", end)
+                    if cut >= 0:
+                        break
+                    self._have(len(self.buf) - self.pos + 1)   # a word running on: read more
+                end = cut + 1
+        s, self.pos = self.buf[self.pos:end], end
+        return s
+
+    def piece(self, need: int) -> str:
+        return self.text(need)
+
+    def rest(self) -> str:
+        out, self.buf, self.pos = self.buf[self.pos:], "", 0
+        return out
+
+
+def make_filler(rng: np.random.Generator, corpus) -> Filler:
+    """The filler of a document: synthetic (`corpus` None), cut from a text (a str), or `corpus`
+    itself when it is a Filler already (the mix's StreamFiller, shared by its documents)."""
+    if isinstance(corpus, Filler):
+        return corpus
     return Filler(rng) if corpus is None else TextFiller(rng, corpus)
 
 
@@ -248,13 +301,13 @@ def value(rng: np.random.Generator, digits: int = N_DIGITS) -> str:
 
 
 def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list[tuple[int, int]],
-                   lead: int = 0, digits: int = N_DIGITS, filler: str | None = None,
+                   lead: int = 0, digits: int = N_DIGITS, filler: str | Filler | None = None,
                    template: str = "sentence") -> RecallDocument:
     """Facts for `n_pairs` random keys after `lead` characters of filler, then one query per
     (key index, distance) of `plan`: filler until the answer stands `distance` tokens after the
     key's previous mention (or right away when the previous queries already went further).
-    Values have `digits` digits. `filler`: a text to cut the filler from (TextFiller), None for
-    the synthetic mix (Filler). `template`: how facts are stated and asked (TEMPLATES)."""
+    Values have `digits` digits. `filler`: a text to cut the filler from (TextFiller), a Filler
+    to read it from (StreamFiller), None for the synthetic mix (Filler). `template`: how facts are stated and asked (TEMPLATES)."""
     filler = make_filler(rng, filler)
     all_keys = keys()
     chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
@@ -305,7 +358,10 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
             for _ in range(16):
                 if not got or got >= need:
                     break
-                text = text + " " + text[:int((need - got) * len(text) / got) + 8]
+                more = int((need - got) * len(text) / got) + 8
+                # a stream's filler goes on reading (it draws nothing, and repeats no text)
+                text = text + (filler.text(more) if isinstance(filler, StreamFiller)
+                               else " " + text[:more])
                 got = len(tokenizer.encode(text))
             ids = tokenizer.encode(text)[:need]
             pieces.append(list(ids))
@@ -338,7 +394,7 @@ class RecallTask:
         if digits < 1:
             raise DataError(f"recall: values need at least one digit, got {digits}")
         self.max_pairs, self.max_queries, self.digits = max_pairs, max_queries, digits
-        self.filler = filler   # the text filler is cut from (build_document), None: synthetic
+        self.filler = filler   # the text filler is cut from, or a Filler (build_document); None: synthetic
         self.templates = check_templates(templates)
 
     def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:

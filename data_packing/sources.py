@@ -275,17 +275,19 @@ def _recall(split: str, options: dict) -> Source:
 
 
 def with_recall_mix(base: Source, mix: dict) -> Source:
-    """`base`'s documents with synthetic recall documents (data_packing/recall.py) among them, so
-    that a `share` of all the text (in characters) is theirs: after each of base's documents,
-    `share / (1 - share)` of its length is owed to recall documents, and they follow it while any
-    is owed, so they are spread evenly through the stream. Their filler is cut from `base`'s own
-    text (`filler_text`), so the facts stand in the corpus's own kind of text, and their facts
-    take the forms `templates`. `mix`: share, templates, and RecallTask's min_gap, max_gap,
+    """`base`'s documents with a `share` of their text (in characters) made into recall documents
+    (data_packing/recall.py): after each document of base's passed on as it is, `share / (1 -
+    share)` of its length is owed to recall documents, and while any is owed the next ones are
+    made, so they are spread evenly through the stream. A recall document's filler is the text of
+    base's next documents as they come (recall.StreamFiller: joined by blank lines, each character
+    once), so the facts stand in the corpus's own text, the mix repeats none of it, and the model
+    reads the same text it would without the mix, with facts and queries set in a share of it.
+    The facts take the forms `templates`. `mix`: share, templates, and RecallTask's min_gap, max_gap,
     max_pairs, max_queries (gaps in characters: the documents are made as text, then tokenized
     with the corpus). What a language model trained on it learns from them: to keep a stated
     value and copy it when its key recurs, over gaps its own documents rarely show
     (data.recall_mix, docs/RESULTS.md)."""
-    from data_packing.recall import SPLIT_SEEDS, RecallTask
+    from data_packing.recall import SPLIT_SEEDS, RecallTask, StreamEnd, StreamFiller
     from data_packing.tokenizer import ByteTokenizer
     if base.pretokenized:
         raise DataError(f"{base.name}: recall documents are text; they cannot be mixed into "
@@ -299,20 +301,28 @@ def with_recall_mix(base: Source, mix: dict) -> Source:
         raise DataError(f"recall mix: the share of recall documents must be in (0, 1), got {share}")
     options["templates"] = tuple(options.get("templates", ("sentence",)))
     task = RecallTask(**options)   # checks the gaps, counts and templates
-    # version 2: as the recall source's 3 (a mix cached by 1 could hold the older documents)
+    # version 3: the filler read from the stream (2 cut it from the first 32 MiB of the text,
+    # drawn again and again; 2 as the recall source's 3: a mix cached by 1 held older documents)
     identity = {**base.identity, "recall_mix": {"share": share, **options,
-                                                "templates": list(task.templates), "version": 2}}
+                                                "templates": list(task.templates), "version": 3}}
 
     def docs():
-        task.filler = filler_text(base)
         rng = np.random.default_rng([SPLIT_SEEDS.get(base.split, 0), 17])
         tok = ByteTokenizer()
+        stream = iter(base)
+        task.filler = filler = StreamFiller(stream)   # takes documents from the same stream
         owed, per_char = 0.0, share / (1.0 - share)
-        for doc in base:
+        for doc in stream:
             yield doc
             owed += per_char * len(doc)
             while owed > 0:
-                text = task.document(rng, tok).text
+                try:
+                    text = task.document(rng, tok).text
+                except StreamEnd:   # the stream ran out inside a recall document: its unused text
+                    rest = filler.rest()
+                    if rest:
+                        yield rest
+                    return
                 owed -= len(text)
                 yield text
 

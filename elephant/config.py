@@ -309,12 +309,12 @@ class DataConfig:
                                      # or the path of a text source: stretches cut from its
                                      # documents of the same split, so that copying the facts is a
                                      # small part of the LM loss, as in real documents
-    recall_mix: float = 0.0          # the share of the training text (in characters) that is
-                                     # synthetic recall documents (data_packing/recall.py: facts
-                                     # stated, then asked for after recall_min_gap..recall_max_gap
-                                     # characters, recall_max_pairs / _queries a document), spread
-                                     # among the corpus's documents, their filler cut from its own
-                                     # training text: a language model then learns to keep a stated
+    recall_mix: float = 0.0          # the share of the training text (in characters) made into
+                                     # recall documents (data_packing/recall.py: facts stated, then
+                                     # asked for after recall_min_gap..recall_max_gap characters,
+                                     # recall_max_pairs / _queries a document), spread through the
+                                     # corpus, their filler its own training text read in order,
+                                     # none of it twice: a language model then learns to keep a stated
                                      # value and copy it when its key recurs past its window.
                                      # Training split only; evaluation reads the corpus alone. 0:
                                      # off (docs/RESULTS.md)

@@ -185,25 +185,57 @@ def test_a_task_of_one_form_makes_the_same_documents_and_of_several_mixes_them()
 
 
 # ---------------------------------------------------------------- mixed into a corpus
-def test_recall_mix_spreads_its_share_among_the_corpus_own_documents(tmp_path):
+def _numbered(i: int) -> str:
+    """A lowercase word unique to `i` (letters only: no digits to mistake for a value)."""
+    out = ""
+    for _ in range(5):
+        out, i = "bcdfghjklm"[i % 10] + out, i // 10
+    return "w" + out
+
+
+def test_recall_mix_makes_a_share_of_the_corpus_own_text_into_recall_documents(tmp_path):
     folder = _split_texts(tmp_path)
-    for i in range(39):   # 40 training documents of the corpus's own (lowercase) words
-        (folder / f"doc{i:02d}.train.txt").write_text(f"plain document {i} " + "word " * 400)
-    mix = {"share": 0.2, "templates": ("sentence", "label"), "min_gap": 16, "max_gap": 400,
+    (folder / "train.txt").unlink()
+    n = 0
+    for i in range(40):   # 40 training documents; every word of them is numbered, in order
+        words = [_numbered(n + j) for j in range(300 + 37 * (i % 5))]
+        n += len(words)
+        (folder / f"doc{i:02d}.train.txt").write_text(" ".join(words))
+    mix = {"share": 0.3, "templates": ("sentence", "label"), "min_gap": 16, "max_gap": 900,
            "max_pairs": 2, "max_queries": 2}
     base = open_source("text", "train", folder)
     mixed = open_source("text", "train", folder, recall_mix=mix)
     docs, own = list(mixed), list(base)
     recall = [d for d in docs if "code" in d]
-    assert [d for d in docs if "code" not in d] == own          # every document, in its order
+    assert recall and "code" in docs[1] and "code" not in docs[0]   # spread: after every document
     chars = sum(map(len, recall)) / sum(map(len, docs))
-    assert 0.2 <= chars < 0.2 + max(map(len, recall)) / sum(map(len, docs))   # a fifth of the text
-    assert "code" in docs[1] and "code" not in docs[0]            # spread: after every document
-    # their filler is the corpus's own training text: lowercase words, none of the test split's
-    words = {w for d in recall for w in d.split() if w.isalpha() and len(w) == 5}
-    assert any(w.islower() for w in words) and not any(w.isupper() for w in words)
-    assert mixed.identity["recall_mix"]["share"] == 0.2 and "recall_mix" not in base.identity
+    assert 0.3 <= chars < 0.3 + max(map(len, recall)) / sum(map(len, docs))   # the share of the text
+    # the documents passed on as they are are base's own, whole
+    assert all(d in own for d in docs if "code" not in d)
+    # the recall documents' filler is base's text as it comes, in its order (a document passed on
+    # whole may go ahead of the rest of one the filler is reading); every numbered word once, none
+    # lost but where a stretch was cut
+    whole = __import__("re").compile(r"w[bcdfghjklm]{5}")
+
+    def numbers(texts):
+        return [int("".join(str("bcdfghjklm".index(c)) for c in w[1:]))
+                for d in texts for w in d.replace("\n", " ").split() if whole.fullmatch(w)]
+    assert numbers(recall) == sorted(numbers(recall))
+    every = numbers(docs)
+    assert len(set(every)) == len(every) >= 0.97 * n
+    for d in recall:   # a fact is asked with the value it was stated with
+        values = [t for t in d.replace(".", " ").replace("?", " ").split() if t.isdigit()]
+        assert any(values.count(v) >= 2 for v in values)
+    assert mixed.identity["recall_mix"]["share"] == 0.3 and "recall_mix" not in base.identity
     assert list(open_source("text", "train", folder, recall_mix=mix)) == docs   # deterministic
+    # a stream that runs out inside a recall document: what it had not used is passed on
+    from data_packing.recall import StreamEnd, StreamFiller
+    filler = StreamFiller(iter(["alpha beta gamma", "delta epsilon"]))
+    # cut at the word before, or after a word longer than the stretch; documents joined
+    assert filler.text(8) == "alpha " and filler.text(2) == "beta "
+    with pytest.raises(StreamEnd):
+        filler.text(100)
+    assert filler.rest() == "gamma\n\ndelta epsilon" and filler.rest() == ""
     with pytest.raises(DataError, match="must be in \\(0, 1\\)"):
         open_source("text", "train", folder, recall_mix=mix | {"share": 1.0})
 
