@@ -96,6 +96,17 @@ RES=benchmarks/results
 LOGS=${OUT:-/tmp}/gpu-logs
 mkdir -p "$RES" "$LOGS"
 stages=${*:-tests bench train}
+# what a stage reads that only a carry brings: missing, the call stops here, not minutes into it
+# (2026-12-07: a long stage without the tokenizer ran on to its deadline and trained nothing)
+for stage in $stages; do
+  case $stage in long|eval-speed)
+    for d in shared/data/tokenizers/gpt-neox-20b ../shared/data/tokenizers/gpt-neox-20b; do
+      [ -f $d/tokenizer.json ] && continue 2
+    done
+    echo "gpu.sh $stage: no shared/data/tokenizers/gpt-neox-20b/tokenizer.json here; carry it" \
+      "(and have shared/ in the checkout: ln -s ../shared shared)"; exit 2 ;;
+  esac
+done
 # The device's Python packages come without bytecode, so every process (each test worker, each
 # of its compile workers) compiled torch's source at import: about 12 s of CPU each. Compile it
 # once, over all cores.
