@@ -410,7 +410,7 @@ for stage in $stages; do
       # variants scored side by side (LONG_HYBRID, default keep-mix, with LONG_HYBRID_SCORE: the
       # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
       # one results file. LONG_VARIANTS="a b / c d": a and b side by side, then c and d;
-      # LONG_LITE's variants scored by their test loss alone
+      # LONG_LITE's variants scored by their test loss alone; LONG_SCORE_KEEP (below)
       runs=/tmp/long-study
       L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
       variants=${LONG_VARIANTS:-keep-mix transformer}
@@ -445,7 +445,19 @@ for stage in $stages; do
         n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
       done
       wait
+      # LONG_SCORE_KEEP="v:N ...": v scored again read with N kept tokens a layer (its test loss
+      # and needle with the kept tokens it trained with, say, instead of kv_keep_infer's)
+      for spec in ${LONG_SCORE_KEEP:-}; do
+        v=${spec%%:*}; k=${spec#*:}
+        [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
+        timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v --kv-keep $k > "$LOGS/long_score_${v}_keep$k.log" 2>&1 &
+        n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
+      done
+      wait
       for v in $score; do grep -E "needle|nats/byte|rror" "$LOGS/long_score_$v.log" | tail -14; done
+      for spec in ${LONG_SCORE_KEEP:-}; do
+        grep -hE "needle|nats/byte|rror" "$LOGS/long_score_${spec%%:*}_keep${spec#*:}.log" | tail -14
+      done
       for v in ${LONG_SPEED:-}; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
       done

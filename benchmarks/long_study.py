@@ -9,7 +9,7 @@ sliding window of its trained context.
 
     python benchmarks/long_study.py prepare VARIANT[,VARIANT]       # tokenize their corpora once
     python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
-    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--lite]
+    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--lite] [--kv-keep N]
     python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
     python benchmarks/long_study.py report [--hybrid keep-mix] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
@@ -23,7 +23,8 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
                 curriculum); -bptt8: with gradients through 8 chunks (8 lanes, the same tokens a
                 step); -bptt8-mix: and a twentieth of the text as recall documents
   keep-mix-half keep without the keep drop, half the text as recall documents, gaps to 16K
-                (-varied: each fact in a form drawn from a family)
+                (-varied: each fact in a form drawn from a family; -wide: and gaps to 64K,
+                up to 8 facts a document)
   mix-varied    the recipe as it is with a quarter of the text as recall documents, varied forms
   nomem         the RMT memory off (model.n_mem = 0)
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
@@ -92,6 +93,9 @@ VARIANTS = {
     # the same with each fact in a form drawn from a family (key styles, separators, placements:
     # data_packing/recall.py "varied"), so that recall is learned of what was stated, not of a form
     "keep-mix-half-varied": _NODROP + _KEEP[3:] + _mix(0.5, max_gap=16384, forms="varied"),
+    # the same with gaps to 64K characters and up to 8 facts a document (1M and 8 keys fell short)
+    "keep-mix-half-varied-wide": _NODROP + _KEEP[3:] + _mix(0.5, forms="varied") + [
+        "data.recall_max_pairs=8"],
     # the recipe's model as it is (128 kept tokens, read whole at inference) with a quarter of the
     # text as recall documents in the varied forms: a data setting alone, what a recipe can take
     "mix-varied": _mix(0.25, max_gap=16384, forms="varied"),
@@ -252,7 +256,7 @@ def load(name: str, args, device):
     """The trained variant as evaluation reads it; the transformer with its sliding window."""
     from elephant.hub import from_pretrained
     run = Path(args.runs) / name
-    model, tokenizer, cfg = from_pretrained(run, device=device)
+    model, tokenizer, cfg = from_pretrained(run, device=device, kv_keep=args.kv_keep or None)
     chunk_len = cfg["train"]["chunk_len"]
     if split_seed(name)[0] == "transformer":
         from elephant.config import ModelConfig
@@ -337,8 +341,9 @@ def score(args) -> int:
 
 
 def write_score(args, name: str, out: dict) -> int:
-    """A variant's scores into RUNS/<variant>/score.json (what `report` gathers)."""
-    path = Path(args.runs) / name / "score.json"
+    """A variant's scores into RUNS/<variant>/score.json (what `report` gathers); read with
+    `--kv-keep N` kept tokens, into score-keep<N>.json beside it."""
+    path = Path(args.runs) / name / (f"score-keep{args.kv_keep}.json" if args.kv_keep else "score.json")
     path.write_text(json.dumps(out, indent=1))
     print(f"[{name}] wrote {path}", file=sys.stderr)
     return 0
@@ -378,7 +383,13 @@ def report(args) -> int:
     speeds = {p.stem.removeprefix("speed-"): json.loads(p.read_text())
               for p in sorted(runs.glob("speed-*.json"))}
     out = {"benchmark": "long_study", **environment("cpu" if args.smoke else None),
-           "steps": args.steps, "variants": scores, "speed": speeds}
+           "steps_trained": {k: v["train"]["steps"] for k, v in scores.items()},
+           "variants": scores, "speed": speeds}
+    # variants scored again with another number of kept tokens at inference (score --kv-keep)
+    rescored = {f"{p.parent.name} read with {p.stem.removeprefix('score-keep')} kept":
+                json.loads(p.read_text()) for p in sorted(runs.glob("*/score-keep*.json"))}
+    if rescored:
+        out["read_with_other_kept"] = rescored
     recipe, tf = scores.get(args.hybrid), scores.get("transformer")
     if recipe:
         out |= recipe["needle"]
@@ -424,6 +435,9 @@ def smoke(args) -> int:
         train(args)
         args.drops, args.needle_1m = name == "keep-mix", False
         score(args)
+    args.variant, args.kv_keep, args.drops, args.lite = "keep-mix", 8, False, True
+    score(args)   # read with the kept tokens it trained with, not kv_keep_infer's
+    args.kv_keep, args.lite = 0, False
     return report(args)
 
 
@@ -441,6 +455,9 @@ def main(argv=None) -> int:
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
     p.add_argument("--lite", action="store_true", help="score: the test loss alone")
+    p.add_argument("--kv-keep", type=int, default=0,
+                   help="score: read with this many kept tokens a layer (default: as the variant "
+                        "is loaded), into score-keep<N>.json")
     p.add_argument("--long-tokens", type=int, default=LONG_TOKENS)
     p.add_argument("--long-docs", type=int, default=64)
     p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
