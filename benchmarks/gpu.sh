@@ -78,7 +78,7 @@
 #   field   kernels.py field (issue 72): the SSD scan, the Mamba conv and attention beside mamba-ssm's
 #           and fla's kernels (causal-conv1d and flash-attn-4 where installed) at the wt103-70m and
 #           fineweb-124m shapes -> benchmarks/results/field_kernels_<gpu>.json; fla-core and
-#           mamba-ssm installed from the wheels in .whl/ (carry .whl; FIELD_ARGS passed on)
+#           mamba-ssm installed from the wheels in .whl/ (`make field-wheels`; carry .whl; FIELD_ARGS)
 #   eval-speed  benchmarks/eval_speed.py (issue 72): eval.py timed as a whole command, launch to
 #           exit, on a random wt103-70m model and its kv_keep=0 shape: 64 lanes over ~16M tokens
 #           of source files and one 1M-token document, cold and warm, and where a warm run's time
@@ -463,12 +463,11 @@ for stage in $stages; do
       done
       $L report --hybrid ${LONG_HYBRID:-keep-mix} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
     field)
-      # the field's wheels (.whl/, carried: no index here) into a folder of their own, searched
-      # first by this stage alone: fla-core (`pip download fla-core==0.6.0 --no-deps -d .whl`)
-      # and mamba-ssm, an sdist on PyPI, as a wheel of its Python and Triton code
-      # (`MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip wheel mamba-ssm==2.3.2.post1
-      # --no-deps --no-build-isolation -w .whl`: no CUDA extension, so the benchmark imports its
-      # Triton scan without the package's __init__); einops only if the image lacks it. Not
+      # the field's wheels (.whl/, made by `make field-wheels` and carried: no index here) into
+      # a folder of their own, searched first by this stage alone: fla-core, and mamba-ssm (an
+      # sdist on PyPI) as a wheel of its Python and Triton code, no CUDA extension, so the
+      # benchmark imports its Triton scan without the package's __init__; einops only if the
+      # image lacks it. Not
       # carried: flash-attn-4 (its nvidia-cutlass-dsl-libs wheel alone is 88 MiB, over a call's
       # 64) and causal-conv1d (a CUDA build)
       site=/tmp/field-site
