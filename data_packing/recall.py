@@ -307,7 +307,8 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
     (key index, distance) of `plan`: filler until the answer stands `distance` tokens after the
     key's previous mention (or right away when the previous queries already went further).
     Values have `digits` digits. `filler`: a text to cut the filler from (TextFiller), a Filler
-    to read it from (StreamFiller), None for the synthetic mix (Filler). `template`: how facts are stated and asked (TEMPLATES)."""
+    to read it from (StreamFiller), None for the synthetic mix (Filler). `template`: how facts
+    are stated and asked (TEMPLATES)."""
     filler = make_filler(rng, filler)
     all_keys = keys()
     chosen = rng.choice(len(all_keys), size=n_pairs, replace=False)
@@ -394,7 +395,8 @@ class RecallTask:
         if digits < 1:
             raise DataError(f"recall: values need at least one digit, got {digits}")
         self.max_pairs, self.max_queries, self.digits = max_pairs, max_queries, digits
-        self.filler = filler   # the text filler is cut from, or a Filler (build_document); None: synthetic
+        # the text filler is cut from, or a Filler to read (build_document); None: synthetic
+        self.filler = filler
         self.templates = check_templates(templates)
 
     def document(self, rng: np.random.Generator, tokenizer) -> RecallDocument:
