@@ -198,10 +198,12 @@ def _kept_fact(state, layers: list[int], docs, now: np.ndarray, offset: int, kep
 
 
 def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int,
-                 gaps: tuple[int, int], digits: int = 6, log_gaps: bool = False):
+                 gaps: tuple[int, int], digits: int = 6, log_gaps: bool = False,
+                 every_token: bool = False):
     """`lanes` one-fact documents queried once at a distance in [gaps[0], gaps[1]] (uniform, or
     log-uniform with `log_gaps`), padded to whole chunks: (tokens (lanes, C * chunk_len + 1),
-    answer mask (lanes, C * chunk_len) over the targets, C)."""
+    answer mask (lanes, C * chunk_len) over the targets, C). `every_token`: the mask holds
+    every target inside the document (the LM loss), not the answers alone."""
     from data_packing.recall import build_document
 
     def gap() -> int:
@@ -215,6 +217,8 @@ def answer_batch(rng: np.random.Generator, tokenizer, lanes: int, chunk_len: int
     mask = np.zeros((lanes, n_chunks * chunk_len), bool)
     for b, d in enumerate(docs):
         tokens[b, :len(d.tokens)] = d.tokens
+        if every_token:
+            mask[b, :len(d.tokens) - 1] = True
         for q in d.queries:
             mask[b, q.answer_start - 1:q.answer_start - 1 + q.answer_len] = True
     return torch.from_numpy(tokens), torch.from_numpy(mask), n_chunks
@@ -258,9 +262,10 @@ def answer_step(model, chunks: list, state, window: int = 0, memory_path: bool =
 def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: tuple[int, int],
                      digits: int = 3, seed: int = 0, log=None, start_max_gap: int = 0,
                      before_step=None, memory_path: bool = False, window: int = 0,
-                     log_gaps: bool = False) -> list[dict]:
+                     log_gaps: bool = False, every_token: bool = False) -> list[dict]:
     """A short training loop with the loss on the answer digits only: the signal a CPU can afford
-    (the CPU test; the CPU recall studies of docs/RESULTS.md). Each step is one batch of one-fact
+    (the CPU test; the CPU recall studies of docs/RESULTS.md); `every_token`: on every token of
+    the documents instead (the LM loss, benchmarks/memory_probe.py). Each step is one batch of one-fact
     documents (distances uniform, or log-uniform with `log_gaps`), each a fresh lane state;
     `window` and `memory_path` as in `answer_step`. With
     `start_max_gap`, a curriculum: the largest distance grows geometrically from it to gaps[1]
@@ -279,7 +284,7 @@ def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: t
             grown = min(1.0, step / max(1, steps // 2))
             hi = int(round(start_max_gap * (gaps[1] / start_max_gap) ** grown))
         tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (gaps[0], hi), digits,
-                                              log_gaps)
+                                              log_gaps, every_token)
         tokens, mask = tokens.to(device), mask.to(device)
         reset = torch.ones(lanes, dtype=torch.bool, device=device)
         chunks = [(tokens[:, c * chunk_len:(c + 1) * chunk_len + 1],
@@ -292,7 +297,8 @@ def train_on_answers(model, opt, steps: int, lanes: int, chunk_len: int, gaps: t
         opt.step()
         opt.zero_grad()
         if step % 50 == 0 or step == steps - 1:
-            curve.append({"step": step, "answer_loss": loss, "seconds": time.perf_counter() - t0})
+            curve.append({"step": step, "loss" if every_token else "answer_loss": loss,
+                          "seconds": time.perf_counter() - t0})
             if log:
                 log(f"step {step} answer loss {loss:.3f}")
     return curve

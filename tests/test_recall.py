@@ -37,6 +37,20 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.08 and 0.09
 
 
+def test_answer_batches_put_the_loss_on_the_answers_or_on_every_token_of_the_document():
+    import numpy as np
+    from elephant.recall import answer_batch
+    args = (ByteTokenizer(), 4, 32, (40, 70), 3)
+    tokens, answers, n = answer_batch(np.random.default_rng(5), *args)
+    tokens2, every, n2 = answer_batch(np.random.default_rng(5), *args, every_token=True)
+    assert torch.equal(tokens, tokens2) and n == n2
+    assert (answers.sum(1) == 3).all()                      # three answer digits a lane
+    assert (every & answers).equal(answers)                 # the answers among every target
+    for b in range(4):
+        length = int((tokens[b] != 0).nonzero().max()) + 1  # byte 0 never occurs in the text
+        assert every[b, :length - 1].all() and not every[b, length - 1:].any()   # no padding
+
+
 def test_recall_reports_which_share_of_the_facts_value_the_kept_tokens_still_hold():
     # Kept tokens (model.kv_keep) are chosen from every chunk's tokens; with room for every token
     # of the documents each one is kept, so the fact's value is held at every distance past the
