@@ -49,7 +49,7 @@ def run_one(loss: str, steps: int, seed: int) -> dict:
     seconds = time.perf_counter() - t0
     cpu = torch.device("cpu")
     out = {"loss": loss, "steps": steps, "seed": seed, "train_seconds": seconds, "curve": curve}
-    for name, ablation in (("recall", None), ("memory_dropped", "memory")):
+    for name, ablation in (("recall", "none"), ("memory_dropped", "memory")):
         r = evaluate_recall(model, ByteTokenizer(), DISTANCES, 32, 32, cpu, digits=3,
                             ablation=ablation)
         out[name] = {d: row["accuracy"] for d, row in r["by_distance"].items()}
