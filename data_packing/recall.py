@@ -193,6 +193,11 @@ class Filler:
         n_words = int(self.rng.integers(20, 400))
         return (self.words, self.numbers, self.passkey)[kind](n_words)
 
+    def extend(self, text: str, n_chars: int) -> str:
+        """`text` continued by about `n_chars` characters with no more draws of `rng`: by its own
+        start, so that a document's other parts stay those its draws gave (build_document)."""
+        return text + " " + text[:n_chars]
+
     def text(self, n_chars: int) -> str:
         """About `n_chars` characters of filler (cut at a word boundary)."""
         parts, have = [], 0
@@ -253,20 +258,17 @@ class StreamFiller(Filler):
         end = self.pos + n_chars
         if self.buf[end] != " ":   # mid-word: end at the word before, or after this one
             cut = self.buf.rfind(" ", self.pos, end)
-            if cut > self.pos:
-                end = cut + 1
-            else:
-                while True:
-                    cut = self.buf.find(" ", end)
-                    if cut >= 0:
-                        break
-                    self._have(len(self.buf) - self.pos + 1)   # a word running on: read more
-                end = cut + 1
+            if cut <= self.pos:   # no word ends inside: end after this one
+                at = end - self.pos   # from pos: reading more rebuilds the buffer from pos
+                while (cut := self.buf.find(" ", self.pos + at)) < 0:   # a word running on
+                    self._have(len(self.buf) - self.pos + 1)
+            end = cut + 1
         s, self.pos = self.buf[self.pos:end], end
         return s
 
-    def piece(self, need: int) -> str:
-        return self.text(need)
+    def extend(self, text: str, n_chars: int) -> str:
+        """`text` continued by the stream's next characters: it draws nothing and repeats none."""
+        return text + self.text(n_chars)
 
     def rest(self) -> str:
         out, self.buf, self.pos = self.buf[self.pos:], "", 0
@@ -349,8 +351,8 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
         if need > 0:
             # characters per token of this tokenizer on filler, refined once; then, while still
             # short (a BPE tokenizer reads several characters a token, and a cut at a word loses
-            # some), the stretch is continued by its own start: no more draws of `rng`, so the
-            # document's other parts are those the single refinement gave
+            # some), the stretch is continued with no more draws of `rng` (Filler.extend), so
+            # the document's other parts are those the single refinement gave
             text = filler.text(need)
             got = len(tokenizer.encode(text))
             if got and got < need:
@@ -359,10 +361,7 @@ def build_document(rng: np.random.Generator, tokenizer, n_pairs: int, plan: list
             for _ in range(16):
                 if not got or got >= need:
                     break
-                more = int((need - got) * len(text) / got) + 8
-                # a stream's filler goes on reading (it draws nothing, and repeats no text)
-                text = text + (filler.text(more) if isinstance(filler, StreamFiller)
-                               else " " + text[:more])
+                text = filler.extend(text, int((need - got) * len(text) / got) + 8)
                 got = len(tokenizer.encode(text))
             ids = tokenizer.encode(text)[:need]
             pieces.append(list(ids))

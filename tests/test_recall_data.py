@@ -236,6 +236,14 @@ def test_recall_mix_makes_a_share_of_the_corpus_own_text_into_recall_documents(t
     with pytest.raises(StreamEnd):
         filler.text(100)
     assert filler.rest() == "gamma\n\ndelta epsilon" and filler.rest() == ""
+    # a word running past what was read: the next document read, the stretch ended at the
+    # first space after the word, counted in the buffer as it is once read
+    filler = StreamFiller(iter(["abcdefgh ijk", "l m n"]))
+    assert filler.text(8) == "abcdefgh" and filler.text(2) == " ijk\n\nl "
+    # continuing a stretch: the stream reads on; a drawn filler repeats the stretch's start
+    from data_packing.recall import Filler
+    assert StreamFiller(iter(["one two three"])).extend("x ", 3) == "x one"
+    assert Filler(np.random.default_rng(0)).extend("abc", 2) == "abc ab"
     with pytest.raises(DataError, match="must be in \\(0, 1\\)"):
         open_source("text", "train", folder, recall_mix=mix | {"share": 1.0})
 
