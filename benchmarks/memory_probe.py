@@ -27,22 +27,29 @@ sys.path.insert(0, str(ROOT))
 DISTANCES = [64, 96]
 
 
+def tiny_memory_model():
+    """The CPU memory test's model and its optimizers (tests/test_recall.py trains it on the
+    answers; seed torch first): attention only, no KV window, 4 memory slots whose gates start
+    half open, BPTT over 8 chunks."""
+    from elephant.config import ModelConfig, OptimConfig
+    from elephant.model import ElephantLM
+    from elephant.optim import build_optimizers
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
+                      kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
+    model = ElephantLM(cfg)
+    return model, build_optimizers(model, OptimConfig(
+        warmup_steps=20, momentum_warmup_steps=20, adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
+
+
 def run_one(loss: str, steps: int, seed: int) -> dict:
     """Train and score one model in this process."""
     import torch
 
     from data_packing.tokenizer import ByteTokenizer
-    from elephant.config import ModelConfig, OptimConfig
-    from elephant.model import ElephantLM
-    from elephant.optim import build_optimizers
     from elephant.recall import evaluate_recall, train_on_answers
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
-                      kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
-    model = ElephantLM(cfg)
-    opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
-                                              adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
+    model, opt = tiny_memory_model()
     t0 = time.perf_counter()
     curve = train_on_answers(model, opt, steps=steps, lanes=32, chunk_len=32, gaps=(40, 70),
                              digits=3, seed=seed, every_token=loss == "every")

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from data_packing.tokenizer import ByteTokenizer
-from elephant.config import ModelConfig, OptimConfig
+from elephant.config import ModelConfig
 from elephant.model import ElephantLM
-from elephant.optim import build_optimizers
 from elephant.recall import evaluate_recall, main, parse_count, train_on_answers
 
 
@@ -18,12 +17,10 @@ def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     # open (the recipe's start shut): in 600 steps this tiny model then learns in each of seeds
     # 0, 1, 2 (0.72 / 0.70, 0.91 / 0.63, 0.79 / 0.69 at 64 / 96 tokens); with shut gates only
     # seed 0 did, at 0.84 / 0.65, and a change of rounding took it to 0.70 / 0.59 (LOG, 2026-11-27)
+    # (benchmarks/memory_probe.py trains the same model with the loss on every token as well)
+    from benchmarks.memory_probe import tiny_memory_model
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
-                      kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
-    model = ElephantLM(cfg)
-    opt = build_optimizers(model, OptimConfig(warmup_steps=20, momentum_warmup_steps=20,
-                                              adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
+    model, opt = tiny_memory_model()
     train_on_answers(model, opt, steps=600, lanes=32, chunk_len=32, gaps=(40, 70), digits=3)
     cpu = torch.device("cpu")
     recall = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3)
