@@ -436,27 +436,22 @@ for stage in $stages; do
       fi
       score=${LONG_SCORE:-$variants}
       [ "$score" = skip ] && score=""
+      # LONG_SCORE_KEEP="v:N ...": v scored again read with N kept tokens a layer (its test loss
+      # and needle with the kept tokens it trained with, say, instead of kv_keep_infer's)
       n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
-      for v in $score; do
+      for spec in $score ${LONG_SCORE_KEEP:-}; do
+        v=${spec%%:*}; k=${spec#"$v"}; k=${k#:}; log="$LOGS/long_score_$v${k:+_keep$k}.log"
         [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
         extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
-        timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$LOGS/long_score_$v.log" 2>&1 &
+        [ -n "$k" ] && extra="--kv-keep $k"
+        timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$log" 2>&1 &
         n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
       done
       wait
-      # LONG_SCORE_KEEP="v:N ...": v scored again read with N kept tokens a layer (its test loss
-      # and needle with the kept tokens it trained with, say, instead of kv_keep_infer's)
-      for spec in ${LONG_SCORE_KEEP:-}; do
-        v=${spec%%:*}; k=${spec#*:}
-        [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
-        timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v --kv-keep $k > "$LOGS/long_score_${v}_keep$k.log" 2>&1 &
-        n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
-      done
-      wait
-      for v in $score; do grep -E "needle|nats/byte|rror" "$LOGS/long_score_$v.log" | tail -14; done
-      for spec in ${LONG_SCORE_KEEP:-}; do
-        grep -hE "needle|nats/byte|rror" "$LOGS/long_score_${spec%%:*}_keep${spec#*:}.log" | tail -14
+      for spec in $score ${LONG_SCORE_KEEP:-}; do
+        v=${spec%%:*}; k=${spec#"$v"}; k=${k#:}
+        grep -hE "needle|nats/byte|rror" "$LOGS/long_score_$v${k:+_keep$k}.log" 2>/dev/null | tail -14
       done
       for v in ${LONG_SPEED:-}; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
