@@ -85,7 +85,7 @@ import torch.distributed as dist
 from .cudagraph import kept_stream
 from .metrics import BUCKET_EDGES, NLLMeter, PositionBuckets
 from .model import in_eval_mode
-from .state import drop_parts
+from .state import check_parts, drop_parts
 
 
 def corpus_request(data_cfg, split: str) -> tuple[tuple, dict]:
@@ -480,6 +480,7 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     if reset_every < 0 or reset_every % chunk_len:
         raise ValueError(f"evaluate: reset_every must be 0 (off) or a positive multiple of "
                          f"chunk_len={chunk_len}, got {reset_every}")
+    check_parts(tuple(drop), model.cfg)   # a part the model does not carry measures nothing
     corpus = subset(corpus, max_docs)
     n_docs = len(corpus)
     device = torch.device(device)

@@ -29,7 +29,7 @@ import torch
 from elephant.config import add_kept_arguments, parse_count
 from elephant.evaluate import document_chunks, dropped
 from elephant.model import in_eval_mode
-from elephant.state import parse_parts
+from elephant.state import check_parts, parse_parts
 
 DEFAULT_DISTANCES = "128,512,1K,4K,16K,64K"
 CHANCE = 0.1
@@ -79,6 +79,8 @@ def evaluate_recall(model, tokenizer, distances: list[int], lanes: int, chunk_le
     how deep into a document it reads (nothing, where every position it uses is relative)."""
     from data_packing.recall import eval_document
 
+    if ablation != "none":   # a part the model does not carry would measure nothing
+        check_parts(parse_parts(ablation, "--ablate"), model.cfg, "--ablate")
     rng = np.random.default_rng(seed)
     docs = [eval_document(rng, tokenizer, distances, n_pairs, digits, filler, template)
             for _ in range(lanes)]

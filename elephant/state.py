@@ -302,6 +302,30 @@ def parse_parts(text: str, flag: str = "--drop") -> tuple[str, ...]:
     return tuple(p for p in CARRIED_PARTS if p in parts)
 
 
+def carried_parts(cfg) -> tuple[str, ...]:
+    """The parts of CARRIED_PARTS a model of config `cfg` (ModelConfig) carries from chunk to
+    chunk: a window where an attention layer has kv_window > 0, kept tokens where kv_keep > 0, the
+    memory where n_mem > 0, ssm where a Mamba-2 or delta rule layer is, delta where a D layer is."""
+    has = {"window": "A" in cfg.layers and cfg.kv_window > 0,
+           "kept": "A" in cfg.layers and cfg.kv_keep > 0,
+           "memory": cfg.n_mem > 0,
+           "ssm": any(k in cfg.layers for k in "MD"),
+           "delta": "D" in cfg.layers}
+    return tuple(p for p in CARRIED_PARTS if has[p])
+
+
+def check_parts(parts, cfg, flag: str = "--drop") -> None:
+    """A ConfigError naming `flag` where a part of `parts` is one the model does not carry
+    (dropping it would measure nothing: its figures equal the carried run's)."""
+    from .config import ConfigError
+    missing = [p for p in parts if p not in carried_parts(cfg)]
+    if missing:
+        raise ConfigError(f"{flag} {','.join(parts)}: this model carries no {', no '.join(missing)} "
+                          f"(model.layers={cfg.layers!r}, n_mem={cfg.n_mem}, kv_window="
+                          f"{cfg.kv_window}, kv_keep={cfg.kv_keep}); it carries "
+                          f"{', '.join(carried_parts(cfg)) or 'nothing'}")
+
+
 def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None,
                layers: str | None = None) -> "RecurrentState":
     """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document

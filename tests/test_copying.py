@@ -87,6 +87,7 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     import elephant.hub
     import elephant.recall
     from benchmarks.copy_study import score
+    from elephant.config import ConfigError
     for step in (100, 200, 300):
         (tmp_path / "checkpoints" / f"step_{step:07d}").mkdir(parents=True)
     asked = {}
@@ -97,6 +98,8 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
             {"train": {"chunk_len": 64}, "data": {}}
 
     def recall(model, tokenizer, distances, *args, ablation="none", **kw):
+        if ablation == "delta":   # a part the model does not carry
+            raise ConfigError("--ablate delta: this model carries no delta")
         asked[model.name if ablation == "none" else (model.name, ablation)] = list(distances)
         return {"by_distance": {elephant.recall.label(d): {"accuracy": d / 1e5, "held": d / 1e6}
                                 for d in distances}, "tokens_per_s": 1000.4 * len(distances)}
@@ -115,9 +118,10 @@ def test_copy_study_scores_past_the_window_at_its_last_checkpoint_only(tmp_path,
     score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, every=[4096])
     assert asked["step_0000100"] == asked["step_0000200"] == [128, 4096]
     asked.clear()   # --ablate: the last checkpoint again past the shortest distance, each part dropped
-    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, ablate=["memory", "keep"])
+    rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, ablate=["memory", "delta", "keep"])
     assert asked[("step_0000300", "memory")] == asked[("step_0000300", "keep")] == [4096, 65536]
     assert len(asked) == 5 and rows[-1]["64K without memory"] == 0.65536 and "4K without keep" in rows[-1]
+    assert not any("without delta" in k for k in rows[-1])   # not carried: left out, not failed
     asked.clear()   # --keep-eval: the last checkpoint again past the shortest distance, more kept tokens
     passes = []     # scored: the rows so far after every pass (what a call cut short returns)
     rows = score(tmp_path, "cpu", [4096, 128, 65536], lanes=4, keep_eval=[512, 2048],

@@ -764,6 +764,28 @@ def test_each_dropped_part_changes_the_loss_and_the_static_step_drops_it_too(par
     assert_same_sums(graphed, plain)
 
 
+def test_dropping_a_part_the_model_does_not_carry_is_a_clear_error():
+    # the LM recipes carry no memory (n_mem = 0): "--drop memory" would measure nothing, its
+    # figures the carried run's, so it is refused, naming what the model does carry
+    from elephant.config import ConfigError
+    from elephant.recall import evaluate_recall
+    from elephant.state import carried_parts
+    from data_packing.tokenizer import ByteTokenizer
+    model = mama_model(n_mem=0, kv_window=16)
+    assert carried_parts(model.cfg) == ("window", "ssm")
+    assert carried_parts(mama_model(n_mem=2, kv_window=16, kv_keep=5).cfg) == (
+        "window", "kept", "memory", "ssm")
+    corpus = corpus_of(LONG_TAIL)
+    for parts, missing in ((("memory",), "no memory"), (("kept", "memory"), "no kept, no memory")):
+        with pytest.raises(ConfigError, match=f"--drop {','.join(parts)}: this model carries "
+                                               f"{missing} .*; it carries window, ssm"):
+            evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", drop=parts)
+    with pytest.raises(ConfigError, match="--ablate memory: this model carries no memory"):
+        evaluate_recall(model, ByteTokenizer(), [64], 2, 32, torch.device("cpu"), digits=3,
+                        ablation="memory")
+    assert evaluate(model, corpus, lanes=4, chunk_len=8, device="cpu", drop=("window",))["tokens"]
+
+
 def test_eval_cli_drops_parts_and_says_so(trained_run, tmp_path, capsys):
     out = tmp_path / "d.json"
     assert eval_cli.main(["--checkpoint", str(trained_run), "--split", "test", "--json", str(out),
