@@ -296,16 +296,23 @@ def score(args) -> int:
     name = args.variant
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
+    seconds, mark = {}, [time.perf_counter()]   # each phase's wall time: a call's scoring planned
+
+    def phase(key: str) -> None:
+        now = time.perf_counter()
+        seconds[key], mark[0] = round(now - mark[0], 1), now
     model, tokenizer, cfg, chunk_len = load(name, args, device)
     data = config(name, args).data
     test = open_corpus(data, "test", progress=False)[1]
     long_test = long_documents(test, args.long_tokens, args.long_docs)
+    phase("load")
     autocast = autocast_for(device)
     common = dict(chunk_len=chunk_len, device=device, autocast=autocast, cuda_graph=cuda,
                   compact=True, side=cuda)
     out = {"variant": name, "params": model.num_params(), "chunk_len": chunk_len,
            "kv_window": model.cfg.kv_window, "kv_keep": model.cfg.kv_keep,
-           "kv_keep_read": model.cfg.kv_keep_read, "train": train_log(Path(args.runs) / name)}
+           "kv_keep_read": model.cfg.kv_keep_read, "train": train_log(Path(args.runs) / name),
+           "seconds": seconds}
     t0 = time.perf_counter()
     ev = evaluate(model, test, lanes=64, max_docs=args.test_docs, **common)
     out["test"] = {k: ev[k] for k in ("loss", "bits_per_byte", "documents", "tokens", "bytes")}
@@ -313,6 +320,7 @@ def score(args) -> int:
     out["test"]["seconds"] = time.perf_counter() - t0
     print(f"[{name}] test loss {ev['loss']:.4f}, {out['test']['nats_per_byte']:.4f} nats/byte over "
           f"{ev['documents']} files", file=sys.stderr, flush=True)
+    phase("test")
     if args.lite:   # the loss over the test files alone
         return write_score(args, name, out)
     runs = {"carried": {}}
@@ -332,7 +340,9 @@ def score(args) -> int:
                              "tokens": ev["tokens"], "seconds": time.perf_counter() - t0}
         print(f"[{name}] {len(long_test)} files over {args.long_tokens // 1024}K tokens, {kind}: "
               f"{ev['loss'] / bpt:.4f} nats/byte", file=sys.stderr, flush=True)
+    phase("long")
     haystack = text_for(data, "test")
+    phase("haystack")
     log = lambda m: print(f"[{name}] {m}", file=sys.stderr, flush=True)   # noqa: E731
     # 128: inside the window, where copying needs no carried state (is the value copied at all?)
     short = [128, 1024, 4096, 65536] if not args.smoke else [256, 1024]
@@ -346,6 +356,8 @@ def score(args) -> int:
     # the held-out one's (what the mix taught, and what of it carries over to another form)
     trained = needle_test(model, tokenizer, haystack, short, chunk_len, device, keys=(1,),
                           lanes=lanes, long_lanes=long_lanes, form="label", autocast=autocast, log=log)
+    phase("needle")
+    print(f"[{name}] seconds: {seconds}", file=sys.stderr, flush=True)
     out["needle"] = {k: v for r in (one, multi) for k, v in r.items() if k.startswith("needle_")}
     out["needle_label_form"] = {k: v for k, v in trained.items() if k.startswith("needle_")}
     out["needle_passes"] = [{k: p[k] for k in ("keys", "by_distance", "lanes", "tokens_per_s",
