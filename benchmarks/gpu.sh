@@ -426,10 +426,21 @@ for stage in $stages; do
         for group in "${groups[@]}"; do
           left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
           [ $left -lt 30 ] && { echo "long: only $left s left before LONG_END_AT: $group not trained"; continue; }
+          pids=()
           for v in $group; do
             timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1 &
+            pids+=($!)
           done
-          wait
+          failed=(); i=0
+          for v in $group; do wait ${pids[$i]} || failed+=($v); i=$((i + 1)); done
+          # a run that died beside another (five times a CUDA launch failure, never alone) goes on
+          # alone from its last checkpoint (or from the start) in the time left
+          for v in "${failed[@]}"; do
+            left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
+            [ $left -lt 60 ] && { echo "long: $v failed, $left s left: not trained again"; continue; }
+            echo "long: $v failed beside the others; trained again alone ($left s)"
+            timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1
+          done
         done
         variants=$all
         for v in $variants; do echo "--- $v"; grep -E "^step|\\[$v\\]|rror" "$LOGS/long_train_$v.log" | tail -3; done
