@@ -402,6 +402,21 @@ def mean_gap(a: dict, b: dict, bands) -> float | None:
     return sum(a[k] - b[k] for k in common) / len(common) if common else None
 
 
+def worth(long: dict) -> dict:
+    """What the carried parts are worth over 8K-32K, from a score's long-file runs (score
+    --drops): each dropped part's loss increase (part_worth_8k_32k; memory_worth_8k_32k where the
+    variant has a memory to drop) and the reset every 2K's (context_gain_8k_32k). {} without
+    --drops."""
+    if "reset-2K" not in long:
+        return {}
+    carried = long["carried"]["bands"]
+    parts = {k.removeprefix("drop-"): mean_gap(v["bands"], carried, WORTH)
+             for k, v in long.items() if k.startswith("drop-")}
+    return {**({"memory_worth_8k_32k": parts["memory"]} if "memory" in parts else {}),
+            "part_worth_8k_32k": parts,
+            "context_gain_8k_32k": mean_gap(long["reset-2K"]["bands"], carried, WORTH)}
+
+
 def report(args) -> int:
     from benchmarks.common import environment
     runs = Path(args.runs)
@@ -420,11 +435,7 @@ def report(args) -> int:
     if recipe:
         out |= recipe["needle"]
         carried = recipe["long"].get("carried", {}).get("bands", {})
-        if "drop-memory" in recipe["long"]:
-            out["memory_worth_8k_32k"] = mean_gap(recipe["long"]["drop-memory"]["bands"], carried, WORTH)
-            out["part_worth_8k_32k"] = {k.removeprefix("drop-"): mean_gap(v["bands"], carried, WORTH)
-                                        for k, v in recipe["long"].items() if k.startswith("drop-")}
-            out["context_gain_8k_32k"] = mean_gap(recipe["long"]["reset-2K"]["bands"], carried, WORTH)
+        out |= worth(recipe["long"])
         if tf and "carried" in tf["long"]:
             theirs = tf["long"]["carried"]["bands"]
             out["vs_long_transformer_inside"] = mean_gap(theirs, carried, INSIDE)

@@ -220,3 +220,19 @@ def test_copy_study_parallel_starts_a_variant_only_as_another_ends(tmp_path):
     assert {n: v["returncode"] for n, v in summary["variants"].items()} == {"hybrid": 0, "attn": 0}
     first_done = (out / "hybrid.json").stat().st_mtime
     assert first_done <= (runs / "attn" / "env.json").stat().st_mtime
+
+
+def test_long_study_worth_of_the_parts_a_variant_carries():
+    # score --drops drops only the parts a variant carries (the recipes have no memory since
+    # 2026-12-07): the parts' and the context's worth are reported all the same, memory_worth
+    # only where there was a memory to drop
+    from benchmarks.long_study import worth
+    bands = lambda x: {"bands": {"8K-16K": x, "16K-32K": x + 0.02, "0-512": 9.0}}   # noqa: E731
+    long = {"carried": bands(0.5), "reset-2K": bands(0.53), "drop-window": bands(0.6),
+            "drop-kept": bands(0.49)}
+    got = worth(long)
+    assert "memory_worth_8k_32k" not in got
+    assert got["part_worth_8k_32k"] == pytest.approx({"window": 0.1, "kept": -0.01})
+    assert got["context_gain_8k_32k"] == pytest.approx(0.03)
+    assert worth(long | {"drop-memory": bands(0.5004)})["memory_worth_8k_32k"] == pytest.approx(0.0004)
+    assert worth({"carried": bands(0.5)}) == {}   # scored without --drops
