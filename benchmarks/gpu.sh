@@ -414,6 +414,10 @@ for stage in $stages; do
       runs=/tmp/long-study
       L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
       variants=${LONG_VARIANTS:-keep-mix transformer}
+      # train_one VARIANT SECONDS: train (or go on training) until its steps or SECONDS
+      train_one() { timeout $(( $2 + 120 )) $L train $1 --stop-after-s $2 >> "$LOGS/long_train_$1.log" 2>&1; }
+      # score_spec "v" or "v:N" (LONG_SCORE_KEEP): sets v, k (N or empty) and the scorer's log
+      score_spec() { v=${1%%:*}; k=${1#"$v"}; k=${k#:}; log="$LOGS/long_score_$v${k:+_keep$k}.log"; }
       if [ "${LONG_END_AT:-540}" != 0 ]; then
         all=$(echo ${variants//\// })
         # the corpora count against LONG_END_AT: a recall mix's took ~75 s to prepare on the H100
@@ -428,7 +432,7 @@ for stage in $stages; do
           [ $left -lt 30 ] && { echo "long: only $left s left before LONG_END_AT: $group not trained"; continue; }
           pids=()
           for v in $group; do
-            timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1 &
+            train_one $v $left &
             pids+=($!)
           done
           failed=(); i=0
@@ -439,7 +443,7 @@ for stage in $stages; do
             left=$(( ${LONG_END_AT:-540} - $(date +%s) + started ))
             [ $left -lt 60 ] && { echo "long: $v failed, $left s left: not trained again"; continue; }
             echo "long: $v failed beside the others; trained again alone ($left s)"
-            timeout $(( left + 120 )) $L train $v --stop-after-s $left >> "$LOGS/long_train_$v.log" 2>&1
+            train_one $v $left
           done
         done
         variants=$all
@@ -451,7 +455,7 @@ for stage in $stages; do
       # and needle with the kept tokens it trained with, say, instead of kv_keep_infer's)
       n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
       for spec in $score ${LONG_SCORE_KEEP:-}; do
-        v=${spec%%:*}; k=${spec#"$v"}; k=${k#:}; log="$LOGS/long_score_$v${k:+_keep$k}.log"
+        score_spec $spec
         [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
         extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
@@ -461,8 +465,8 @@ for stage in $stages; do
       done
       wait
       for spec in $score ${LONG_SCORE_KEEP:-}; do
-        v=${spec%%:*}; k=${spec#"$v"}; k=${k#:}
-        grep -hE "needle|nats/byte|rror" "$LOGS/long_score_$v${k:+_keep$k}.log" 2>/dev/null | tail -14
+        score_spec $spec
+        grep -hE "needle|nats/byte|rror" "$log" 2>/dev/null | tail -14
       done
       for v in ${LONG_SPEED:-}; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
