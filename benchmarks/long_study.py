@@ -107,6 +107,12 @@ VARIANTS = {
     # quarter mix alone cost no LM loss and taught no recall (2026-12-07: the kept tokens held
     # the fact at 1K in 8% of documents); the keep cost is what taught the half mix's kept tokens
     "keep-mix-varied": _NODROP + _KEEP[3:] + _mix(0.25, max_gap=16384, forms="varied"),
+    # the same trained as it reads at inference: 512 kept slots a layer, each query reading its
+    # best 128 (read as loaded, 4,096 reading 128, keep-mix-varied recalled to 64K but its LM loss
+    # rose 0.024 over the same weights read with the 128 they trained with: the best 128 of many
+    # are distractors to a read that never chose among them)
+    "keep-read-mix-varied": _NODROP + _KEEP[3:] + _mix(0.25, max_gap=16384, forms="varied") + [
+        "model.kv_keep=512", "model.kv_keep_read=128"],
     # the kept-token settings alone (no curriculum): what a recipe's [model] would take, and with
     # the recall recipe's gradient depth (8 chunks, 8 lanes: the same 32,768 tokens a step)
     "keep-model": _NODROP,
