@@ -236,3 +236,51 @@ def test_long_study_worth_of_the_parts_a_variant_carries():
     assert got["context_gain_8k_32k"] == pytest.approx(0.03)
     assert worth(long | {"drop-memory": bands(0.5004)})["memory_worth_8k_32k"] == pytest.approx(0.0004)
     assert worth({"carried": bands(0.5)}) == {}   # scored without --drops
+
+
+def test_long_study_today_is_the_recipe_and_every_other_variant_starts_from_before(tmp_path):
+    # the recipe took keep-mix-varied's training on 2026-12-07: `today` (the recipe as it is) is
+    # that variant read with the 128 kept tokens it trained with, and the variants defined
+    # before then keep their meaning by starting from the recipe as it was (`before`)
+    import argparse
+
+    from benchmarks.long_study import config
+    args = argparse.Namespace(tokenizer="bytes", cache=str(tmp_path), steps=10,
+                              runs=str(tmp_path), smoke=False)
+    today, mixed = config("today", args), config("keep-mix-varied", args)
+    assert mixed.model.kv_keep_infer == 4096 and today.model.kv_keep_infer == 0
+    mixed.model.kv_keep_infer = 0
+    assert vars(mixed.model) == vars(today.model) and today.model.kv_keep_cost == 0.01
+    run_dir = lambda c: {k: v for k, v in vars(c.train).items() if k != "run_dir"}  # noqa: E731
+    assert vars(mixed.data) == vars(today.data) and run_dir(mixed) == run_dir(today)
+    before = config("before", args)
+    assert before.data.recall_mix == 0 and before.model.kv_keep_cost == 0
+    assert before.data.length_curriculum_steps == 0
+    tf = config("transformer", args)   # its mix in the two forms it trained with, not the recipe's
+    assert tf.data.recall_mix == 0.2 and tf.data.mix_templates() == ("sentence", "label")
+
+
+def test_long_study_report_keeps_what_a_stopped_scorer_measured(tmp_path, capsys):
+    # a scorer stopped by its call's timeout leaves the phases it finished, marked partial; the
+    # report takes them and says how far each got
+    import argparse
+
+    from benchmarks.long_study import report, write_score
+    args = argparse.Namespace(runs=str(tmp_path), kv_keep=0, smoke=True, hybrid="today",
+                              out=str(tmp_path / "report.json"))
+    for name in ("today", "keep"):
+        (tmp_path / name).mkdir()
+    test = {"nats_per_byte": 0.49}
+    write_score(args, "today", {"train": {"steps": 5}, "test": test, "partial": "test"})
+    write_score(args, "keep", {"train": {"steps": 5}, "test": {"nats_per_byte": 0.5},
+                               "long": {"carried": {"bands": {}}},
+                               "needle": {"needle_4k": 0.9}})
+    assert not list(tmp_path.glob("*/*.tmp"))
+    args.kv_keep = 128
+    write_score(args, "keep", {"train": {"steps": 5}, "test": test, "partial": "long"})
+    args.kv_keep = 0
+    assert report(args) == 0
+    out = json.loads((tmp_path / "report.json").read_text())
+    assert out["partial"] == {"today": "test", "keep read with 128 kept": "long"}
+    assert out["today_minus_keep_nats_per_byte"] == pytest.approx(-0.01)
+    assert "needle_4k" not in out   # today's scorer stopped before its needle
