@@ -103,6 +103,10 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    # the kernels' ops registered at their first calls: eval.py compiles nothing, and registering
+    # them at import would import torch's compiler (elephant/layers/triton_env.py)
+    from elephant.layers.triton_env import lazy_ops
+    lazy_ops()
     from data_packing import DataError
     from elephant.checkpoint import CheckpointError
     from elephant.config import ConfigError

@@ -328,6 +328,8 @@ def child(spec_path: str) -> int:
     import torch
     marks["import_torch"] = time.perf_counter() - t
     t = time.perf_counter()
+    from elephant.layers.triton_env import lazy_ops
+    lazy_ops()   # as eval.py's main does first
     import data_packing
     import data_packing.prepare  # noqa: F401  (what eval.py's run imports, and get_corpus)
     import elephant.checkpoint  # noqa: F401

@@ -114,6 +114,8 @@ class Decoder:
         self.cuda_graph = bool(cuda_graph) and self.device.type == "cuda"
         self._token_fn = self._token_step
         if compile:
+            from elephant.layers.triton_env import register_ops
+            register_ops()   # every triton op registered before dynamo traces a call to it
             self._token_fn = torch.compile(self._token_step, dynamic=False)
         self._graph = None
         self._start_chunk(None)

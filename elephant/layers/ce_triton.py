@@ -33,6 +33,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import triton_op
 
 IGNORE_INDEX = -100
 # (vocabulary elements per step of a row's walk, warps): among the fastest of the sweep of
@@ -148,18 +149,18 @@ def _run(z: Tensor, t: Tensor, scale: Tensor | None, lse_in: Tensor | None, grad
     return nll, lse, dz
 
 
-@torch.library.triton_op("elephant::ce_nll", mutates_args=())
+@triton_op("elephant::ce_nll", mutates_args=())
 def _nll_op(z: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
     nll, lse, _ = _run(z, t, None, None, False)
     return nll, lse
 
 
-@torch.library.triton_op("elephant::ce_nll_dlogits", mutates_args=())
+@triton_op("elephant::ce_nll_dlogits", mutates_args=())
 def _nll_dlogits_op(z: Tensor, t: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _run(z, t, scale, None, True)
 
 
-@torch.library.triton_op("elephant::ce_dlogits", mutates_args=())
+@triton_op("elephant::ce_dlogits", mutates_args=())
 def _dlogits_op(z: Tensor, lse: Tensor, t: Tensor, scale: Tensor) -> Tensor:
     return _run(z, t, scale, lse, True)[2]
 

@@ -37,6 +37,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import register_autograd, triton_op
 
 
 def supported(x: Tensor) -> bool:
@@ -666,13 +667,13 @@ def _conv_fwd(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: 
     return out
 
 
-@torch.library.triton_op("elephant::depthwise_conv", mutates_args=())
+@triton_op("elephant::depthwise_conv", mutates_args=())
 def _conv_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
              since: Tensor | None, tail: Tensor | None, mend: bool = False) -> Tensor:
     return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, None, mend)
 
 
-@torch.library.triton_op("elephant::depthwise_conv_silu", mutates_args=())
+@triton_op("elephant::depthwise_conv_silu", mutates_args=())
 def _conv_silu_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, seg: Tensor | None,
                   since: Tensor | None, tail: Tensor | None, mend: bool = False
                   ) -> tuple[Tensor, Tensor]:
@@ -682,7 +683,7 @@ def _conv_silu_op(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor, s
     return _conv_fwd(x, conv_state, weight, bias, seg, since, tail, act, mend), act
 
 
-@torch.library.triton_op("elephant::depthwise_conv_backward", mutates_args=())
+@triton_op("elephant::depthwise_conv_backward", mutates_args=())
 def _conv_bwd_op(g: Tensor, x: Tensor, conv_state: Tensor, weight: Tensor, seg: Tensor | None,
                  since: Tensor | None, tail: Tensor | None, mend: bool = False,
                  out: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -778,7 +779,7 @@ def _conv_grad(ctx, g, out=None):
             None if tail is None else dtail.to(tt), None)
 
 
-torch.library.register_autograd("elephant::depthwise_conv", _conv_grad, setup_context=_conv_setup)
+register_autograd(_conv_op, _conv_grad, setup_context=_conv_setup)
 
 
 def _conv_silu_setup(ctx, inputs, output):
@@ -806,8 +807,8 @@ def _conv_silu_grad(ctx, g_out, g_act):
     return _conv_grad(ctx, g.to(out.dtype))
 
 
-torch.library.register_autograd("elephant::depthwise_conv_silu", _conv_silu_grad,
-                                setup_context=_conv_silu_setup)
+register_autograd(_conv_silu_op, _conv_silu_grad,
+                  setup_context=_conv_silu_setup)
 
 
 def segment_args(seg: Tensor | None, tail: Tensor | None, form: str | None

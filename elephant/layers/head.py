@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from elephant.layers import ce_triton, linear_nll_triton
+from elephant.layers.triton_env import register_ops
 
 IGNORE_INDEX = ce_triton.IGNORE_INDEX   # the targets every path skips (the loss kernels share it)
 # float32 logits of one row block: at most 4 GiB (21,344 rows at V = 50,304; the block holds its
@@ -171,7 +172,7 @@ def _block_fn(name: str, z: Tensor):
         return ce_triton.FNS[name] if _use_ce_kernel(z) else PLAIN_FNS[name]
     if not (FUSED and _fusable(z)):
         return None
-    return ce_triton.FNS[name] if _use_ce_kernel(z) else _FUSED_FNS[name]
+    return ce_triton.FNS[name] if _use_ce_kernel(z) else _fused(name)
 
 
 def _acc(total: Tensor | None, part: Tensor, dtype: torch.dtype) -> Tensor:
@@ -259,10 +260,20 @@ def _nll_and_dlogits(z: Tensor, targets: Tensor, scale: Tensor) -> tuple[Tensor,
     return nll, lse, _dlogits(z, lse, targets, scale)
 
 
-# compiled on first call (torch.compile itself is lazy); the last, shorter block of a pass
-# makes the shapes dynamic after its first recompile
+# compiled on first call; the last, shorter block of a pass makes the shapes dynamic after its
+# first recompile. Made at the first use, not at import: torch.compile imports dynamo (~1.4 s of
+# a process's start on a CPU), and a GPU process whose head takes the Triton loss never uses them
 PLAIN_FNS = {"nll": _nll_lse, "grad": _nll_and_dlogits, "dlogits": _dlogits}
-_FUSED_FNS = {name: torch.compile(fn) for name, fn in PLAIN_FNS.items()}
+_FUSED_FNS: dict = {}
+
+
+def _fused(name: str):
+    """PLAIN_FNS[name] compiled (once a process)."""
+    fn = _FUSED_FNS.get(name)
+    if fn is None:
+        register_ops()   # nothing of them waits for it, but nothing may wait while dynamo traces
+        fn = _FUSED_FNS[name] = torch.compile(PLAIN_FNS[name])
+    return fn
 
 
 def _blocks(n: int, block_rows: int):

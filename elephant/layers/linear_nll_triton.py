@@ -45,6 +45,7 @@ from .ce_triton import IGNORE_INDEX
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import triton_op
 
 # (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
 # launches `benchmarks/kernels.py eval-head` sweeps on an H100 (3.30 ms a 32,768-row pass; the
@@ -198,7 +199,7 @@ def _nll_lse(h: Tensor, weight: Tensor, t: Tensor, split: int | None = None
     return _combine(m, s, p, t)
 
 
-@torch.library.triton_op("elephant::linear_nll", mutates_args=())
+@triton_op("elephant::linear_nll", mutates_args=())
 def _linear_nll_op(h: Tensor, weight: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
     return _nll_lse(h, weight, t)
 

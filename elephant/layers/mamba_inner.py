@@ -38,6 +38,7 @@ from . import conv_triton, norm_triton, ssd_triton
 from .ssd import takes_triton
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import register_autograd, triton_op
 
 if HAS_TRITON:
     @triton.jit
@@ -85,7 +86,7 @@ def _scan_inputs(act: Tensor, dims: list[int]):
             act[..., d_inner + d_state:].view(b, l, 1, d_state))
 
 
-@torch.library.triton_op("elephant::mamba_inner", mutates_args=())
+@triton_op("elephant::mamba_inner", mutates_args=())
 def _inner_op(zxbcdt: Tensor, conv_state: Tensor, conv_w: Tensor, conv_b: Tensor, dt_bias: Tensor,
               A_log: Tensor, D: Tensor, norm_w: Tensor, ssm_state: Tensor, seg: Optional[Tensor],
               since: Optional[Tensor], tail: Optional[Tensor], sinit: Optional[Tensor],
@@ -110,7 +111,7 @@ def _inner_op(zxbcdt: Tensor, conv_state: Tensor, conv_w: Tensor, conv_b: Tensor
     return out, new_conv, final, conv_out, act, y, states, dt, cs
 
 
-@torch.library.triton_op("elephant::mamba_inner_backward", mutates_args=())
+@triton_op("elephant::mamba_inner_backward", mutates_args=())
 def _inner_bwd_op(dout: Tensor, dconv_new: Optional[Tensor], dfinal: Tensor, zxbcdt: Tensor,
                   conv_state: Tensor, conv_w: Tensor, dt_bias: Tensor, A_log: Tensor, D: Tensor,
                   norm_w: Tensor, ssm_state: Tensor, seg: Optional[Tensor],
@@ -209,7 +210,7 @@ def _grad(ctx, dout, dconv_new, dfinal, *_):
             dsinit.sum(0).to(sit) if sinit is not None else None, None, None, None)
 
 
-torch.library.register_autograd("elephant::mamba_inner", _grad, setup_context=_setup)
+register_autograd(_inner_op, _grad, setup_context=_setup)
 
 
 def mamba_inner(zxbcdt: Tensor, conv_state: Tensor, conv_w: Tensor, conv_b: Tensor,

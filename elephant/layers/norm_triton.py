@@ -32,6 +32,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import register_autograd, triton_op
 from .triton_env import unit_stride_rows
 
 # (rows a program takes at once, warps, programs per SM) of the backward on the GPU: a (ROWS, D)
@@ -103,7 +104,7 @@ def _programs(x: Tensor, blocks: int, per_sm: int) -> int:
     return max(1, min(blocks, 4))   # the interpreter: a few programs, each walking several blocks
 
 
-@torch.library.triton_op("elephant::gated_rmsnorm_backward", mutates_args=())
+@triton_op("elephant::gated_rmsnorm_backward", mutates_args=())
 def _bwd_op(dout: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float
             ) -> tuple[Tensor, Tensor, Tensor]:
     dz = torch.empty(z.shape, device=z.device, dtype=z.dtype)
@@ -133,7 +134,7 @@ def backward_into(dout: Tensor, y: Tensor, z: Tensor, weight: Tensor, eps: float
     return dy, dw.sum(0)
 
 
-@torch.library.triton_op("elephant::gated_rmsnorm", mutates_args=())
+@triton_op("elephant::gated_rmsnorm", mutates_args=())
 def _fwd_op(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The forward: PyTorch ops only, which a compiled graph traces and fuses."""
     return reference(y, z, weight, eps)
@@ -151,7 +152,7 @@ def _grad(ctx, dout):
     return dy, dz, dw.to(weight.dtype), None
 
 
-torch.library.register_autograd("elephant::gated_rmsnorm", _grad, setup_context=_setup)
+register_autograd(_fwd_op, _grad, setup_context=_setup)
 
 
 def gated_rmsnorm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -34,6 +34,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
+from .triton_env import register_autograd, triton_op
 
 
 def supported(y: Tensor, heads: int, head_dim: int) -> bool:
@@ -141,7 +142,7 @@ def _dims(y: Tensor, heads: int) -> tuple[int, int, int, int]:
     return B, S, heads, D3 // (3 * heads)
 
 
-@torch.library.triton_op("elephant::qkv_prepare", mutates_args=())
+@triton_op("elephant::qkv_prepare", mutates_args=())
 def _fwd_op(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor | None, eps: float,
             heads: int) -> tuple[Tensor, Tensor, Tensor]:
     B, S, H, hd = _dims(y, heads)
@@ -156,7 +157,7 @@ def _fwd_op(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor |
     return q, k, v
 
 
-@torch.library.triton_op("elephant::qkv_prepare_backward", mutates_args=())
+@triton_op("elephant::qkv_prepare_backward", mutates_args=())
 def _bwd_op(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor | None,
             dq: Tensor, dk: Tensor, dv: Tensor, eps: float, heads: int
             ) -> tuple[Tensor, Tensor, Tensor]:
@@ -192,7 +193,7 @@ def _grad(ctx, dq, dk, dv):
     return dy, None, None, dwq.to(wq.dtype), dwk.to(wk.dtype), None, None
 
 
-torch.library.register_autograd("elephant::qkv_prepare", _grad, setup_context=_setup)
+register_autograd(_fwd_op, _grad, setup_context=_setup)
 
 
 def qkv_prepare(y: Tensor, cos: Tensor, sin: Tensor, wq: Tensor | None, wk: Tensor | None,
