@@ -103,8 +103,8 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    # the kernels' ops registered at their first calls: eval.py compiles nothing, and registering
-    # them at import would import torch's compiler (elephant/layers/triton_env.py)
+    # the kernels' ops wait: eval.py compiles nothing and needs no autograd, and registering or
+    # calling them as ops would import torch's compiler and dynamo (layers/triton_env.py)
     from elephant.layers.triton_env import lazy_ops
     lazy_ops()
     from data_packing import DataError

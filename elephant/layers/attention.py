@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from . import rotary_triton
 from .kept_read import masked_attention_lse, merge_by_lse, top_kept_read
+from .triton_env import custom_op, register_autograd
 
 BACKENDS = ("sdpa", "flex", "reference")
 DEFAULT_BACKEND = os.environ.get("ELEPHANT_ATTN", "sdpa")
@@ -177,7 +178,7 @@ def varlen_bounds(n_valid: Tensor, S: int, W: int) -> tuple[Tensor, Tensor]:
             torch.cat([k_starts, end * L]).to(torch.int32))
 
 
-@torch.library.custom_op("elephant::flash_varlen", mutates_args=())
+@custom_op("elephant::flash_varlen", mutates_args=())
 def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FlashAttention-2 varlen, causal (lower right per sequence): (out, logsumexp, and the two
@@ -195,7 +196,7 @@ def _(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return out, lse, rng, unused
 
 
-@torch.library.custom_op("elephant::flash_varlen_backward", mutates_args=())
+@custom_op("elephant::flash_varlen_backward", mutates_args=())
 def _varlen_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, rng: Tensor, unused: Tensor,
                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -224,7 +225,7 @@ def _varlen_grad(ctx, dout, dlse, drng, dunused):
     return dq, dk, dv, None, None, None, None, None
 
 
-torch.library.register_autograd("elephant::flash_varlen", _varlen_grad, setup_context=_varlen_setup)
+register_autograd(_varlen_op, _varlen_grad, setup_context=_varlen_setup)
 
 
 def flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,

@@ -33,7 +33,7 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
-from .triton_env import triton_op
+from .triton_env import check, triton_op
 
 IGNORE_INDEX = -100
 # (vocabulary elements per step of a row's walk, warps): among the fastest of the sweep of
@@ -117,11 +117,11 @@ def _launch(kind: str, V: int) -> tuple[int, int]:
 
 
 def _check(z: Tensor, t: Tensor) -> None:
-    torch._check(z.dim() == 2 and z.stride(1) == 1,
-                 lambda: f"ce_triton: logits must be (rows, V) with contiguous rows, got "
-                         f"{tuple(z.shape)} strides {z.stride()}")
-    torch._check(t.shape == z.shape[:1], lambda: f"ce_triton: targets {tuple(t.shape)} must be "
-                                                 f"({z.shape[0]},)")
+    check(z.dim() == 2 and z.stride(1) == 1,
+          lambda: f"ce_triton: logits must be (rows, V) with contiguous rows, got "
+                  f"{tuple(z.shape)} strides {z.stride()}")
+    check(t.shape == z.shape[:1], lambda: f"ce_triton: targets {tuple(t.shape)} must be "
+                                          f"({z.shape[0]},)")
 
 
 def _run(z: Tensor, t: Tensor, scale: Tensor | None, lse_in: Tensor | None, grad: bool):

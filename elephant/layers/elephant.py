@@ -38,6 +38,7 @@ from elephant.layers import inline_in_graph
 # Triton is optional: the eager path needs nothing
 from elephant.layers.triton_env import FLOAT_DTYPES as _TRITON_DTYPES
 from elephant.layers.triton_env import HAS_TRITON, tl, triton, unit_stride_rows
+from elephant.layers.triton_env import check, custom_op, register_autograd
 
 
 # ------------------------------------------------------------------------------- reference
@@ -259,13 +260,13 @@ def _backward(dy: Tensor, u: Tensor | None, g: Tensor, a: float, d: float
 
 
 def _check_glu(u: Tensor, g: Tensor) -> None:
-    torch._check(u.shape == g.shape, lambda: f"elephant_glu: u {tuple(u.shape)} and g "
-                                             f"{tuple(g.shape)} must have the same shape")
-    torch._check(u.dtype == g.dtype, lambda: f"elephant_glu: u ({u.dtype}) and g ({g.dtype}) "
-                                             f"must have the same dtype")
+    check(u.shape == g.shape, lambda: f"elephant_glu: u {tuple(u.shape)} and g "
+                                      f"{tuple(g.shape)} must have the same shape")
+    check(u.dtype == g.dtype, lambda: f"elephant_glu: u ({u.dtype}) and g ({g.dtype}) "
+                                      f"must have the same dtype")
 
 
-@torch.library.custom_op("elephant::act", mutates_args=())
+@custom_op("elephant::act", mutates_args=())
 def _act_op(x: Tensor, a: float, d: float) -> Tensor:
     return _forward(None, x, a, d)
 
@@ -275,7 +276,7 @@ def _(x, a, d):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("elephant::act_backward", mutates_args=())
+@custom_op("elephant::act_backward", mutates_args=())
 def _act_bwd_op(dy: Tensor, x: Tensor, a: float, d: float) -> Tensor:
     return _backward(dy, None, x, a, d)[1]
 
@@ -296,10 +297,10 @@ def _act_grad(ctx, dy):
     return _act_bwd_op(dy, x, ctx.a, ctx.d), None, None
 
 
-torch.library.register_autograd("elephant::act", _act_grad, setup_context=_act_setup)
+register_autograd(_act_op, _act_grad, setup_context=_act_setup)
 
 
-@torch.library.custom_op("elephant::glu", mutates_args=())
+@custom_op("elephant::glu", mutates_args=())
 def _glu_op(u: Tensor, g: Tensor, a: float, d: float) -> Tensor:
     _check_glu(u, g)
     return _forward(u, g, a, d)
@@ -311,7 +312,7 @@ def _(u, g, a, d):
     return u.new_empty(u.shape)
 
 
-@torch.library.custom_op("elephant::glu_backward", mutates_args=())
+@custom_op("elephant::glu_backward", mutates_args=())
 def _glu_bwd_op(dy: Tensor, u: Tensor, g: Tensor, a: float, d: float) -> tuple[Tensor, Tensor]:
     return _backward(dy, u, g, a, d)
 
@@ -333,7 +334,7 @@ def _glu_grad(ctx, dy):
     return du, dg, None, None
 
 
-torch.library.register_autograd("elephant::glu", _glu_grad, setup_context=_glu_setup)
+register_autograd(_glu_op, _glu_grad, setup_context=_glu_setup)
 
 
 def _split(ug: Tensor) -> tuple[Tensor, Tensor]:
@@ -342,11 +343,11 @@ def _split(ug: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _check_cat(ug: Tensor) -> None:
-    torch._check(ug.shape[-1] % 2 == 0,
-                 lambda: f"glu_down_cat: [u | g]'s last dimension {ug.shape[-1]} must be even")
+    check(ug.shape[-1] % 2 == 0,
+          lambda: f"glu_down_cat: [u | g]'s last dimension {ug.shape[-1]} must be even")
 
 
-@torch.library.custom_op("elephant::glu_cat", mutates_args=())
+@custom_op("elephant::glu_cat", mutates_args=())
 def _glu_cat_op(ug: Tensor, a: float, d: float) -> Tensor:
     _check_cat(ug)
     if _use_triton(ug):
@@ -360,7 +361,7 @@ def _(ug, a, d):
     return ug.new_empty(*ug.shape[:-1], ug.shape[-1] // 2)
 
 
-@torch.library.custom_op("elephant::glu_cat_backward", mutates_args=())
+@custom_op("elephant::glu_cat_backward", mutates_args=())
 def _glu_cat_bwd_op(dy: Tensor, ug: Tensor, a: float, d: float) -> Tensor:
     if _use_triton(ug):
         return backward_cat_triton(dy, ug, a, d)

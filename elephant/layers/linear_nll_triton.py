@@ -45,7 +45,7 @@ from .ce_triton import IGNORE_INDEX
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
-from .triton_env import triton_op
+from .triton_env import check, triton_op
 
 # (BM rows, BN vocabulary columns, BK of D per product, warps, pipeline stages): the fastest of the
 # launches `benchmarks/kernels.py eval-head` sweeps on an H100 (3.30 ms a 32,768-row pass; the
@@ -148,11 +148,11 @@ def split_for(n: int, V: int, bm: int, bn: int) -> int:
 
 
 def _check(h: Tensor, weight: Tensor, t: Tensor) -> None:
-    torch._check(supported(h, weight),
-                 lambda: f"linear_nll: h {tuple(h.shape)} {h.dtype} and weight {tuple(weight.shape)} "
-                         f"{weight.dtype} must be 2-D, one float dtype, unit column stride, one device")
-    torch._check(t.shape == h.shape[:1],
-                 lambda: f"linear_nll: targets {tuple(t.shape)} must be ({h.shape[0]},)")
+    check(supported(h, weight),
+          lambda: f"linear_nll: h {tuple(h.shape)} {h.dtype} and weight {tuple(weight.shape)} "
+                  f"{weight.dtype} must be 2-D, one float dtype, unit column stride, one device")
+    check(t.shape == h.shape[:1],
+          lambda: f"linear_nll: targets {tuple(t.shape)} must be ({h.shape[0]},)")
 
 
 def _partials(h: Tensor, weight: Tensor, t: Tensor, split: int | None = None

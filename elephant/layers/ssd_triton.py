@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from elephant.layers.triton_env import FLOAT_DTYPES
 from elephant.layers.triton_env import HAS_TRITON as HAVE_TRITON
 from elephant.layers.triton_env import tl, triton
+from elephant.layers.triton_env import custom_op, register_autograd
 
 
 def check_shapes(x, dt, A, B, C, D, initial_state, seg=None, segment_init=None) -> None:
@@ -693,7 +694,7 @@ def _none_if_empty(t: torch.Tensor):
     return None if t.numel() == 0 else t
 
 
-@torch.library.custom_op("elephant::segment_cumsum", mutates_args=())
+@custom_op("elephant::segment_cumsum", mutates_args=())
 def _segment_cumsum_op(dA: torch.Tensor, segp: torch.Tensor, Q: int) -> torch.Tensor:
     """(dA (b, l, h) float32, padded seg (b, chunks * Q) int32) -> cs (b, h, chunks, Q): the
     in-chunk cumulative log-decay restarting at each boundary (the padded tail adds nothing)."""
@@ -712,7 +713,7 @@ def _(dA, segp, Q):
     return dA.new_empty(b, h, segp.shape[1] // Q, Q, dtype=torch.float32)
 
 
-@torch.library.custom_op("elephant::segment_cumsum_backward", mutates_args=())
+@custom_op("elephant::segment_cumsum_backward", mutates_args=())
 def _segment_cumsum_bwd_op(dcs: torch.Tensor, segp: torch.Tensor, l: int, Q: int) -> torch.Tensor:
     b, h, nc, _ = dcs.shape
     ddA = torch.empty(b, l, h, device=dcs.device, dtype=torch.float32)
@@ -738,8 +739,8 @@ def _segment_cumsum_grad(ctx, dcs):
     return _segment_cumsum_bwd_op(dcs, segp, ctx.l, ctx.Q), None, None
 
 
-torch.library.register_autograd("elephant::segment_cumsum", _segment_cumsum_grad,
-                                setup_context=_segment_cumsum_setup)
+register_autograd(_segment_cumsum_op, _segment_cumsum_grad,
+                  setup_context=_segment_cumsum_setup)
 
 
 def _on_device(x: torch.Tensor):
@@ -751,7 +752,7 @@ def _contiguous(t):
     return t.contiguous() if t is not None else None
 
 
-@torch.library.custom_op("elephant::ssd", mutates_args=())
+@custom_op("elephant::ssd", mutates_args=())
 def _ssd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
             B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
             sinit: Optional[torch.Tensor], Q: int, xbc: Optional[torch.Tensor] = None
@@ -774,7 +775,7 @@ def _(x, dt, cs, seg, B, C, D, init, sinit, Q, xbc=None):
             x.new_empty(b, nc, h, p, n))
 
 
-@torch.library.custom_op("elephant::ssd_backward", mutates_args=())
+@custom_op("elephant::ssd_backward", mutates_args=())
 def _ssd_bwd_op(x: torch.Tensor, dt: torch.Tensor, cs: torch.Tensor, seg: Optional[torch.Tensor],
                 B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor], init: Optional[torch.Tensor],
                 sinit: Optional[torch.Tensor], states: torch.Tensor, dy: torch.Tensor,
@@ -835,7 +836,7 @@ def _ssd_grad(ctx, dy, dfinal, dstates):
             dD, dinit, dsinit, None, None)
 
 
-torch.library.register_autograd("elephant::ssd", _ssd_grad, setup_context=_ssd_setup)
+register_autograd(_ssd_op, _ssd_grad, setup_context=_ssd_setup)
 
 
 def decay_cumsum(dt, A, seg, Q: int):

@@ -30,39 +30,47 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 # Registering a torch.library.triton_op makes torch read the function's source for the Triton
 # kernels it launches, with inductor's helpers: the first registration imports torch._inductor
-# and torch._dynamo (~1.4 s of a CPU's start, each time eval.py starts, which compiles nothing).
-# With lazy_ops() on, an op is registered at its first call instead, and register_ops() registers
-# every one still waiting (what each torch.compile of the project's code calls first: an op
-# registered while dynamo traces would be a graph break). Off by default: only a process that
-# turns it on before importing the kernel modules (eval.py) waits.
+# and torch._dynamo; and the first call of a torch.library.custom_op imports torch._dynamo (its
+# kernel runs inside dynamo's "disable"). 1.1-1.4 s of a CPU's start, each time eval.py starts,
+# which compiles nothing. With lazy_ops() on, an op (`triton_op`, `custom_op` below) waits: a call that needs no autograd (no grad mode, or no input that
+# requires grad: evaluation, generation, the backward's own ops) runs the op's function, which is
+# what the registered op runs eagerly; the first call that needs autograd registers it; and
+# register_ops() registers every one still waiting (what each torch.compile of the project's code
+# calls first: an op registered while dynamo traces would be a graph break). Off by default: only
+# a process that turns it on before importing the kernel modules (eval.py) waits.
 _LAZY = False
 _PENDING: list["_PendingOp"] = []
 
 
 def lazy_ops(on: bool = True) -> None:
-    """Register the kernel modules imported after this call at their ops' first calls."""
+    """Let the ops of the kernel modules imported after this call wait (see above)."""
     global _LAZY
     _LAZY = on
 
 
 def register_ops() -> None:
-    """Register every op still waiting for its first call (before torch.compile traces any)."""
+    """Register every op still waiting (before torch.compile traces any)."""
     for op in list(_PENDING):
         op.register()
 
 
 class _PendingOp:
-    """A triton op not yet registered: callable as the op is; registered at the first call (or by
-    register_ops), when it also takes the op's place in its module, where dynamo will read it."""
+    """A triton or custom op not yet registered, callable as the op is (see above). Registered,
+    it takes the op's place in its module, where dynamo will read it."""
 
-    def __init__(self, name: str, fn, mutates_args):
-        self.name, self.fn, self.mutates_args = name, fn, mutates_args
+    def __init__(self, name: str, fn, mutates_args, make):
+        self.name, self.fn, self.mutates_args, self.make = name, fn, mutates_args, make
         self.op, self.after = None, []
         _PENDING.append(self)
 
+    def register_fake(self, fake):
+        """As CustomOpDef.register_fake (a decorator): with the op's registration."""
+        self.after.append(lambda real: real.register_fake(fake))
+        return fake
+
     def register(self):
         if self.op is None:
-            self.op = torch.library.triton_op(self.name, self.fn, mutates_args=self.mutates_args)
+            self.op = self.make(self.name, self.fn, mutates_args=self.mutates_args)
             for then in self.after:
                 then(self.op)
             module = __import__("sys").modules.get(self.fn.__module__)
@@ -72,26 +80,52 @@ class _PendingOp:
         return self.op
 
     def __call__(self, *args, **kwargs):
-        if self.op is None and torch.compiler.is_compiling():
-            raise RuntimeError(f"{self.name} was not registered before torch.compile traced it: "
-                               f"call elephant.layers.triton_env.register_ops() first")
-        return (self.op or self.register())(*args, **kwargs)
+        if self.op is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"{self.name} was not registered before torch.compile traced "
+                                   f"it: call elephant.layers.triton_env.register_ops() first")
+            if not (torch.is_grad_enabled() and any(
+                    isinstance(a, torch.Tensor) and a.requires_grad
+                    for a in (*args, *kwargs.values()))):
+                return self.fn(*args, **kwargs)
+            self.register()
+        return self.op(*args, **kwargs)
 
 
 def triton_op(name: str, *, mutates_args):
-    """torch.library.triton_op, or with lazy_ops() on, the op registered at its first call."""
+    """torch.library.triton_op, or with lazy_ops() on, the op waiting (_PendingOp)."""
     def wrap(fn):
         if not _LAZY:
             return torch.library.triton_op(name, fn, mutates_args=mutates_args)
-        return _PendingOp(name, fn, mutates_args)
+        return _PendingOp(name, fn, mutates_args, torch.library.triton_op)
+    return wrap
+
+
+def custom_op(name: str, *, mutates_args):
+    """torch.library.custom_op, or with lazy_ops() on, the op waiting (_PendingOp)."""
+    def wrap(fn):
+        if not _LAZY:
+            return torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        return _PendingOp(name, fn, mutates_args, torch.library.custom_op)
     return wrap
 
 
 def register_autograd(op, backward, *, setup_context) -> None:
-    """torch.library.register_autograd for an op made by `triton_op`: at once, or with the op's
-    registration where it waits."""
+    """torch.library.register_autograd for an op made by `triton_op` or `custom_op`: at once, or
+    with the op's registration where it waits."""
     if isinstance(op, _PendingOp):
         op.after.append(lambda real: torch.library.register_autograd(
             real, backward, setup_context=setup_context))
     else:
         torch.library.register_autograd(op, backward, setup_context=setup_context)
+
+
+def check(cond, message) -> None:
+    """torch._check(cond, message) (a RuntimeError with message() where cond fails) without its
+    first call's import of torch's symbolic shapes (sympy, ~0.3 s) where cond is a plain bool,
+    as it is outside tracing."""
+    if isinstance(cond, bool):
+        if not cond:
+            raise RuntimeError(message())
+    else:
+        torch._check(cond, message)
