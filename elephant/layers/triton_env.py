@@ -92,22 +92,20 @@ class _PendingOp:
         return self.op(*args, **kwargs)
 
 
-def triton_op(name: str, *, mutates_args):
-    """torch.library.triton_op, or with lazy_ops() on, the op waiting (_PendingOp)."""
-    def wrap(fn):
-        if not _LAZY:
-            return torch.library.triton_op(name, fn, mutates_args=mutates_args)
-        return _PendingOp(name, fn, mutates_args, torch.library.triton_op)
-    return wrap
+def _maker(make):
+    """`make` (torch.library.triton_op or custom_op) as a decorator factory, or with lazy_ops()
+    on, one that leaves the op waiting (_PendingOp)."""
+    def op(name: str, *, mutates_args):
+        def wrap(fn):
+            if not _LAZY:
+                return make(name, fn, mutates_args=mutates_args)
+            return _PendingOp(name, fn, mutates_args, make)
+        return wrap
+    return op
 
 
-def custom_op(name: str, *, mutates_args):
-    """torch.library.custom_op, or with lazy_ops() on, the op waiting (_PendingOp)."""
-    def wrap(fn):
-        if not _LAZY:
-            return torch.library.custom_op(name, fn, mutates_args=mutates_args)
-        return _PendingOp(name, fn, mutates_args, torch.library.custom_op)
-    return wrap
+triton_op = _maker(torch.library.triton_op)
+custom_op = _maker(torch.library.custom_op)
 
 
 def register_autograd(op, backward, *, setup_context) -> None:
