@@ -102,3 +102,37 @@ def test_a_model_read_without_autograd_runs_the_waiting_ops_as_the_registered_on
     assert printed[True][:2] == ["False", "False"] and int(printed[True][2]) >= 20
     assert printed[False] == ["True", "True", "0"]
     assert torch.equal(torch.load(tmp_path / "logits_True.pt"), torch.load(tmp_path / "logits_False.pt"))
+
+
+def test_eval_py_loads_and_reads_a_model_without_torchs_compiler(tmp_path):
+    # the whole of eval.py's path: from_pretrained (the model built without its random fills;
+    # built on the meta device, those fills had imported dynamo) and a read under no_grad
+    import torch
+
+    from elephant.config import Config, ModelConfig
+    from elephant.hub import save_pretrained
+    from elephant.model import ElephantLM
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_heads=2, layers="MA", d_mlp=64, d_state=8,
+                      mamba_head_dim=16, ssd_chunk=8, n_mem=0, kv_window=16, kv_keep=4)
+    torch.manual_seed(0)
+    model = ElephantLM(cfg).eval()
+    recipe = Config(model=cfg)
+    recipe.data.tokenizer = "bytes"
+    out = save_pretrained(model, tmp_path / "export", train_config=recipe.to_dict())
+    tokens = torch.randint(0, 64, (2, 16))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    with torch.no_grad():
+        torch.save(model(tokens)[0], tmp_path / "want.pt")
+    printed = run(f"""
+        import sys
+        import torch
+        from elephant.layers import triton_env
+        triton_env.lazy_ops()
+        from elephant.hub import from_pretrained
+        model, _, _ = from_pretrained("{out}")
+        with torch.no_grad():
+            got = model(torch.load("{tmp_path / 'tokens.pt'}"))[0]
+        print(torch.equal(got, torch.load("{tmp_path / 'want.pt'}")),
+              "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
+    """)
+    assert printed.split() == ["True", "False", "False"]
