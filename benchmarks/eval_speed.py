@@ -645,8 +645,9 @@ def main(argv=None) -> int:
                     help="a tiny model, the stdlib's text, bytes as tokens, on the CPU")
     ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child:
-        return child(args.child)
+    if args.child:   # and ends as eval.py does (its exit_now: no interpreter teardown)
+        import eval as eval_cli
+        eval_cli.exit_now(child(args.child))
     return study(args)
 
 
