@@ -71,7 +71,7 @@
 #           width ran out of memory on an 80 GB H100):
 #   long    benchmarks/long_study.py (issues 70, 71): the wt103-70m recipe's model on Python source
 #           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
-#           "keep-mix transformer") trained side by side for LONG_STEPS, scored (loss by position over
+#           "today transformer") trained side by side for LONG_STEPS, scored (loss by position over
 #           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
@@ -407,13 +407,13 @@ for stage in $stages; do
       # benchmarks/long_study.py: LONG_VARIANTS trained side by side on this GPU for LONG_STEPS
       # steps, stopped with a checkpoint LONG_END_AT seconds after gpu.sh started (a later call
       # on the same machine resumes them; LONG_END_AT=0: no training), then LONG_SCORE's
-      # variants scored side by side (LONG_HYBRID, default keep-mix, with LONG_HYBRID_SCORE: the
+      # variants scored side by side (LONG_HYBRID, default today, with LONG_HYBRID_SCORE: the
       # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
       # one results file. LONG_VARIANTS="a b / c d": a and b side by side, then c and d;
       # LONG_LITE's variants scored by their test loss alone; LONG_SCORE_KEEP (below)
       runs=/tmp/long-study
       L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
-      variants=${LONG_VARIANTS:-keep-mix transformer}
+      variants=${LONG_VARIANTS:-today transformer}
       # train_one VARIANT SECONDS: train (or go on training) until its steps or SECONDS
       train_one() { timeout $(( $2 + 120 )) $L train $1 --stop-after-s $2 >> "$LOGS/long_train_$1.log" 2>&1; }
       # score_spec "v" or "v:N" (LONG_SCORE_KEEP): sets v, k (N or empty) and the scorer's log
@@ -457,7 +457,7 @@ for stage in $stages; do
       for spec in $score ${LONG_SCORE_KEEP:-}; do
         score_spec $spec
         [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
-        extra=$([ $v = ${LONG_HYBRID:-keep-mix} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
+        extra=$([ $v = ${LONG_HYBRID:-today} ] && echo "${LONG_HYBRID_SCORE---drops --needle-1m}")
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
         [ -n "$k" ] && extra="--kv-keep $k"
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$log" 2>&1 &
@@ -471,7 +471,7 @@ for stage in $stages; do
       for v in ${LONG_SPEED:-}; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
       done
-      $L report --hybrid ${LONG_HYBRID:-keep-mix} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
+      $L report --hybrid ${LONG_HYBRID:-today} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
     field)
       # the field's wheels (.whl/, made by `make field-wheels` and carried: no index here) into
       # a folder of their own, searched first by this stage alone: fla-core, and mamba-ssm (an

@@ -11,7 +11,7 @@ sliding window of its trained context.
     python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
     python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--lite] [--kv-keep N]
     python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
-    python benchmarks/long_study.py report [--hybrid keep-mix] [--out FILE]   # one results file
+    python benchmarks/long_study.py report [--hybrid today] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
 
 Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
@@ -38,7 +38,8 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
                 lanes (the same 32,768 tokens a step) with the documents packed back to back (most
                 files are shorter than 8K: unpacked, half of each row would be padding), its MLP
-                widened to the hybrid's size; keep-mix's data (mix and curriculum included)
+                widened to the hybrid's size; today's data (the recipe's mix and curriculum; the
+                runs of long_study_2026-12-07_H100.json read keep-mix's)
 The 2026-12-07 runs (benchmarks/results/long_study_2026-12-07_H100.json) named keep-mix "recipe"
 and keep "recipe-nomix": the recipe file held keep-mix's settings then.
 
@@ -84,7 +85,8 @@ def _mix(share: float, max_gap: int = 65536, forms: str = "") -> list[str]:
 
 
 # the recipe before it took keep-mix-varied's training (2026-12-07; the baseline of every run
-# until then, test loss 0.5006): every variant but today is this recipe and its own overrides
+# until then, test loss 0.5006): every variant but FROM_TODAY's is this recipe and its own overrides
+FROM_TODAY = ("today", "transformer")   # the variants that start from the recipe as it is
 BEFORE = ["model.kv_keep_cost=0", "data.recall_mix=0", "data.length_curriculum_steps=0",
           "data.recall_mix_templates=sentence,label", "data.recall_max_gap=16384",
           "data.recall_min_gap=16", "data.recall_max_queries=4"]
@@ -132,10 +134,11 @@ VARIANTS = {
     "keep-read-nomem": _NODROP + ["model.kv_keep=512", "model.kv_keep_read=128", "model.n_mem=0"],
     "keep-model-bptt8": _NODROP + _BPTT8,
     "keep-model-bptt8-mix": _NODROP + _BPTT8 + _mix(0.05),   # a twentieth of the text
-    "transformer": _KEEP[3:] + _MIX + [
-        "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0", "model.kv_keep=0",
-        "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192", "train.lanes=4",
-        "data.pack=true"],
+    # today's data (the recipe's mix and curriculum): the hybrid it is set beside is the recipe
+    "transformer": [
+        "model.kv_keep_cost=0", "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
+        "model.kv_keep=0", "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192",
+        "train.lanes=4", "data.pack=true"],
 }
 RECIPE = ROOT / "configs" / "wt103-70m.toml"
 EVAL_CHUNK = 1024          # the transformer's evaluation chunk; its window: the rest of its context
@@ -166,7 +169,7 @@ def overrides(name: str, args) -> list[str]:
     base, seed = split_seed(name)
     out = DATA + [f"data.tokenizer={args.tokenizer}", f"data.cache_dir={args.cache}",
                   f"train.max_steps={args.steps}", f"train.run_dir={Path(args.runs) / name}"]
-    out += ([] if base == "today" else BEFORE) + VARIANTS[base] + (
+    out += ([] if base in FROM_TODAY else BEFORE) + VARIANTS[base] + (
         [f"train.seed={seed}"] if seed else [])
     if args.smoke:
         out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if base == "transformer" else [])
@@ -501,7 +504,7 @@ def smoke(args) -> int:
         score(args)
     args.variant, args.kv_keep, args.drops, args.lite = "keep-mix", 8, False, True
     score(args)   # read with the kept tokens it trained with, not kv_keep_infer's
-    args.kv_keep, args.lite = 0, False
+    args.kv_keep, args.lite, args.hybrid = 0, False, "keep-mix"   # the hybrid scored above
     return report(args)
 
 
@@ -509,8 +512,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=("prepare", "train", "score", "speed", "report", "smoke"))
     p.add_argument("variant", nargs="?", default="keep-mix")
-    p.add_argument("--hybrid", default="keep-mix",
-                   help="report: the hybrid whose figures are the goals' keys (default keep-mix)")
+    p.add_argument("--hybrid", default="today",
+                   help="report: the hybrid whose figures are the goals' keys (default today, the recipe)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--stop-after-s", type=float, default=0.0)
     p.add_argument("--runs", default="/tmp/long-study")

@@ -238,7 +238,7 @@ def test_long_study_worth_of_the_parts_a_variant_carries():
     assert worth({"carried": bands(0.5)}) == {}   # scored without --drops
 
 
-def test_long_study_today_is_the_recipe_and_every_other_variant_starts_from_before(tmp_path):
+def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before(tmp_path):
     # the recipe took keep-mix-varied's training on 2026-12-07: `today` (the recipe as it is) is
     # that variant read with the 128 kept tokens it trained with, and the variants defined
     # before then keep their meaning by starting from the recipe as it was (`before`)
@@ -256,8 +256,11 @@ def test_long_study_today_is_the_recipe_and_every_other_variant_starts_from_befo
     before = config("before", args)
     assert before.data.recall_mix == 0 and before.model.kv_keep_cost == 0
     assert before.data.length_curriculum_steps == 0
-    tf = config("transformer", args)   # its mix in the two forms it trained with, not the recipe's
-    assert tf.data.recall_mix == 0.2 and tf.data.mix_templates() == ("sentence", "label")
+    tf = config("transformer", args)   # beside the recipe, on the recipe's data
+    assert vars(tf.data) | {"pack": False} == vars(today.data) and tf.data.pack   # its rows packed
+    assert tf.model.layers == "AAAAAAAA"
+    # the same tokens a step: 4 lanes of 8,192 against 32 of 512 through 2 chunks
+    assert tf.train.chunk_len * tf.train.lanes == today.train.lanes * 512 * today.model.bptt_chunks
 
 
 def test_long_study_report_keeps_what_a_stopped_scorer_measured(tmp_path, capsys):
