@@ -40,7 +40,7 @@ def compile_chunk_steps(model: nn.Module, how: str, kwargs: Callable[[bool], dic
     step in place. `kwargs(graphs)`: torch.compile's arguments, with CUDA graphs or without."""
     if how != "off":
         from elephant.layers.triton_env import register_ops
-        register_ops()   # every triton op registered before dynamo traces a call to it
+        register_ops()   # every kernel op registered before dynamo traces a call to it
         # static shapes: a graph per state structure, packed form (starts, the initial memory's
         # prefix, the varlen layout's room) and lane count (training, evaluation), more than
         # dynamo's default of 8 per function, past which it would run the rest uncompiled

@@ -115,7 +115,7 @@ class Decoder:
         self._token_fn = self._token_step
         if compile:
             from elephant.layers.triton_env import register_ops
-            register_ops()   # every triton op registered before dynamo traces a call to it
+            register_ops()   # every kernel op registered before dynamo traces a call to it
             self._token_fn = torch.compile(self._token_step, dynamic=False)
         self._graph = None
         self._start_chunk(None)
