@@ -84,12 +84,27 @@ def _mix(share: float, max_gap: int = 65536, forms: str = "") -> list[str]:
         [f"data.recall_mix_templates={forms}"] if forms else [])
 
 
+
+
+def _defaults(keys: tuple[str, ...]) -> list[str]:
+    """Overrides that set each dotted config key ("model.x", "data.y") to its default."""
+    from elephant.config import DataConfig, ModelConfig
+    default = {"model": ModelConfig(), "data": DataConfig()}
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(default[section], name)
+        out.append(f"{key}={value}")
+    return out
+
+
 # the recipe before it took keep-mix-varied's training (2026-12-07; the baseline of every run
-# until then, test loss 0.5006): every variant but FROM_TODAY's is this recipe and its own overrides
+# until then, test loss 0.5006): the settings it took back at their defaults, as the recipe had
+# them. Every variant but FROM_TODAY's is this recipe and its own overrides
 FROM_TODAY = ("today", "transformer")   # the variants that start from the recipe as it is
-BEFORE = ["model.kv_keep_cost=0", "data.recall_mix=0", "data.length_curriculum_steps=0",
-          "data.recall_mix_templates=sentence,label", "data.recall_max_gap=16384",
-          "data.recall_min_gap=16", "data.recall_max_queries=4"]
+BEFORE = _defaults(("model.kv_keep_cost", "data.recall_mix", "data.length_curriculum_steps",
+                    "data.recall_mix_templates", "data.recall_max_gap", "data.recall_min_gap",
+                    "data.recall_max_queries"))
 _MIX = _mix(0.2)   # a fifth of the training text
 _BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
 # the kept-token settings without the drop: a lane's kept tokens dropped after 1 chunk in 10 (the

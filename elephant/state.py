@@ -318,12 +318,13 @@ def check_parts(parts, cfg, flag: str = "--drop") -> None:
     """A ConfigError naming `flag` where a part of `parts` is one the model does not carry
     (dropping it would measure nothing: its figures equal the carried run's)."""
     from .config import ConfigError
-    missing = [p for p in parts if p not in carried_parts(cfg)]
+    carried = carried_parts(cfg)
+    missing = [p for p in parts if p not in carried]
     if missing:
         raise ConfigError(f"{flag} {','.join(parts)}: this model carries no {', no '.join(missing)} "
                           f"(model.layers={cfg.layers!r}, n_mem={cfg.n_mem}, kv_window="
                           f"{cfg.kv_window}, kv_keep={cfg.kv_keep}); it carries "
-                          f"{', '.join(carried_parts(cfg)) or 'nothing'}")
+                          f"{', '.join(carried) or 'nothing'}")
 
 
 def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None,

@@ -5,6 +5,7 @@ the plain paths run instead), whether its interpreter runs the kernels on CPU te
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -32,12 +33,13 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 # kernels it launches, with inductor's helpers: the first registration imports torch._inductor
 # and torch._dynamo; and the first call of a torch.library.custom_op imports torch._dynamo (its
 # kernel runs inside dynamo's "disable"). 1.1-1.4 s of a CPU's start, each time eval.py starts,
-# which compiles nothing. With lazy_ops() on, an op (`triton_op`, `custom_op` below) waits: a call that needs no autograd (no grad mode, or no input that
-# requires grad: evaluation, generation, the backward's own ops) runs the op's function, which is
-# what the registered op runs eagerly; the first call that needs autograd registers it; and
-# register_ops() registers every one still waiting (what each torch.compile of the project's code
-# calls first: an op registered while dynamo traces would be a graph break). Off by default: only
-# a process that turns it on before importing the kernel modules (eval.py) waits.
+# which compiles nothing. With lazy_ops() on, an op (`triton_op`, `custom_op` below) waits: a
+# call that needs no autograd (no grad mode, or no input that requires grad: evaluation,
+# generation, the backward's own ops) runs the op's function, which is what the registered op
+# runs eagerly; the first call that needs autograd registers it; and register_ops() registers
+# every one still waiting (what each torch.compile of the project's code calls first: an op
+# registered while dynamo traces would be a graph break). Off by default: only a process that
+# turns it on before importing the kernel modules (eval.py) waits.
 _LAZY = False
 _PENDING: list["_PendingOp"] = []
 
@@ -73,7 +75,7 @@ class _PendingOp:
             self.op = self.make(self.name, self.fn, mutates_args=self.mutates_args)
             for then in self.after:
                 then(self.op)
-            module = __import__("sys").modules.get(self.fn.__module__)
+            module = sys.modules.get(self.fn.__module__)
             if getattr(module, self.fn.__name__, None) is self:
                 setattr(module, self.fn.__name__, self.op)
             _PENDING.remove(self)
