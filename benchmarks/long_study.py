@@ -290,7 +290,10 @@ def train_log(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line]
     steps = [r for r in rows if r.get("kind") == "train"]
     rates = [r["tokens_per_s"] for r in steps[1:]] or [r["tokens_per_s"] for r in steps]
+    # wall_s: from the run's first record to its last training step, compilation included; the
+    # time to train when the run went in one process alone on the GPU (side by side, shared)
     return {"steps": steps[-1]["step"] if steps else 0,
+            "wall_s": round(steps[-1]["time"] - rows[0]["time"], 1) if steps and "time" in rows[0] else None,
             "tokens_per_s_median": statistics.median(rates) if rates else None,
             "last_loss": steps[-1]["loss"] if steps else None,
             "curve": [(r["step"], round(r["loss"], 4)) for r in steps]}
