@@ -14,24 +14,24 @@ from elephant.recall import evaluate_recall, main, parse_count, train_on_answers
 def test_tiny_model_recalls_a_fact_across_chunks_through_its_memory():
     # Attention only and no KV window: from the fact's chunk to the answer's chunk (two or more
     # chunks later) the memory is the only path. Chance is 0.1 per digit. The gates start half
-    # open (the recipe's start shut): in 600 steps this tiny model then learns in each of seeds
-    # 0, 1, 2 (0.72 / 0.70, 0.91 / 0.63, 0.79 / 0.69 at 64 / 96 tokens); with shut gates only
-    # seed 0 did, at 0.84 / 0.65, and a change of rounding took it to 0.70 / 0.59 (LOG, 2026-11-27)
+    # open (the recipe's start shut): in 450 steps this tiny model then learns with seeds 0 and 2
+    # (0.75 / 0.65 and 0.70 / 0.53 at 64 / 96 tokens), seed 1 in 400 (0.73 / 0.55); 600 steps
+    # cost the suite ~40 s more. With shut gates only seed 0 learned (LOG, 2026-11-27)
     # (benchmarks/memory_probe.py trains the same model with the loss on every token as well)
     from benchmarks.memory_probe import tiny_memory_model
     torch.manual_seed(0)
     model, opt = tiny_memory_model()
-    train_on_answers(model, opt, steps=600, lanes=32, chunk_len=32, gaps=(40, 70), digits=3)
+    train_on_answers(model, opt, steps=450, lanes=32, chunk_len=32, gaps=(40, 70), digits=3)
     cpu = torch.device("cpu")
     recall = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3)
     accuracy = [r["accuracy"] for r in recall["by_distance"].values()]
-    assert min(accuracy) > 0.5, recall["by_distance"]           # 0.72 and 0.70
+    assert min(accuracy) > 0.5, recall["by_distance"]           # 0.75 and 0.65
     for row in recall["by_distance"].values():   # each answer has 3 digits: the places average out
         assert len(row["by_place"]) == 3 and abs(sum(row["by_place"]) / 3 - row["accuracy"]) < 1e-9
     # drop the memory after every chunk: the fact is gone, so it did travel in the memory
     ablated = evaluate_recall(model, ByteTokenizer(), [64, 96], 32, 32, cpu, digits=3,
                               ablation="memory")
-    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.08 and 0.09
+    assert max(r["accuracy"] for r in ablated["by_distance"].values()) < 0.25   # 0.05 and 0.08
 
 
 def test_answer_batches_put_the_loss_on_the_answers_or_on_every_token_of_the_document():
