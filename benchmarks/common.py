@@ -359,6 +359,12 @@ def profile(step, steps: int, device, title: str, top: int = 20,
             step()
         if cuda:
             torch.cuda.synchronize()
+    return profile_summary(prof, steps, cuda, title, top, ranges, shapes)
+
+
+def profile_summary(prof, steps: int, cuda: bool, title: str, top: int = 20, ranges: tuple = (),
+                    shapes: bool = False) -> tuple[list[dict], str, dict]:
+    """`profile`'s kernels, table and summary of a stopped torch profiler that saw `steps` steps."""
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)

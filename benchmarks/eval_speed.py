@@ -69,6 +69,7 @@ REFERENCE = {"device": "H200", "source": "issue 72",
 CASES = ("64_lanes", "1m_doc", "short_doc")
 SHORT_SHARE = 16            # short_doc: 1m_doc's first 1/16
 FIRST_CHUNKS = 2            # the breakdown's first chunks: the plain one (and the capture), a replay
+PROFILE_AFTER = 4           # --profile: main chunks past the first ones before the profiled ones
 # max_file_bytes: 64_lanes' documents cut to this many bytes (None: whole files); the smoke's
 # corpus is a few short documents, more than its lanes
 SIZES = {"gpu": {"lanes": 64, "corpus_tokens": 16_000_000, "doc_tokens": 2 ** 20,
@@ -254,10 +255,12 @@ def eval_run(export: Path, text: Path, lanes: int, cache: Path, json_path: Path,
 
 
 def breakdown_run(case: str, export: Path, text: Path, lanes: int, cache: Path, work: Path,
-                  name: str, smoke: bool, timeout: float) -> dict:
-    """A warm run of eval.py's main in a --child process of this script, phase by phase."""
+                  name: str, smoke: bool, timeout: float, profile: int = 0) -> dict:
+    """A warm run of eval.py's main in a --child process of this script, phase by phase; with
+    `profile`, instead `profile` steady main chunks under torch's profiler (what the host and the
+    device spend a chunk on)."""
     spec = {"argv": eval_argv(export, text, lanes, work / f"{name}.eval.json", cache, smoke),
-            "out": str(work / f"{name}.breakdown.json")}
+            "out": str(work / f"{name}.breakdown.json"), "profile": profile}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     Path(spec["out"]).unlink(missing_ok=True)
@@ -268,6 +271,11 @@ def breakdown_run(case: str, export: Path, text: Path, lanes: int, cache: Path, 
     if rc != 0 or not Path(spec["out"]).is_file():
         return {"rc": rc, "wall_s": wall, "error": err}
     marks = json.loads(Path(spec["out"]).read_text())
+    if profile:
+        if marks["pass"].get("profile") is None:
+            return {"rc": rc, "wall_s": wall, "error": f"the pass ended before {profile} steady "
+                                                       f"chunks were profiled"}
+        return {"wall_s": wall, "profile": marks["pass"]["profile"]}
     ours = json.loads(Path(spec["argv"][spec["argv"].index("--json") + 1]).read_text())["elephant"]
     goal = GOALS["eval_tok_s_64_lanes" if case == "64_lanes" else "eval_tok_s_1m_doc"]
     return summarize_phases(marks, wall, ours, goal)
@@ -369,7 +377,7 @@ def child(spec_path: str) -> int:
 
     timed(elephant.hub, "from_pretrained", "model_load")
     timed(data_packing, "get_corpus", "data")
-    probe = PassProbe(evaluate_module, sync, launched)
+    probe = PassProbe(evaluate_module, sync, launched, spec.get("profile", 0), cuda)
     evaluate = evaluate_module.evaluate
 
     def evaluate_timed(*a, **k):
@@ -393,10 +401,14 @@ def child(spec_path: str) -> int:
 class PassProbe:
     """Timers inside evaluate(): its call, the main batch's first chunk, the end of its first
     FIRST_CHUNKS chunks, the end of the loop (the first sums()), its return; the tokens of each
-    part; every static step made (its seconds, lanes, stream). Times in seconds since launch."""
+    part; every static step made (its seconds, lanes, stream). Times in seconds since launch.
+    profile: that many main chunks, from the PROFILE_AFTER-th past the first ones, under torch's
+    profiler (`marks["profile"]`: device and host time a chunk, the kernels by kind, the
+    operators by host time)."""
 
-    def __init__(self, module, sync, launched: float):
+    def __init__(self, module, sync, launched: float, profile: int = 0, cuda: bool = False):
         self.sync, self.launched = sync, launched
+        self.profile, self.cuda, self.profiler = profile, cuda, None
         self.marks = {"first_chunk": None, "first_done": None, "loop_end": None,
                       "tokens_first": 0, "tokens_steady": 0, "static_steps": []}
         self.passes, self.main_chunks = [], 0
@@ -420,6 +432,8 @@ class PassProbe:
                 if probe.main_chunks == FIRST_CHUNKS:
                     probe.sync()
                     probe.marks["first_done"] = probe.now()
+                if probe.profile:
+                    probe.profile_edge()
 
         def pass_sums(self_):
             if probe.marks["loop_end"] is None:
@@ -442,6 +456,31 @@ class PassProbe:
 
     def now(self) -> float:
         return time.time() - self.launched
+
+    def profile_edge(self) -> None:
+        """Start the profiler after the PROFILE_AFTER-th steady main chunk, stop it `profile`
+        main chunks later and summarize (the side batch's chunks queued between are in it)."""
+        from torch.profiler import ProfilerActivity, profile
+        first = FIRST_CHUNKS + PROFILE_AFTER
+        if self.main_chunks == first:
+            self.sync()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+            self.profiled_from = time.perf_counter()
+        elif self.main_chunks == first + self.profile and self.profiler is not None:
+            self.sync()
+            wall = time.perf_counter() - self.profiled_from
+            self.profiler.stop()
+            from benchmarks.common import profile_summary
+            n = self.profile
+            kernels, table, summary = profile_summary(self.profiler, n, self.cuda, "steady chunks")
+            host = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            self.marks["profile"] = {"chunks": n, "wall_ms_per_chunk": wall * 1e3 / n,
+                                     "note": "under the profiler: its overhead is in the wall",
+                                     "summary": summary, "kernels": kernels,
+                                     "table_device": table, "table_host": host}
+            self.profiler = None
 
     def begin(self) -> None:
         self.marks["called"] = self.now()
@@ -507,6 +546,12 @@ def describe(case: str, name: str, kind: str, r: dict) -> str:
         return f"{case:10s} {name:24s} {kind}: FAILED (rc {r.get('rc')}): {r['error'].strip()[-300:]}"
     if kind == "breakdown":
         return format_breakdown(case, name, r)
+    if kind == "profile":
+        p = r["profile"]
+        device = p["summary"]["device_ms_per_step"]
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(p["summary"]["by_kind"].items())[:8])
+        return (f"{case} {name} profile: {p['chunks']} steady chunks, {p['wall_ms_per_chunk']:.2f} "
+                f"ms wall a chunk (profiled), device {device:.2f} ms: {kinds}\n{p['table_host']}")
     peak = f", peak {r['peak_mem_gb']:.2f} GB" if r.get("peak_mem_gb") is not None else ""
     return (f"{case:10s} {name:24s} {kind:5s}: {r['tokens']:,} tokens in {r['wall_s']:.2f} s "
             f"({fmt_rate(r['tok_s'])} tokens/s{peak}; {r['triton_cache_new_files']} new kernel files)")
@@ -568,13 +613,15 @@ def study(args) -> int:
     breakdowns = [c for c in args.breakdown.split(",") if c]
     for name, tok_name, export in models:
         first = first_of.setdefault(tok_name, name) == name
-        for case, kind in run_plan(cases, first, cold) + [(c, "breakdown") for c in breakdowns if first]:
+        plan = run_plan(cases, first, cold) + [(c, "breakdown") for c in breakdowns if first]
+        plan += [(c, "profile") for c in breakdowns if first and args.profile]
+        for case, kind in plan:
             lanes = sizes["lanes"] if case == "64_lanes" else 1
             cache = work / "cache" / f"{tok_name}-{case}"
             tag = slug(f"{case}-{name}-{kind}")
-            if kind == "breakdown":
+            if kind in ("breakdown", "profile"):
                 r = breakdown_run(case, export, texts[tok_name] / case, lanes, cache, work / "json",
-                                  tag, smoke, timeout)
+                                  tag, smoke, timeout, args.profile if kind == "profile" else 0)
             else:
                 r = eval_run(export, texts[tok_name] / case, lanes, cache,
                              work / "json" / f"{tag}.json", smoke, timeout, cold=kind == "cold")
@@ -632,6 +679,10 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", default=None,
                     help="cases whose warm run is also timed phase by phase (default "
                          "64_lanes,1m_doc; smoke 64_lanes; '' for none)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then one more warm run of each --breakdown case with N steady chunks "
+                         "under torch's profiler: device and host time a chunk, kernels by kind, "
+                         "operators by host time (default 0: none)")
     ap.add_argument("--lanes", type=int, default=0, help="64_lanes' lanes (default 64; smoke 4)")
     ap.add_argument("--corpus-tokens", type=int, default=0,
                     help="64_lanes' tokens, about (default 16M; smoke 12K)")

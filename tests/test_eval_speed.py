@@ -19,11 +19,11 @@ MODEL = "wt103-70m"
 def smoke(tmp_path_factory):
     """One smoke run of 4 eval.py processes (~6 s each here, imports mostly): the recipe's own
     kv_keep (the kv_keep=0 model adds warm runs of the same code), the 64-lane case cold then
-    warm and its breakdown, the long document warm."""
+    warm, its breakdown and 2 of its steady chunks profiled, the long document warm."""
     root = tmp_path_factory.mktemp("eval-speed")
     out = root / "eval_speed.json"
     code = eval_speed.main(["--cpu-smoke", "--kv-keep", "recipe", "--cases", ",".join(CASES),
-                            "--cold", "64_lanes", "--breakdown", "64_lanes",
+                            "--cold", "64_lanes", "--breakdown", "64_lanes", "--profile", "2",
                             "--work", str(root / "work"), "--out", str(out)])
     return code, json.loads(out.read_text()), root / "work"
 
@@ -35,7 +35,7 @@ def test_smoke_writes_the_goals_keys_and_every_run(smoke):
         assert key in r, key
     assert r["smoke"] is True and r["headline_recipe"] == MODEL
     runs = r["cases"]["64_lanes"][MODEL]
-    assert set(runs) == {"cold", "warm", "breakdown", "cold_extra_s"}, runs.keys()
+    assert set(runs) == {"cold", "warm", "breakdown", "profile", "cold_extra_s"}, runs.keys()
     assert runs["cold"]["cold"] and not runs["warm"]["cold"]
     assert runs["cold_extra_s"] == runs["cold"]["wall_s"] - runs["warm"]["wall_s"]
     assert set(r["cases"]["1m_doc"][MODEL]) == {"warm"}
@@ -43,6 +43,15 @@ def test_smoke_writes_the_goals_keys_and_every_run(smoke):
     assert r["eval_tok_s_1m_doc"] == r["cases"]["1m_doc"][MODEL]["warm"]["tok_s"] > 0
     assert r["eval_tok_s_64_lanes_kv_keep_0"] is None   # not asked for here
     assert r["models"][MODEL]["kv_keep"] > 0
+
+
+def test_the_profile_run_times_steady_chunks_by_kernel_kind_and_host_operator(smoke):
+    _, r, _ = smoke
+    p = r["cases"]["64_lanes"][MODEL]["profile"]["profile"]
+    assert p["chunks"] == 2 and p["wall_ms_per_chunk"] > 0
+    by_kind = p["summary"]["by_kind"]   # on the CPU: the operators' own time, by kind
+    assert by_kind and sum(by_kind.values()) == pytest.approx(p["summary"]["device_ms_per_step"])
+    assert "aten::mm" in p["table_host"] and "Self CPU" in p["table_host"]
 
 
 def test_tokens_and_speed_are_eval_pys_own(smoke):
