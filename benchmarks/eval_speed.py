@@ -36,6 +36,8 @@ batch (the first plain chunk, the static step made and captured as a CUDA graph,
 replay); (d) the steady chunks (the static steps made for compacted batches listed apart); (e)
 the pass's sums, the report (table, JSON) and the process's exit. Its `goal_wall_s` is the wall
 the goal allows for the same tokens: what the phases must shrink to together.
+--profile N: one more warm run of each breakdown case, N steady chunks under torch's profiler
+(device and host time a chunk, kernels by kind, operators by host time).
 Results: benchmarks/results/eval_speed_<gpu>.json (a smoke run: the temporary folder).
 """
 import time
