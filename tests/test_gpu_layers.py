@@ -263,8 +263,9 @@ def test_compiled_attention_does_not_recompile_across_chunks(backend):
 
 
 # ------------------------------------------------------------------------------- kept tokens
+@pytest.mark.parametrize("kernel", ["dense", "fused"])
 @pytest.mark.parametrize("free", [False, True])
-def test_two_part_kept_read_on_cuda_equals_the_cpu_masked_path(monkeypatch, free):
+def test_two_part_kept_read_on_cuda_equals_the_cpu_masked_path(monkeypatch, free, kernel):
     """attend_top_kept in bf16 on CUDA ([window | chunk] by FlashAttention's variable-length
     kernel with its log-sum-exp, position-free memory's values padded to the doubled head dims;
     each query's best 32 of 512 kept tokens apart) against the masked path (`kept_top`'s choice
@@ -272,8 +273,10 @@ def test_two_part_kept_read_on_cuda_equals_the_cpu_masked_path(monkeypatch, free
     GPU's choice (bf16 scores: a near tie may fall either way, and the choice is not the point).
     Lanes: full window, every kept token valid; empty window, half valid; a third of the window,
     fewer valid than a query reads; most of the window, none. Captured as a CUDA graph (the
-    evaluation's static step) it replays the same output."""
-    from elephant.layers import attention
+    evaluation's static step) it replays the same output. Part 2 by either kernel
+    (kept_read.KERNEL: the score matrix and top-k, or layers/kept_read_triton.py)."""
+    from elephant.layers import attention, kept_read
+    monkeypatch.setattr(kept_read, "KERNEL", kernel)
     from elephant.layers.attention import (attend_top_kept, free_scores, kept_top,
                                            pad_sequence_keys)
     B, H, S, W, K, R, hd = 4, 4, 96, 64, 512, 32, 64
@@ -322,6 +325,26 @@ def test_two_part_kept_read_on_cuda_equals_the_cpu_masked_path(monkeypatch, free
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, got)
+
+
+def test_fused_kept_read_compiles_into_one_graph_and_equals_the_dense_read():
+    """The fused kept read (a triton op) inside torch.compile(fullgraph=True) gives what it gives
+    eagerly, and in bf16 what the dense read gives at the recall setting's ratio (4,096 kept, 128
+    read) up to the rounding of the scores (a near tie may fall either way)."""
+    from elephant.layers.kept_read import top_kept_read
+    from elephant.layers.kept_read_triton import fused_kept_read
+    B, H, S, K, R, hd = 2, 4, 200, 4096, 128, 64
+    q, kk, kv = (randn(B, H, n, hd, dtype=torch.bfloat16, seed=60 + i)
+                 for i, n in enumerate((S, K, K)))
+    valid = torch.ones(B, K, dtype=torch.bool, device=DEVICE)
+    valid[1, 3000:] = False
+    with torch.no_grad():
+        out, lse = fused_kept_read(q, kk, kv, valid, R, hd ** -0.5)
+        c_out, c_lse = torch.compile(fused_kept_read, fullgraph=True)(q, kk, kv, valid, R, hd ** -0.5)
+        d_out, d_lse = top_kept_read(q, kk, kv, valid, R, hd ** -0.5)
+    assert torch.equal(out, c_out) and torch.equal(lse, c_lse)
+    assert rel_err(out.float(), d_out.float()) < 2e-2, rel_err(out.float(), d_out.float())
+    assert (lse - d_lse).abs().max() < 2e-2
 
 
 # ------------------------------------------------------------------------------- q/k/v kernel

@@ -12,7 +12,9 @@ import torch
 from benchmarks.common import environment, median_ms, rel_error, write_report
 from elephant.layers.attention import (attend, attend_lse, attend_top_kept, free_scores,
                                        kept_top, pad_sequence_keys, with_kept_first)
+from elephant.layers import kept_read as kept_read_module
 from elephant.layers.kept_read import top_kept_read
+from elephant.layers.kept_read_triton import fused_kept_read, supported
 
 # name: (heads, whether memory is scored free of position: mem_rotary "free", doubled q/k dims)
 SHAPES = {"wt103-70m": (8, False), "recall": (4, True)}
@@ -77,6 +79,16 @@ def paths(t: dict, R: int, free: bool) -> dict:
     def part2_kept():     # two_part's best-R read alone
         return top_kept_read(t["q"], t["kk"], t["kv"], t["kept_valid"], R, t["q"].shape[-1] ** -0.5)[0]
 
+    def part2_fused():    # part 2 by the fused kernel (layers/kept_read_triton.py)
+        return fused_kept_read(t["q"], t["kk"], t["kv"], t["kept_valid"], R, t["q"].shape[-1] ** -0.5)[0]
+
+    def two_part_fused():   # two_part with part 2 by the fused kernel
+        kernel, kept_read_module.KERNEL = kept_read_module.KERNEL, "fused"
+        try:
+            return two_part()
+        finally:
+            kept_read_module.KERNEL = kernel
+
     def kept_as_trained():   # R kept tokens, all read: [kept | window] as one cache (the speed of
         kk, kv = t["kk"][:, :, :R], t["kv"][:, :, :R]   # the model as trained, for scale)
         kk = pad_sequence_keys(kk) if free else kk
@@ -84,8 +96,11 @@ def paths(t: dict, R: int, free: bool) -> dict:
                                         t["valid"])
         return attend(t["qa"], t["ka"], t["v"], ck, cv, valid, valid_suffix=True)
 
-    return {"masked": masked, "two_part": two_part, "part1_window": part1_window,
-            "part2_kept": part2_kept, "kept_as_trained": kept_as_trained}
+    fns = {"masked": masked, "two_part": two_part, "part1_window": part1_window,
+           "part2_kept": part2_kept, "kept_as_trained": kept_as_trained}
+    if supported(t["q"], t["kv"]):   # a Triton device (or its interpreter)
+        fns |= {"part2_fused": part2_fused, "two_part_fused": two_part_fused}
+    return fns
 
 
 def kept_read(args) -> None:
@@ -108,6 +123,9 @@ def kept_read(args) -> None:
                        product with the values), merged
       part1_window     two_part's first part alone (the floor: a layer without kept tokens)
       part2_kept       two_part's second part alone
+      part2_fused      part 2 by the fused kernel (layers/kept_read_triton.py: no score matrix,
+                       the R-th score by bisection over tiles scored again), where Triton runs
+      two_part_fused   two_part with that kernel for part 2
       kept_as_trained  R kept tokens all read, with the window as one cache (the model as trained)
     Each path's forward is timed as a CUDA graph (median of --iters replays; eagerly if it does
     not capture), its peak memory above what was allocated before it, and its output's relative
@@ -131,8 +149,10 @@ def kept_read(args) -> None:
                 row = {"shape": name, "path": path}
                 try:
                     got = fn()
-                    if path in ("masked", "two_part"):
+                    if path in ("masked", "two_part", "two_part_fused"):
                         row["rel_err_vs_masked"] = rel_error(got, want)
+                    if path == "part2_fused":
+                        row["rel_err_vs_part2_kept"] = rel_error(got, fns["part2_kept"]())
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                         base = torch.cuda.memory_allocated()

@@ -26,14 +26,21 @@ recorded (inference), the masked one for training.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
+
+from . import kept_read_triton
 
 # Part 2 scores a block of lanes at a time: at most this many score elements (lanes x H x S x K)
 # a block, so that the score matrix (the read's one large tensor, reused for its weights) stays
 # bounded: 2^29 is 1 GiB in bf16, two blocks at the recall recipe's 64 x 4 x 544 x 4,096.
 KEPT_READ_BLOCK = 2 ** 29
+# Part 2's kernel where it runs: "fused" (layers/kept_read_triton.py: the keys walked in tiles,
+# the R-th score found by bisection, no score matrix) or "dense" (below). Dense by default until
+# the fused one is timed beside it on the GPU (`kernels.py kept-read`: part2_fused).
+KERNEL = os.environ.get("ELEPHANT_KEPT_READ", "dense")
 
 
 def masked_attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
@@ -70,6 +77,8 @@ def top_kept_read(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, read: 
     a row by R rows per query; the dense product writes nothing more and runs on the tensor
     cores (2 S K dv flops a head). Lanes are taken in blocks of at most KEPT_READ_BLOCK score
     elements. Ranking by NEG + q.k (below) changes no choice among valid slots."""
+    if KERNEL == "fused" and kept_read_triton.supported(q, values):
+        return kept_read_triton.fused_kept_read(q, keys, values, valid, read, scale)
     B, H, S, hd = q.shape
     K = keys.shape[2]
     work = torch.promote_types(q.dtype, torch.float32)
