@@ -8,12 +8,16 @@ the values. Here a program holds a block of queries of one lane and head and wal
 in tiles, scoring each tile again on every walk (a tile's score product is cheap on the tensor
 cores; the score matrix's round trips through memory were not):
 
-  walk 1   the highest and lowest score of each query among the valid keys, and the lane's
-           count of valid keys n. With n <= R every valid key is read (as top-k reads them).
+  walk 1   the highest score of each query among the valid keys, and the lane's count of valid
+           keys n (with n <= R every valid key is read, as top-k reads them). And a floor for
+           the R-th score: the keys taken in groups of G (K / G >= R), the least of the groups'
+           highest scores; each group that holds a valid key has one at or above it, so with R
+           such groups, R keys score at least that (else the floor is the lowest score).
   search   the R-th highest score T of each query, exactly, by bisection on the scores' bit
-           patterns as ordered integers: a walk counts the valid keys scoring at least the
-           midpoint, which halves each query's interval; 16 walks at most for bf16 / fp16
-           scores (the midpoint, on integers, ends on a score that occurs), 32 for float32.
+           patterns as ordered integers between the floor and the highest: a walk counts the
+           valid keys scoring at least the midpoint, which halves each query's interval; 16
+           walks at most for bf16 / fp16 scores (the midpoint, on integers, ends on a score that
+           occurs), 32 for float32; from the groups' floor, near the top of the scores, fewer.
   read     a last walk reads the keys scoring above T and the first of those scoring T, by key
            order, that make R: an online softmax (as flash attention's), the weights of a tile
            multiplied by its values.
@@ -85,7 +89,7 @@ if HAS_TRITON:
     def _kept_read_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, out_ptr, lse_ptr, H, S, K, R, scale,
                           s_qb, s_qh, s_qs, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ab,
                           s_ob, s_oh, s_os, HD: tl.constexpr, DV: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, WIDE: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, WIDE: tl.constexpr):
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         rows = pid_m * BM + tl.arange(0, BM)
@@ -95,17 +99,27 @@ if HAS_TRITON:
         v_ptr += b * s_vb + h * s_vh
         valid_ptr += b * s_ab
         kdt = tl.int64 if WIDE else tl.int32
-        # walk 1: each query's lowest and highest valid score, the lane's valid keys
+        # walk 1: each query's lowest and highest valid score, the least of its groups' highest
+        # (groups of G keys that hold a valid one), the lane's valid keys and such groups
         lo = tl.full([BM], 2 ** 31 - 1, kdt)
+        floor = tl.full([BM], 2 ** 31 - 1, kdt)
         hi = tl.full([BM], -2 ** 31, kdt)
         n_valid = tl.full([], 0, tl.int32)
+        n_groups = tl.full([], 0, tl.int32)
         n0 = 0
         while n0 < K:   # (the interpreter takes no range() over a runtime K)
             _, key, ok = _tile_keys(q, k_ptr, valid_ptr, n0, K, s_kn, HD, BN, WIDE)
             lo = tl.minimum(lo, tl.min(tl.where(ok[None, :], key, 2 ** 31 - 1), axis=1))
-            hi = tl.maximum(hi, tl.max(tl.where(ok[None, :], key, -2 ** 31), axis=1))
+            high = tl.where(ok[None, :], key, -2 ** 31)
+            hi = tl.maximum(hi, tl.max(high, axis=1))
+            g_high = tl.max(tl.reshape(high, (BM, BN // G, G)), axis=2)          # (BM, BN / G)
+            g_ok = tl.max(tl.reshape(ok.to(tl.int32), (BN // G, G)), axis=1) > 0
+            floor = tl.minimum(floor, tl.min(tl.where(g_ok[None, :], g_high, 2 ** 31 - 1), axis=1))
             n_valid += tl.sum(ok.to(tl.int32), axis=0)
+            n_groups += tl.sum(g_ok.to(tl.int32), axis=0)
             n0 += BN
+        if n_groups >= R:
+            lo = floor
         # search: count(>= lo) >= R > count(>= hi) holds throughout; at the end lo is T, the
         # R-th highest score, and above (= count(>= hi)) the keys scoring over it
         hi = hi + 1
@@ -173,12 +187,15 @@ def _kept_read_op(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, read: 
     q = q if q.stride(-1) == 1 else q.contiguous()
     valid = valid.to(torch.int8).contiguous()
     bm, bn = (16, 16) if INTERPRET else (BLOCK_M, BLOCK_N)
+    group = 1   # the floor's groups: the most keys, a power of two up to a tile, with K / G >= R
+    while group * 2 <= bn and K // (group * 2) >= max(read, 1):
+        group *= 2
     if B * H * S:
         torch.library.wrap_triton(_kept_read_kernel)[(triton.cdiv(S, bm), B * H)](
             q, keys, values, valid, out, lse, H, S, K, read, scale,
             q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), valid.stride(0),
-            out.stride(0), out.stride(1), out.stride(2), HD=hd, DV=dv, BM=bm, BN=bn,
+            out.stride(0), out.stride(1), out.stride(2), HD=hd, DV=dv, BM=bm, BN=bn, G=group,
             WIDE=q.dtype == torch.float32, num_warps=1 if INTERPRET else 4)
     return out, lse
 
