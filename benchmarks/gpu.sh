@@ -83,7 +83,11 @@
 #           exit, on a random wt103-70m model and its kv_keep=0 shape: 64 lanes over ~16M tokens
 #           of source files and one 1M-token document, cold and warm, and where a warm run's time
 #           goes phase by phase -> benchmarks/results/eval_speed_<gpu>.json (carry
-#           shared/data/tokenizers/gpt-neox-20b; EVAL_SPEED_ARGS passed on; ~3 min on an H100)
+#           shared/data/tokenizers/gpt-neox-20b; EVAL_SPEED_ARGS passed on, e.g. "--profile 20":
+#           steady chunks under torch's profiler; ~3 min on an H100)
+#   kept-read  the GPU tests of the kept read (the dense and the fused kernel for part 2, the
+#           fused op compiled), then kernels.py kept-read: every path of the read of 4,096 kept
+#           tokens at 64 lanes, part2_fused beside part2_kept (issue 72; ~3 min)
 # The device's copy of the repository carries stale git metadata: run it as
 # `ELEPHANT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu.sh ...`, the hash written
 # into the command here, so that result files name the commit sent (benchmarks/common.commit).
@@ -486,6 +490,11 @@ for stage in $stages; do
       python -c "import einops" 2>/dev/null || $pip_whl einops 2>&1 | tail -3
       PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} timeout ${FIELD_TIMEOUT:-420} \
         python benchmarks/kernels.py field ${FIELD_ARGS:-} 2>&1 | tee "$LOGS/field_kernels.log" | tail -30 ;;
+    kept-read)
+      timeout ${TEST_TIMEOUT:-200} python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_layers.py \
+        -k "kept" 2>&1 | tee "$LOGS/kept_read_tests.log" | tail -8
+      timeout ${KEPT_TIMEOUT:-200} python benchmarks/kernels.py kept-read --iters ${KEPT_ITERS:-10} 2>&1 \
+        | tee "$LOGS/kept_read.log" | tail -16 ;;
     eval-speed)
       # each eval.py run's own JSON and the breakdowns' marks beside the log
       timeout ${EVAL_SPEED_TIMEOUT:-420} python benchmarks/eval_speed.py --work /tmp/eval-speed \
