@@ -72,7 +72,8 @@
 #   long    benchmarks/long_study.py (issues 70, 71): the wt103-70m recipe's model on Python source
 #           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
 #           "today transformer") trained side by side for LONG_STEPS, scored (loss by position over
-#           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone
+#           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone;
+#           LONG_RECIPE=fineweb-124m: that recipe (GPT-2's tokens: carry shared/data/tokenizers/gpt2)
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
 #   field   kernels.py field (issue 72): the SSD scan, the Mamba conv and attention beside mamba-ssm's
@@ -104,10 +105,11 @@ stages=${*:-tests bench train}
 # (2026-12-07: a long stage without the tokenizer ran on to its deadline and trained nothing)
 for stage in $stages; do
   case $stage in long|eval-speed)
-    for d in shared/data/tokenizers/gpt-neox-20b ../shared/data/tokenizers/gpt-neox-20b; do
+    tok=$([ $stage = long ] && [ "${LONG_RECIPE:-wt103-70m}" = fineweb-124m ] && echo gpt2 || echo gpt-neox-20b)
+    for d in shared/data/tokenizers/$tok ../shared/data/tokenizers/$tok; do
       [ -f $d/tokenizer.json ] && continue 2
     done
-    echo "gpu.sh $stage: no shared/data/tokenizers/gpt-neox-20b/tokenizer.json here; carry it" \
+    echo "gpu.sh $stage: no shared/data/tokenizers/$tok/tokenizer.json here; carry it" \
       "(and have shared/ in the checkout: ln -s ../shared shared)"; exit 2 ;;
   esac
 done
@@ -415,8 +417,9 @@ for stage in $stages; do
       # drops and the 1M needle; LONG_SCORE=skip: none), LONG_SPEED's variants timed alone, and
       # one results file. LONG_VARIANTS="a b / c d": a and b side by side, then c and d;
       # LONG_LITE's variants scored by their test loss alone; LONG_SCORE_KEEP (below)
-      runs=/tmp/long-study
-      L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000}"
+      # LONG_RECIPE=fineweb-124m: that recipe (carry shared/data/tokenizers/gpt2), runs of its own
+      runs=/tmp/long-study${LONG_RECIPE:+-$LONG_RECIPE}
+      L="python benchmarks/long_study.py --runs $runs --cache /tmp/elephant-cache --steps ${LONG_STEPS:-2000} --recipe ${LONG_RECIPE:-wt103-70m}"
       variants=${LONG_VARIANTS:-today transformer}
       # train_one VARIANT SECONDS: train (or go on training) until its steps or SECONDS
       train_one() { timeout $(( $2 + 120 )) $L train $1 --stop-after-s $2 >> "$LOGS/long_train_$1.log" 2>&1; }

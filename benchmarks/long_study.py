@@ -14,6 +14,9 @@ sliding window of its trained context.
     python benchmarks/long_study.py report [--hybrid today] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
 
+--recipe fineweb-124m studies that recipe (GPT-2's tokens; its own --runs) the same way: `today`
+is its file as it is, `before` the same (it never took the mix), `with-mix` what wt103-70m took.
+
 Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   today         configs/wt103-70m.toml as it is: since 2026-12-07 keep-mix-varied's training (keep
                 cost, a quarter recall mix, curriculum) read with its 128 kept tokens; `today`
@@ -31,6 +34,9 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   mix-varied    the recipe as it is with a quarter of the text as recall documents, varied forms
                 (keep-mix-varied: and the kept-token settings without the drop)
   nomem         the RMT memory off (model.n_mem = 0; the recipe's own since 2026-12-07)
+  with-mix      wt103-70m's recall training (its keep cost, recall mix and curriculum, read from
+                its file) on the recipe as it is: with --recipe fineweb-124m, what that recipe
+                would take (with wt103-70m, `today`)
   memory        8 memory slots (model.n_mem = 8: the recipe before 2026-12-07)
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
                 learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
@@ -65,9 +71,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NEOX = ROOT / "shared" / "data" / "tokenizers" / "gpt-neox-20b"
-if not NEOX.is_dir():
-    NEOX = ROOT.parent / "shared" / "data" / "tokenizers" / "gpt-neox-20b"
+TOKENIZERS = ROOT / "shared" / "data" / "tokenizers"
+if not TOKENIZERS.is_dir():
+    TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
+# --recipe: the LM recipes studied, each with its own tokenizer (shared/data/tokenizers)
+RECIPES = {"wt103-70m": "gpt-neox-20b", "fineweb-124m": "gpt2"}
 DATA = ["data.source=pycode", "data.site_packages=true", "data.valid_split=",
         "train.eval_every=0", "train.ckpt_every=250", "train.log_every=50", "train.keep_ckpts=1"]
 # the recall recipe's kept-token settings (configs/recall.toml) and its length curriculum
@@ -101,10 +109,19 @@ def _defaults(keys: tuple[str, ...]) -> list[str]:
 # the recipe before it took keep-mix-varied's training (2026-12-07; the baseline of every run
 # until then, test loss 0.5006): the settings it took back at their defaults, as the recipe had
 # them. Every variant but FROM_TODAY's is this recipe and its own overrides
-FROM_TODAY = ("today", "transformer")   # the variants that start from the recipe as it is
-BEFORE = _defaults(("model.kv_keep_cost", "data.recall_mix", "data.length_curriculum_steps",
-                    "data.recall_mix_templates", "data.recall_max_gap", "data.recall_min_gap",
-                    "data.recall_max_queries"))
+FROM_TODAY = ("today", "transformer", "with-mix")   # the variants that start from the recipe as it is
+TOOK = ("model.kv_keep_cost", "data.recall_mix", "data.length_curriculum_steps",
+        "data.length_curriculum_start", "data.recall_mix_templates", "data.recall_max_gap",
+        "data.recall_min_gap", "data.recall_max_queries")
+BEFORE = _defaults(TOOK)
+
+
+def _took() -> list[str]:
+    """Overrides that set each of TOOK's keys to configs/wt103-70m.toml's value: the recall
+    training it took (for another recipe, `with-mix`)."""
+    from elephant.config import load_config
+    cfg = load_config(ROOT / "configs" / "wt103-70m.toml", [])
+    return [f"{key}={getattr(getattr(cfg, key.split('.')[0]), key.split('.')[1])}" for key in TOOK]
 _MIX = _mix(0.2)   # a fifth of the training text
 _BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
 # the kept-token settings without the drop: a lane's kept tokens dropped after 1 chunk in 10 (the
@@ -143,6 +160,10 @@ VARIANTS = {
     # the RMT memory off (model.n_mem = 0): what it costs or saves at equal steps and time
     "nomem": ["model.n_mem=0"],
     "memory": ["model.n_mem=8"],
+    # wt103-70m's recall training (keep cost, a quarter recall mix in the varied forms, the length
+    # curriculum) on the recipe as it is: for --recipe fineweb-124m, what the recipe would take
+    # (for wt103-70m, `today` itself)
+    "with-mix": None,
     # trained with 4x the kept slots a query reads (512, reading 128), 4,096 kept at inference;
     # the memory off
     "keep-read": _NODROP + ["model.kv_keep=512", "model.kv_keep_read=128"],
@@ -155,7 +176,6 @@ VARIANTS = {
         "model.kv_keep=0", "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192",
         "train.lanes=4", "data.pack=true"],
 }
-RECIPE = ROOT / "configs" / "wt103-70m.toml"
 EVAL_CHUNK = 1024          # the transformer's evaluation chunk; its window: the rest of its context
 LONG_TOKENS = 65536        # the position study's files: over this many tokens
 INSIDE = ("0-512", "512-1K", "1K-2K", "2K-4K", "4K-8K")
@@ -180,16 +200,17 @@ def split_seed(name: str) -> tuple[str, str]:
 
 
 def overrides(name: str, args) -> list[str]:
-    """The variant's overrides of configs/wt103-70m.toml (its run dir and data cache, the steps)."""
+    """The variant's overrides of the recipe (its run dir and data cache, the steps)."""
     base, seed = split_seed(name)
     out = DATA + [f"data.tokenizer={args.tokenizer}", f"data.cache_dir={args.cache}",
                   f"train.max_steps={args.steps}", f"train.run_dir={Path(args.runs) / name}"]
-    out += ([] if base in FROM_TODAY else BEFORE) + VARIANTS[base] + (
-        [f"train.seed={seed}"] if seed else [])
+    own = _took() if base == "with-mix" else VARIANTS[base]
+    out += ([] if base in FROM_TODAY else BEFORE) + own + ([f"train.seed={seed}"] if seed else [])
     if args.smoke:
         out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if base == "transformer" else [])
     if base == "transformer":   # its MLP widened until it has the recipe's parameters
-        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('today', args)))}")
+        recipe = recipe_path(args)
+        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('today', args), recipe), recipe)}")
     return out
 
 
@@ -208,25 +229,30 @@ def paired(scores: dict) -> dict:
     return out
 
 
-def params(overrides: list[str]) -> int:
-    """The parameter count of configs/wt103-70m.toml's model under `overrides`."""
+def params(overrides: list[str], recipe: Path) -> int:
+    """The parameter count of the recipe's model under `overrides`."""
     from elephant.config import load_config
     from elephant.model import ElephantLM
     import torch
     with torch.device("meta"):   # counted, not allocated
-        return ElephantLM(load_config(RECIPE, overrides).model).num_params()
+        return ElephantLM(load_config(recipe, overrides).model).num_params()
 
 
-def matched_mlp(overrides: list[str], target: int) -> int:
+def matched_mlp(overrides: list[str], target: int, recipe: Path) -> int:
     """The d_mlp (a multiple of 64) that brings the count closest to `target` (it is linear in
     d_mlp: two points give the line)."""
-    p64, p128 = params(overrides + ["model.d_mlp=64"]), params(overrides + ["model.d_mlp=128"])
+    p64, p128 = (params(overrides + [f"model.d_mlp={d}"], recipe) for d in (64, 128))
     return max(64, 64 + 64 * round((target - p64) / ((p128 - p64) / 64) / 64))
+
+
+def recipe_path(args) -> Path:
+    """The recipe studied: configs/<--recipe>.toml (default wt103-70m)."""
+    return ROOT / "configs" / f"{getattr(args, 'recipe', 'wt103-70m')}.toml"
 
 
 def config(name: str, args):
     from elephant.config import load_config
-    return load_config(RECIPE, overrides(name, args))
+    return load_config(recipe_path(args), overrides(name, args))
 
 
 def _prepare_one(name: str, split: str, args) -> str:
@@ -467,7 +493,9 @@ def report(args) -> int:
     scores = {p.parent.name: json.loads(p.read_text()) for p in sorted(runs.glob("*/score.json"))}
     speeds = {p.stem.removeprefix("speed-"): json.loads(p.read_text())
               for p in sorted(runs.glob("speed-*.json"))}
-    out = {"benchmark": "long_study", **environment("cpu" if args.smoke else None),
+    recipe_name = getattr(args, "recipe", "wt103-70m")
+    out = {"benchmark": "long_study", "recipe": recipe_name,
+           **environment("cpu" if args.smoke else None),
            "steps_trained": {k: v["train"]["steps"] for k, v in scores.items()},
            "variants": scores, "speed": speeds}
     # variants scored again with another number of kept tokens at inference (score --kv-keep)
@@ -498,7 +526,8 @@ def report(args) -> int:
                 recipe["test"]["nats_per_byte"] - score["test"]["nats_per_byte"]) if recipe else None
     path = Path(args.out) if args.out else (
         Path("/tmp") / "long_study_smoke.json" if args.smoke else ROOT / "benchmarks" / "results" /
-        f"long_study_{time.strftime('%Y-%m-%d')}_{out['device'].replace(' ', '_')}.json")
+        f"long_study_{'' if recipe_name == 'wt103-70m' else recipe_name + '_'}"
+        f"{time.strftime('%Y-%m-%d')}_{out['device'].replace(' ', '_')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     keys = [k for k in out if k.startswith(("needle", "vs_", "speed_vs", "memory_worth", "context_gain"))
@@ -536,7 +565,11 @@ def main(argv=None) -> int:
     p.add_argument("--stop-after-s", type=float, default=0.0)
     p.add_argument("--runs", default="/tmp/long-study")
     p.add_argument("--cache", default="/tmp/elephant-cache")
-    p.add_argument("--tokenizer", default=str(NEOX))
+    p.add_argument("--recipe", default="wt103-70m", choices=tuple(RECIPES),
+                   help="the recipe studied (default wt103-70m); give each its own --runs")
+    p.add_argument("--tokenizer", default=None,
+                   help="default: the recipe's (shared/data/tokenizers: GPT-NeoX-20B's for "
+                        "wt103-70m, GPT-2's for fineweb-124m)")
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
     p.add_argument("--lite", action="store_true", help="score: the test loss alone")
@@ -548,6 +581,7 @@ def main(argv=None) -> int:
     p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    args.tokenizer = args.tokenizer or str(TOKENIZERS / RECIPES[args.recipe])
     args.smoke = False
     if args.command == "smoke":
         args.long_tokens, args.long_docs, args.test_docs = 2048, 3, 8

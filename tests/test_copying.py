@@ -263,6 +263,29 @@ def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before
     assert tf.train.chunk_len * tf.train.lanes == today.train.lanes * 512 * today.model.bptt_chunks
 
 
+def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
+    # `with-mix` reads the recall training from configs/wt103-70m.toml: on that recipe it is
+    # `today`; on fineweb-124m (--recipe) it is fineweb's model and steps with that training
+    import argparse
+
+    from benchmarks.long_study import TOOK, config
+    args = argparse.Namespace(tokenizer="bytes", cache=str(tmp_path), steps=10,
+                              runs=str(tmp_path), smoke=False)
+    same = lambda a, b: {k: v for k, v in vars(a.train).items() if k != "run_dir"} == {  # noqa: E731
+        k: v for k, v in vars(b.train).items() if k != "run_dir"}
+    today, mixed = config("today", args), config("with-mix", args)
+    assert vars(today.model) == vars(mixed.model) and vars(today.data) == vars(mixed.data)
+    assert same(today, mixed)
+    args.recipe = "fineweb-124m"
+    fw, fw_mixed = config("today", args), config("with-mix", args)
+    assert fw.data.recall_mix == 0 and fw.model.kv_keep_cost == 0     # fineweb as it is
+    for key in TOOK:   # wt103-70m's values on fineweb's recipe
+        section, name = key.split(".")
+        assert getattr(getattr(fw_mixed, section), name) == getattr(getattr(today, section), name)
+    assert fw_mixed.model.d_model == fw.model.d_model != today.model.d_model
+    assert same(fw, fw_mixed) and fw.train.chunk_len != today.train.chunk_len
+
+
 def test_long_study_report_keeps_what_a_stopped_scorer_measured(tmp_path, capsys):
     # a scorer stopped by its call's timeout leaves the phases it finished, marked partial; the
     # report takes them and says how far each got
