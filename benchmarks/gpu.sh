@@ -73,7 +73,7 @@
 #           with Pythia's tokens (carry shared/data/tokenizers/gpt-neox-20b), LONG_VARIANTS (default
 #           "today transformer") trained side by side for LONG_STEPS, scored (loss by position over
 #           files of 64K+ tokens, the needle test, the drops), LONG_SPEED timed alone;
-#           LONG_RECIPE=fineweb-124m: that recipe (GPT-2's tokens: carry shared/data/tokenizers/gpt2)
+#           LONG_RECIPE=fineweb-124m: that recipe (GPT-2's tokens: carry shared/data/tokenizers/gpt2), or default
 #   copy-score  those weights, carried back (runs/w-*), scored at COPY_DISTANCES, COPY_ABLATE and
 #           COPY_KEEP_EVAL, one process each, at once
 #   field   kernels.py field (issue 72): the SSD scan, the Mamba conv and attention beside mamba-ssm's
@@ -105,7 +105,10 @@ stages=${*:-tests bench train}
 # (2026-12-07: a long stage without the tokenizer ran on to its deadline and trained nothing)
 for stage in $stages; do
   case $stage in long|eval-speed)
-    tok=$([ $stage = long ] && [ "${LONG_RECIPE:-wt103-70m}" = fineweb-124m ] && echo gpt2 || echo gpt-neox-20b)
+    tok=gpt-neox-20b
+    if [ $stage = long ]; then   # the recipe's tokenizer (default: bytes, none to carry)
+      case ${LONG_RECIPE:-wt103-70m} in fineweb-124m) tok=gpt2 ;; default) continue ;; esac
+    fi
     for d in shared/data/tokenizers/$tok ../shared/data/tokenizers/$tok; do
       [ -f $d/tokenizer.json ] && continue 2
     done

@@ -14,8 +14,10 @@ sliding window of its trained context.
     python benchmarks/long_study.py report [--hybrid today] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
 
---recipe fineweb-124m studies that recipe (GPT-2's tokens; its own --runs) the same way: `today`
-is its file as it is, `before` the same (it never took the mix), `with-mix` what wt103-70m took.
+--recipe fineweb-124m (GPT-2's tokens) or default (bytes, the CPU quick start's model; no
+transformer: its 2,048 tokens a step are under the transformer's context) studies that recipe
+the same way, in --runs of its own: `today` is its file as it is, `before` the same (neither took
+the mix), `with-mix` what wt103-70m took.
 
 Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   today         configs/wt103-70m.toml as it is: since 2026-12-07 keep-mix-varied's training (keep
@@ -41,8 +43,9 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
                 learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
                 the memory off
-  transformer   AAAAAAAA, no memory, window or kept tokens, chunks of 8,192 (its context), 4
-                lanes (the same 32,768 tokens a step) with the documents packed back to back (most
+  transformer   the recipe's depth all attention (AAAAAAAA for wt103-70m), no memory, window or
+                kept tokens, chunks of 8,192 (its context), the recipe's tokens a step (4 lanes for
+                wt103-70m's 32,768, 16 for fineweb-124m's) with the documents packed back to back (most
                 files are shorter than 8K: unpacked, half of each row would be padding), its MLP
                 widened to the hybrid's size; today's data (the recipe's mix and curriculum; the
                 runs of long_study_2026-12-07_H100.json read keep-mix's)
@@ -75,7 +78,7 @@ TOKENIZERS = ROOT / "shared" / "data" / "tokenizers"
 if not TOKENIZERS.is_dir():
     TOKENIZERS = ROOT.parent / "shared" / "data" / "tokenizers"
 # --recipe: the LM recipes studied, each with its own tokenizer (shared/data/tokenizers)
-RECIPES = {"wt103-70m": "gpt-neox-20b", "fineweb-124m": "gpt2"}
+RECIPES = {"wt103-70m": "gpt-neox-20b", "fineweb-124m": "gpt2", "default": "bytes"}
 DATA = ["data.source=pycode", "data.site_packages=true", "data.valid_split=",
         "train.eval_every=0", "train.ckpt_every=250", "train.log_every=50", "train.keep_ckpts=1"]
 # the recall recipe's kept-token settings (configs/recall.toml) and its length curriculum
@@ -128,6 +131,7 @@ _BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
 # recall recipe's, so that its memory must learn) leave a fact 64K tokens back (128 chunks) a
 # 0.9^128 ~ 1e-6 chance of outliving them in training, and the memory never learned to carry it
 _NODROP = _KEEP[:2]
+TF_CONTEXT = 8192   # the transformer's trained context
 VARIANTS = {
     "today": [],
     "before": [],   # BEFORE alone
@@ -172,9 +176,9 @@ VARIANTS = {
     "keep-model-bptt8-mix": _NODROP + _BPTT8 + _mix(0.05),   # a twentieth of the text
     # today's data (the recipe's mix and curriculum): the hybrid it is set beside is the recipe
     "transformer": [
-        "model.kv_keep_cost=0", "model.layers=AAAAAAAA", "model.n_mem=0", "model.kv_window=0",
-        "model.kv_keep=0", "model.attn_x0=false", "model.bptt_chunks=1", "train.chunk_len=8192",
-        "train.lanes=4", "data.pack=true"],
+        "model.kv_keep_cost=0", "model.n_mem=0", "model.kv_window=0",
+        "model.kv_keep=0", "model.attn_x0=false", "model.bptt_chunks=1",
+        f"train.chunk_len={TF_CONTEXT}", "data.pack=true"],   # + its layers and lanes: overrides()
 }
 EVAL_CHUNK = 1024          # the transformer's evaluation chunk; its window: the rest of its context
 LONG_TOKENS = 65536        # the position study's files: over this many tokens
@@ -208,9 +212,19 @@ def overrides(name: str, args) -> list[str]:
     out += ([] if base in FROM_TODAY else BEFORE) + own + ([f"train.seed={seed}"] if seed else [])
     if args.smoke:
         out += SMOKE + (["train.chunk_len=256", "train.lanes=1"] if base == "transformer" else [])
-    if base == "transformer":   # its MLP widened until it has the recipe's parameters
+    if base == "transformer":   # the recipe's depth all attention, its tokens a step, its MLP
+        from elephant.config import load_config   # widened until it has the recipe's parameters
         recipe = recipe_path(args)
-        out.append(f"model.d_mlp={matched_mlp(out, params(overrides('today', args), recipe), recipe)}")
+        today = overrides("today", args)
+        r = load_config(recipe, today)
+        out.append(f"model.layers={'A' * len(r.model.layers)}")
+        step = r.train.lanes * r.train.chunk_len * r.model.bptt_chunks
+        if not args.smoke:   # (the smoke's own lanes and context stand)
+            if step % TF_CONTEXT:
+                raise SystemExit(f"transformer: {recipe.name} takes {step:,} tokens a step, not a "
+                                 f"multiple of the transformer's context ({TF_CONTEXT:,})")
+            out.append(f"train.lanes={step // TF_CONTEXT}")
+        out.append(f"model.d_mlp={matched_mlp(out, params(today, recipe), recipe)}")
     return out
 
 
@@ -569,7 +583,7 @@ def main(argv=None) -> int:
                    help="the recipe studied (default wt103-70m); give each its own --runs")
     p.add_argument("--tokenizer", default=None,
                    help="default: the recipe's (shared/data/tokenizers: GPT-NeoX-20B's for "
-                        "wt103-70m, GPT-2's for fineweb-124m)")
+                        "wt103-70m, GPT-2's for fineweb-124m; bytes for default)")
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
     p.add_argument("--lite", action="store_true", help="score: the test loss alone")
@@ -581,7 +595,8 @@ def main(argv=None) -> int:
     p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    args.tokenizer = args.tokenizer or str(TOKENIZERS / RECIPES[args.recipe])
+    tok = RECIPES[args.recipe]
+    args.tokenizer = args.tokenizer or (tok if tok == "bytes" else str(TOKENIZERS / tok))
     args.smoke = False
     if args.command == "smoke":
         args.long_tokens, args.long_docs, args.test_docs = 2048, 3, 8

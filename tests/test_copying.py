@@ -284,6 +284,9 @@ def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
         assert getattr(getattr(fw_mixed, section), name) == getattr(getattr(today, section), name)
     assert fw_mixed.model.d_model == fw.model.d_model != today.model.d_model
     assert same(fw, fw_mixed) and fw.train.chunk_len != today.train.chunk_len
+    tf = config("transformer", args)   # fineweb's depth all attention, its tokens a step
+    assert tf.model.layers == "A" * len(fw.model.layers) != "A" * len(today.model.layers)
+    assert tf.train.chunk_len * tf.train.lanes == fw.train.lanes * fw.train.chunk_len * fw.model.bptt_chunks
 
 
 def test_long_study_report_keeps_what_a_stopped_scorer_measured(tmp_path, capsys):
