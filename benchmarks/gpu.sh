@@ -85,7 +85,8 @@
 #           of source files and one 1M-token document, cold and warm, and where a warm run's time
 #           goes phase by phase -> benchmarks/results/eval_speed_<gpu>.json (carry
 #           shared/data/tokenizers/gpt-neox-20b; EVAL_SPEED_ARGS passed on, e.g. "--profile 20":
-#           steady chunks under torch's profiler; ~3 min on an H100)
+#           steady chunks under torch's profiler, or "--recipes recall --kv-keep recipe": the
+#           recall recipe as loaded, 4,096 kept tokens, kept4096_bytes_s; ~3 min on an H100)
 #   kept-read  the GPU tests of the kept read (the dense and the fused kernel for part 2, the
 #           fused op compiled), then kernels.py kept-read: every path of the read of 4,096 kept
 #           tokens at 64 lanes, part2_fused beside part2_kept (issue 72; ~3 min)

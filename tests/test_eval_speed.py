@@ -54,6 +54,16 @@ def test_the_profile_run_times_steady_chunks_by_kernel_kind_and_host_operator(sm
     assert "aten::mm" in p["table_host"] and "Self CPU" in p["table_host"]
 
 
+def test_the_recall_recipes_bytes_per_second_is_the_kept_read_goals_key():
+    # --recipes recall (4,096 kept tokens at inference): its warm 64-lane bytes/s is
+    # kept4096_bytes_s, with its goal; without that model, neither
+    runs = {"64_lanes": {"recall": {"warm": {"bytes_s": 1.2e6, "tok_s": 1.2e6}}}}
+    out = eval_speed.headline(runs, "recall", None)
+    assert out["kept4096_bytes_s"] == 1.2e6 and out["meets_goals"]["kept4096_bytes_s"]
+    out = eval_speed.headline({"64_lanes": {MODEL: {"warm": {"tok_s": 1.0}}}}, MODEL, None)
+    assert out["kept4096_bytes_s"] is None and "kept4096_bytes_s" not in out["meets_goals"]
+
+
 def test_tokens_and_speed_are_eval_pys_own(smoke):
     _, r, _ = smoke
     for case, kind in (("64_lanes", "cold"), ("64_lanes", "warm"), ("1m_doc", "warm")):
