@@ -97,16 +97,17 @@ def _mix(share: float, max_gap: int = 65536, forms: str = "") -> list[str]:
 
 
 
+def _settings(keys: tuple[str, ...], model, data) -> list[str]:
+    """Overrides that set each dotted config key ("model.x", "data.y") to its value in `model`
+    (a ModelConfig) or `data` (a DataConfig)."""
+    sections = {"model": model, "data": data}
+    return [f"{key}={getattr(sections[key.split('.')[0]], key.split('.')[1])}" for key in keys]
+
+
 def _defaults(keys: tuple[str, ...]) -> list[str]:
-    """Overrides that set each dotted config key ("model.x", "data.y") to its default."""
+    """Overrides that set each dotted config key to its default."""
     from elephant.config import DataConfig, ModelConfig
-    default = {"model": ModelConfig(), "data": DataConfig()}
-    out = []
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(default[section], name)
-        out.append(f"{key}={value}")
-    return out
+    return _settings(keys, ModelConfig(), DataConfig())
 
 
 # the recipe before it took keep-mix-varied's training (2026-12-07; the baseline of every run
@@ -124,7 +125,9 @@ def _took() -> list[str]:
     training it took (for another recipe, `with-mix`)."""
     from elephant.config import load_config
     cfg = load_config(ROOT / "configs" / "wt103-70m.toml", [])
-    return [f"{key}={getattr(getattr(cfg, key.split('.')[0]), key.split('.')[1])}" for key in TOOK]
+    return _settings(TOOK, cfg.model, cfg.data)
+
+
 _MIX = _mix(0.2)   # a fifth of the training text
 _BPTT8 = ["model.bptt_chunks=8", "train.lanes=8"]
 # the kept-token settings without the drop: a lane's kept tokens dropped after 1 chunk in 10 (the
@@ -507,7 +510,7 @@ def report(args) -> int:
     scores = {p.parent.name: json.loads(p.read_text()) for p in sorted(runs.glob("*/score.json"))}
     speeds = {p.stem.removeprefix("speed-"): json.loads(p.read_text())
               for p in sorted(runs.glob("speed-*.json"))}
-    recipe_name = getattr(args, "recipe", "wt103-70m")
+    recipe_name = recipe_path(args).stem
     out = {"benchmark": "long_study", "recipe": recipe_name,
            **environment("cpu" if args.smoke else None),
            "steps_trained": {k: v["train"]["steps"] for k, v in scores.items()},

@@ -238,21 +238,29 @@ def test_long_study_worth_of_the_parts_a_variant_carries():
     assert worth({"carried": bands(0.5)}) == {}   # scored without --drops
 
 
+def study_args(tmp_path):
+    """long_study's arguments for config(): bytes, runs and cache in tmp_path, 10 steps."""
+    import argparse
+    return argparse.Namespace(tokenizer="bytes", cache=str(tmp_path), steps=10, runs=str(tmp_path),
+                              smoke=False)
+
+
+def train_settings(cfg) -> dict:
+    """A config's train section but its run dir (each variant's own)."""
+    return {k: v for k, v in vars(cfg.train).items() if k != "run_dir"}
+
+
 def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before(tmp_path):
     # the recipe took keep-mix-varied's training on 2026-12-07: `today` (the recipe as it is) is
     # that variant read with the 128 kept tokens it trained with, and the variants defined
     # before then keep their meaning by starting from the recipe as it was (`before`)
-    import argparse
-
     from benchmarks.long_study import config
-    args = argparse.Namespace(tokenizer="bytes", cache=str(tmp_path), steps=10,
-                              runs=str(tmp_path), smoke=False)
+    args = study_args(tmp_path)
     today, mixed = config("today", args), config("keep-mix-varied", args)
     assert mixed.model.kv_keep_infer == 4096 and today.model.kv_keep_infer == 0
     mixed.model.kv_keep_infer = 0
     assert vars(mixed.model) == vars(today.model) and today.model.kv_keep_cost == 0.01
-    run_dir = lambda c: {k: v for k, v in vars(c.train).items() if k != "run_dir"}  # noqa: E731
-    assert vars(mixed.data) == vars(today.data) and run_dir(mixed) == run_dir(today)
+    assert vars(mixed.data) == vars(today.data) and train_settings(mixed) == train_settings(today)
     before = config("before", args)
     assert before.data.recall_mix == 0 and before.model.kv_keep_cost == 0
     assert before.data.length_curriculum_steps == 0
@@ -266,16 +274,11 @@ def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before
 def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
     # `with-mix` reads the recall training from configs/wt103-70m.toml: on that recipe it is
     # `today`; on fineweb-124m (--recipe) it is fineweb's model and steps with that training
-    import argparse
-
     from benchmarks.long_study import TOOK, config
-    args = argparse.Namespace(tokenizer="bytes", cache=str(tmp_path), steps=10,
-                              runs=str(tmp_path), smoke=False)
-    same = lambda a, b: {k: v for k, v in vars(a.train).items() if k != "run_dir"} == {  # noqa: E731
-        k: v for k, v in vars(b.train).items() if k != "run_dir"}
+    args = study_args(tmp_path)
     today, mixed = config("today", args), config("with-mix", args)
     assert vars(today.model) == vars(mixed.model) and vars(today.data) == vars(mixed.data)
-    assert same(today, mixed)
+    assert train_settings(today) == train_settings(mixed)
     args.recipe = "fineweb-124m"
     fw, fw_mixed = config("today", args), config("with-mix", args)
     assert fw.data.recall_mix == 0 and fw.model.kv_keep_cost == 0     # fineweb as it is
@@ -283,7 +286,7 @@ def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
         section, name = key.split(".")
         assert getattr(getattr(fw_mixed, section), name) == getattr(getattr(today, section), name)
     assert fw_mixed.model.d_model == fw.model.d_model != today.model.d_model
-    assert same(fw, fw_mixed) and fw.train.chunk_len != today.train.chunk_len
+    assert train_settings(fw) == train_settings(fw_mixed) and fw.train.chunk_len != today.train.chunk_len
     tf = config("transformer", args)   # fineweb's depth all attention, its tokens a step
     assert tf.model.layers == "A" * len(fw.model.layers) != "A" * len(today.model.layers)
     assert tf.train.chunk_len * tf.train.lanes == fw.train.lanes * fw.train.chunk_len * fw.model.bptt_chunks
