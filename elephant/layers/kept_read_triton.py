@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_env import HAS_TRITON, INTERPRET, tl, triton, triton_op
+from .triton_env import FLOAT_DTYPES, HAS_TRITON, INTERPRET, is_pow2, tl, triton, triton_op
 
 BLOCK_M = 64   # queries a program
 BLOCK_N = 64   # kept keys a tile
@@ -42,11 +42,8 @@ BLOCK_N = 64   # kept keys a tile
 def supported(q: Tensor, values: Tensor) -> bool:
     """Whether the kernel takes these inputs: a Triton device (or the interpreter on the CPU),
     a float dtype it ranks, power-of-two head dims of 16 or more."""
-    def pow2(n: int) -> bool:
-        return n >= 16 and n & (n - 1) == 0
-    return (HAS_TRITON and (q.is_cuda or INTERPRET) and
-            q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and pow2(q.shape[-1]) and pow2(values.shape[-1]))
+    return (HAS_TRITON and (q.is_cuda or INTERPRET) and q.dtype in FLOAT_DTYPES
+            and all(is_pow2(d) and d >= 16 for d in (q.shape[-1], values.shape[-1])))
 
 
 if HAS_TRITON:
@@ -62,15 +59,13 @@ if HAS_TRITON:
                     other=0.0)
         if WIDE:   # float32 scores as torch's float32 product forms them (no TF32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")                    # (BM, BN)
-        else:
-            s = tl.dot(q, tl.trans(k)).to(q.dtype)
-        ok = inside & (tl.load(valid_ptr + n, mask=inside, other=0) != 0)
-        if WIDE:
             bits = s.to(tl.int32, bitcast=True).to(tl.int64)
             key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         else:
+            s = tl.dot(q, tl.trans(k)).to(q.dtype)
             bits = s.to(tl.int16, bitcast=True).to(tl.int32)
             key = tl.where(bits < 0, bits ^ 0x7FFF, bits)
+        ok = inside & (tl.load(valid_ptr + n, mask=inside, other=0) != 0)
         return s.to(tl.float32), key, ok
 
     @triton.jit

@@ -34,16 +34,14 @@ from torch import Tensor
 from .triton_env import FLOAT_DTYPES as _DTYPES
 from .triton_env import HAS_TRITON, tl, triton
 from .triton_env import INTERPRET as _INTERPRET
-from .triton_env import register_autograd, triton_op
+from .triton_env import is_pow2, register_autograd, triton_op
 
 
 def supported(y: Tensor, heads: int, head_dim: int) -> bool:
     """Whether the kernels take this projection output (CUDA, or CPU under the interpreter; float
     dtypes whose math is float32; power-of-two heads and head size, as the kernels' tiles are)."""
-    def pow2(n):
-        return n > 0 and n & (n - 1) == 0
     return (HAS_TRITON and (y.is_cuda or _INTERPRET) and y.dtype in _DTYPES and y.dim() == 3
-            and pow2(heads) and pow2(head_dim) and head_dim >= 2)
+            and is_pow2(heads) and is_pow2(head_dim) and head_dim >= 2)
 
 
 if HAS_TRITON:

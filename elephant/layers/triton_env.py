@@ -21,6 +21,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def is_pow2(n: int) -> bool:
+    """Whether n is a power of two (a size the kernels' tiles take whole)."""
+    return n > 0 and n & (n - 1) == 0
+
+
 def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., D) as (N, D) rows with unit stride over D: a view where t's strides allow it (e.g. a
     column slice of a wider projection output), else a contiguous copy. Row kernels read it at
