@@ -6,8 +6,20 @@ tests/test_recall.py trains) or on every token of the documents (the LM loss use
 then scored at 64 and 96 bytes, as trained and with the memory dropped after every chunk. No
 kept tokens and no window compete with the memory here: what the loss gives it is all it gets.
 
+The carrier (`--design`): `slots`, the gated RMT memory above; `delta`, no slots and the first
+layer a gated delta rule mixer (layers DA: an associative memory written and read by every token,
+its state carried from chunk to chunk, ARMT's and Gated DeltaNet's design); `mamba`, the same with
+a Mamba-2 mixer (MA), the hybrid's own recurrent state. "dropped" clears the carrier after every
+chunk (the memory, or the delta / SSM state).
+
+`--loss gain`: every token, each weighted by what the carried state gains it, as LongCE weighs
+tokens by their long-context gain (Fang et al. 2024, https://arxiv.org/abs/2410.23771): a pass
+without gradient with the carrier dropped after every chunk gives each token's loss without it,
+and a token's weight is exp(that loss - its loss as carried), clipped to [1, GAIN_CAP]. Nothing in
+it knows where the answers are: at first no token gains and the weights are 1 (the LM loss).
+
     python benchmarks/memory_probe.py --loss answers,every --steps 600 --seeds 0,1 \
-        [--out benchmarks/results/memory_probe_<date>_cpu.json]
+        [--design slots,delta,mamba] [--out benchmarks/results/memory_probe_<date>_cpu.json]
 
 Each (loss, steps, seed) trains in a process of its own, two at a time (one thread each).
 """
@@ -25,23 +37,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DISTANCES = [64, 96]
+# design -> (layers, memory slots, the part "dropped" clears)
+DESIGNS = {"slots": ("AA", 4, "memory"), "delta": ("DA", 0, "delta"), "mamba": ("MA", 0, "ssm")}
+LOSSES = ("answers", "every", "gain")
+GAIN_CAP = 5.0
 
 
-def tiny_memory_model():
+def tiny_memory_model(design: str = "slots"):
     """The CPU memory test's model and its optimizers (tests/test_recall.py trains it on the
-    answers; seed torch first): attention only, no KV window, 4 memory slots whose gates start
-    half open, BPTT over 8 chunks."""
+    answers; seed torch first): no KV window, BPTT over 8 chunks; with `design` "slots" attention
+    only and 4 memory slots whose gates start half open, else DESIGNS' recurrent first layer and
+    no slots."""
     from elephant.config import ModelConfig, OptimConfig
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers="AA", d_mlp=128, n_mem=4,
-                      kv_window=0, bptt_chunks=8, mem_gate_init=0.0)
+    layers, n_mem, _ = DESIGNS[design]
+    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers=layers, d_mlp=128,
+                      n_mem=n_mem, kv_window=0, bptt_chunks=8, mem_gate_init=0.0, ssd_chunk=16)
     model = ElephantLM(cfg)
     return model, build_optimizers(model, OptimConfig(
         warmup_steps=20, momentum_warmup_steps=20, adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
 
 
-def run_one(loss: str, steps: int, seed: int) -> dict:
+def run_one(loss: str, steps: int, seed: int, design: str = "slots") -> dict:
     """Train and score one model in this process."""
     import torch
 
@@ -49,38 +67,92 @@ def run_one(loss: str, steps: int, seed: int) -> dict:
     from elephant.recall import evaluate_recall, train_on_answers
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    model, opt = tiny_memory_model()
+    model, opt = tiny_memory_model(design)
     t0 = time.perf_counter()
-    curve = train_on_answers(model, opt, steps=steps, lanes=32, chunk_len=32, gaps=(40, 70),
-                             digits=3, seed=seed, every_token=loss == "every")
+    if loss == "gain":
+        curve = train_on_gain(model, opt, steps, DESIGNS[design][2], seed)
+    else:
+        curve = train_on_answers(model, opt, steps=steps, lanes=32, chunk_len=32, gaps=(40, 70),
+                                 digits=3, seed=seed, every_token=loss == "every")
     seconds = time.perf_counter() - t0
     cpu = torch.device("cpu")
-    out = {"loss": loss, "steps": steps, "seed": seed, "train_seconds": seconds, "curve": curve}
-    for name, ablation in (("recall", "none"), ("memory_dropped", "memory")):
+    out = {"design": design, "loss": loss, "steps": steps, "seed": seed,
+           "train_seconds": seconds, "curve": curve}
+    for name, ablation in (("recall", "none"), ("memory_dropped", DESIGNS[design][2])):
         r = evaluate_recall(model, ByteTokenizer(), DISTANCES, 32, 32, cpu, digits=3,
                             ablation=ablation)
         out[name] = {d: row["accuracy"] for d, row in r["by_distance"].items()}
     return out
 
 
+def train_on_gain(model, opt, steps: int, carrier: str, seed: int, lanes: int = 32,
+                  chunk_len: int = 32) -> list[dict]:
+    """train_on_answers' documents and schedule with every token in the loss, each weighted by
+    its gain from the carried state (`--loss gain`, the module doc): the loss is the weighted sum
+    over the tokens' count. Returns the mean weight and the loss every 50 steps."""
+    import numpy as np
+    import torch
+
+    from data_packing.tokenizer import ByteTokenizer
+    from elephant.recall import ablate, answer_batch
+    tok, rng, curve = ByteTokenizer(), np.random.default_rng(seed), []
+    model.train()
+    for step in range(steps):
+        tokens, mask, n_chunks = answer_batch(rng, tok, lanes, chunk_len, (40, 70), 3,
+                                              every_token=True)
+        chunks = [(tokens[:, c * chunk_len:(c + 1) * chunk_len + 1],
+                   mask[:, c * chunk_len:(c + 1) * chunk_len]) for c in range(n_chunks)]
+        reset = torch.ones(lanes, dtype=torch.bool)
+        with torch.no_grad():   # each token's loss with the carrier dropped after every chunk
+            state, short = model.init_state(lanes), []
+            for c, (x, m) in enumerate(chunks):
+                nll, state = model(x[:, :-1], state, reset if c == 0 else None, targets=x[:, 1:],
+                                   loss_mask=m, reduction="none")
+                short.append(nll)
+                state = ablate(model, state, carrier)
+        opt.set_step(step, steps)
+        state, total, weights = model.init_state(lanes), 0.0, []
+        for c, (x, m) in enumerate(chunks):
+            nll, state = model(x[:, :-1], state, reset if c == 0 else None, targets=x[:, 1:],
+                               loss_mask=m, reduction="none")
+            w = torch.exp(short[c] - nll.detach()).clamp(1.0, GAIN_CAP) * m
+            total = total + (w * nll).sum()
+            weights.append(w[m])
+        count = float(sum(int(m.sum()) for _, m in chunks))
+        (total / count).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        if step % 50 == 0 or step == steps - 1:
+            curve.append({"step": step, "weighted_loss": float(total) / count,
+                          "mean_weight": float(torch.cat(weights).mean())})
+    return curve
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--loss", default="answers,every", help="answers and/or every (comma-separated)")
+    p.add_argument("--loss", default="answers,every", help=f"comma-separated: {', '.join(LOSSES)}")
     p.add_argument("--steps", default="600", help="comma-separated step counts")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--design", default="slots", help=f"comma-separated: {', '.join(DESIGNS)}")
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--out")
-    p.add_argument("--one", nargs=3, metavar=("LOSS", "STEPS", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=4, metavar=("LOSS", "STEPS", "SEED", "DESIGN"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]), args.one[3])))
         return 0
     losses = [x for x in args.loss.split(",") if x]
-    bad = [x for x in losses if x not in ("answers", "every")]
+    bad = [x for x in losses if x not in LOSSES]
     if bad:
-        raise SystemExit(f"--loss: unknown {bad[0]!r}; expected answers or every")
-    runs = [(loss, int(n), int(s)) for loss in losses for n in args.steps.split(",")
-            for s in args.seeds.split(",")]
+        raise SystemExit(f"--loss: unknown {bad[0]!r}; expected one of {', '.join(LOSSES)}")
+    designs = [x for x in args.design.split(",") if x]
+    bad = [x for x in designs if x not in DESIGNS]
+    if bad:
+        raise SystemExit(f"--design: unknown {bad[0]!r}; expected one of {', '.join(DESIGNS)}")
+    runs = [(loss, int(n), int(s), d) for d in designs for loss in losses
+            for n in args.steps.split(",") for s in args.seeds.split(",")]
 
     def spawn(spec):
         r = subprocess.run([sys.executable, __file__, "--one", *map(str, spec)],
@@ -88,7 +160,7 @@ def main(argv=None) -> int:
         if r.returncode:
             raise SystemExit(f"{spec}: failed\n{r.stderr[-2000:]}")
         row = json.loads(r.stdout.strip().splitlines()[-1])
-        print(f"{row['loss']:8s} {row['steps']:5d} steps seed {row['seed']}: recall "
+        print(f"{row['design']:6s} {row['loss']:8s} {row['steps']:5d} steps seed {row['seed']}: recall "
               f"{[round(v, 2) for v in row['recall'].values()]}, memory dropped "
               f"{[round(v, 2) for v in row['memory_dropped'].values()]} "
               f"({row['train_seconds']:.0f} s)", flush=True)
@@ -97,7 +169,7 @@ def main(argv=None) -> int:
         rows = list(pool.map(spawn, runs))
     from benchmarks.common import environment
     out = {"benchmark": "memory_probe", **environment("cpu"), "distances": DISTANCES,
-           "chance": 0.1, "runs": rows}
+           "chance": 0.1, "designs": {d: DESIGNS[d][0] for d in designs}, "runs": rows}
     path = Path(args.out) if args.out else (
         ROOT / "benchmarks" / "results" / f"memory_probe_{time.strftime('%Y-%m-%d')}_cpu.json")
     path.parent.mkdir(parents=True, exist_ok=True)
