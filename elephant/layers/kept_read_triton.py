@@ -144,7 +144,8 @@ if HAS_TRITON:
             rank = ties[:, None] + tl.cumsum(tie, axis=1) - tie           # ties before, by key
             chosen = ok[None, :] & ((key > lo[:, None]) | ((tie != 0) & (rank < need[:, None])))
             ties += tl.sum(tie, axis=1)
-            x = tl.where(chosen, s * scale, float("-inf"))
+            # float32 whatever `scale` arrives as (inductor's wrapper passes a float as fp64)
+            x = tl.where(chosen, (s * scale).to(tl.float32), float("-inf"))
             m_new = tl.maximum(m, tl.max(x, axis=1))
             base = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key chosen yet: weight 0
             alpha = tl.exp(m - base)
