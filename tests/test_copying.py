@@ -269,6 +269,12 @@ def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before
     assert tf.model.layers == "AAAAAAAA"
     # the same tokens a step: 4 lanes of 8,192 against 32 of 512 through 2 chunks
     assert tf.train.chunk_len * tf.train.lanes == today.train.lanes * 512 * today.model.bptt_chunks
+    # the recipe reaching further back: the recipe as it is with that one setting changed
+    for name, key, value in (("keep512", "kv_keep", 512), ("window2k", "kv_window", 2048)):
+        far = config(name, args)
+        assert getattr(far.model, key) == value != getattr(today.model, key)
+        assert vars(far.model) | {key: getattr(today.model, key)} == vars(today.model)
+        assert vars(far.data) == vars(today.data) and train_settings(far) == train_settings(today)
 
 
 def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
