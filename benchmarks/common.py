@@ -363,9 +363,11 @@ def profile(step, steps: int, device, title: str, top: int = 20,
 
 
 def profile_summary(prof, steps: int, cuda: bool, title: str, top: int = 20, ranges: tuple = (),
-                    shapes: bool = False) -> tuple[list[dict], str, dict]:
-    """`profile`'s kernels, table and summary of a stopped torch profiler that saw `steps` steps."""
-    events = prof.key_averages()
+                    shapes: bool = False, events=None) -> tuple[list[dict], str, dict]:
+    """`profile`'s kernels, table and summary of a stopped torch profiler that saw `steps` steps.
+    `events`: its key_averages() where the caller has them already (they take a pass over the
+    trace)."""
+    events = prof.key_averages() if events is None else events
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = f"== {title} ({steps} steps, sorted by {key})\n" + events.table(sort_by=key, row_limit=30)
     if shapes:

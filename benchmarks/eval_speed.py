@@ -483,8 +483,10 @@ class PassProbe:
             self.profiler.stop()
             from benchmarks.common import profile_summary
             n = self.profile
-            kernels, table, summary = profile_summary(self.profiler, n, self.cuda, "steady chunks")
-            host = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            events = self.profiler.key_averages()
+            kernels, table, summary = profile_summary(self.profiler, n, self.cuda, "steady chunks",
+                                                      events=events)
+            host = events.table(sort_by="self_cpu_time_total", row_limit=25)
             self.marks["profile"] = {"chunks": n, "wall_ms_per_chunk": wall * 1e3 / n,
                                      "note": "under the profiler: its overhead is in the wall",
                                      "summary": summary, "kernels": kernels,

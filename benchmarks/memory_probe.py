@@ -129,6 +129,15 @@ def train_on_gain(model, opt, steps: int, carrier: str, seed: int, lanes: int = 
     return curve
 
 
+def names(text: str, known, flag: str) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of `known`, else a SystemExit naming `flag`."""
+    out = [x for x in text.split(",") if x]
+    bad = [x for x in out if x not in known]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad[0]!r}; expected one of {', '.join(known)}")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--loss", default="answers,every", help=f"comma-separated: {', '.join(LOSSES)}")
@@ -143,14 +152,7 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]), args.one[3])))
         return 0
-    losses = [x for x in args.loss.split(",") if x]
-    bad = [x for x in losses if x not in LOSSES]
-    if bad:
-        raise SystemExit(f"--loss: unknown {bad[0]!r}; expected one of {', '.join(LOSSES)}")
-    designs = [x for x in args.design.split(",") if x]
-    bad = [x for x in designs if x not in DESIGNS]
-    if bad:
-        raise SystemExit(f"--design: unknown {bad[0]!r}; expected one of {', '.join(DESIGNS)}")
+    losses, designs = names(args.loss, LOSSES, "--loss"), names(args.design, DESIGNS, "--design")
     runs = [(loss, int(n), int(s), d) for d in designs for loss in losses
             for n in args.steps.split(",") for s in args.seeds.split(",")]
 

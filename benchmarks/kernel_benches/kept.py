@@ -124,7 +124,7 @@ def kept_read(args) -> None:
       part1_window     two_part's first part alone (the floor: a layer without kept tokens)
       part2_kept       two_part's second part alone
       part2_fused      part 2 by the fused kernel (layers/kept_read_triton.py: no score matrix,
-                       the R-th score by bisection over tiles scored again), where Triton runs
+                       the R-th score searched over tiles scored again), where Triton runs
       two_part_fused   two_part with that kernel for part 2
       kept_as_trained  R kept tokens all read, with the window as one cache (the model as trained)
     Each path's forward is timed as a CUDA graph (median of --iters replays; eagerly if it does
