@@ -114,7 +114,7 @@ def _defaults(keys: tuple[str, ...]) -> list[str]:
 # until then, test loss 0.5006): the settings it took back at their defaults, as the recipe had
 # them. Every variant but FROM_TODAY's is this recipe and its own overrides
 # the variants that start from the recipe as it is
-FROM_TODAY = ("today", "transformer", "with-mix", "keep512", "window2k")
+FROM_TODAY = ("today", "transformer", "with-mix", "keep512", "window2k", "window8k")
 TOOK = ("model.kv_keep_cost", "data.recall_mix", "data.length_curriculum_steps",
         "data.length_curriculum_start", "data.recall_mix_templates", "data.recall_max_gap",
         "data.recall_min_gap", "data.recall_max_queries")
@@ -183,6 +183,7 @@ VARIANTS = {
     # the 128 are: the window's flash kernel, no per-query choice), or a 2,048-token window
     "keep512": ["model.kv_keep=512"],
     "window2k": ["model.kv_window=2048"],
+    "window8k": ["model.kv_window=8192"],   # the transformer's reach, and the kept tokens past it
     # today's data (the recipe's mix and curriculum): the hybrid it is set beside is the recipe
     "transformer": [
         "model.kv_keep_cost=0", "model.n_mem=0", "model.kv_window=0",
@@ -560,6 +561,28 @@ def report(args) -> int:
     return 0
 
 
+def import_scores(args) -> int:
+    """Variants' scores from an earlier results file (`--out`'s, or benchmarks/results/'s) into
+    RUNS/<variant>/score.json, so that `report` sets them beside this run's (a transformer scored
+    in an earlier session at the same steps and seed, say). The variants named (comma-separated),
+    each absent from RUNS; a score already there is kept."""
+    path = Path(args.out or "")
+    if not path.is_file():
+        raise SystemExit(f"import: --out must name an earlier results file; {path} is not a file")
+    earlier = json.loads(path.read_text()).get("variants", {})
+    for name in args.variant.split(","):
+        if name not in earlier:
+            raise SystemExit(f"import: {path.name} has no score of {name!r} (it has "
+                             f"{', '.join(earlier) or 'none'})")
+        dest = Path(args.runs) / name / "score.json"
+        if dest.exists():
+            print(f"[{name}] kept the score in {dest}", file=sys.stderr)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_score(args, name, {**earlier[name], "imported_from": path.name})
+    return 0
+
+
 def smoke(args) -> int:
     """Every step at a tiny size on the CPU: train two variants a few steps, score, report."""
     import shutil
@@ -580,7 +603,7 @@ def smoke(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("prepare", "train", "score", "speed", "report", "smoke"))
+    p.add_argument("command", choices=("prepare", "train", "score", "speed", "report", "import", "smoke"))
     p.add_argument("variant", nargs="?", default="keep-mix")
     p.add_argument("--hybrid", default="today",
                    help="report: the hybrid whose figures are the goals' keys (default today, the recipe)")
@@ -613,7 +636,7 @@ def main(argv=None) -> int:
         args.cache = "/tmp/long-study-smoke-cache"
         return smoke(args)
     return {"prepare": prepare, "train": train, "score": score, "speed": speed,
-            "report": report}[args.command](args)
+            "report": report, "import": import_scores}[args.command](args)
 
 
 if __name__ == "__main__":

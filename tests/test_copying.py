@@ -270,11 +270,34 @@ def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before
     # the same tokens a step: 4 lanes of 8,192 against 32 of 512 through 2 chunks
     assert tf.train.chunk_len * tf.train.lanes == today.train.lanes * 512 * today.model.bptt_chunks
     # the recipe reaching further back: the recipe as it is with that one setting changed
-    for name, key, value in (("keep512", "kv_keep", 512), ("window2k", "kv_window", 2048)):
+    for name, key, value in (("keep512", "kv_keep", 512), ("window2k", "kv_window", 2048),
+                             ("window8k", "kv_window", 8192)):
         far = config(name, args)
         assert getattr(far.model, key) == value != getattr(today.model, key)
         assert vars(far.model) | {key: getattr(today.model, key)} == vars(today.model)
         assert vars(far.data) == vars(today.data) and train_settings(far) == train_settings(today)
+
+
+def test_long_study_imports_an_earlier_score_and_keeps_its_own(tmp_path):
+    from benchmarks.long_study import import_scores
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"variants": {"transformer": {"test": {"nats_per_byte": 0.5}},
+                                                "today": {"test": {"nats_per_byte": 0.4}}}}))
+    runs = tmp_path / "runs"
+    (runs / "today").mkdir(parents=True)
+    (runs / "today" / "score.json").write_text('{"test": {"nats_per_byte": 0.3}}')
+    args = study_args(runs)
+    args.variant, args.out, args.kv_keep = "transformer,today", str(earlier), 0
+    assert import_scores(args) == 0
+    tf = json.loads((runs / "transformer" / "score.json").read_text())
+    assert tf["test"]["nats_per_byte"] == 0.5 and tf["imported_from"] == "earlier.json"
+    assert json.loads((runs / "today" / "score.json").read_text())["test"]["nats_per_byte"] == 0.3
+    args.variant = "window8k"
+    with pytest.raises(SystemExit, match="no score of 'window8k'"):
+        import_scores(args)
+    args.out = str(tmp_path / "missing.json")
+    with pytest.raises(SystemExit, match="not a file"):
+        import_scores(args)
 
 
 def test_long_study_with_mix_is_what_wt103_took_on_any_recipe(tmp_path):
