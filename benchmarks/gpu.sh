@@ -465,7 +465,9 @@ for stage in $stages; do
       # LONG_SCORE_KEEP="v:N ...": v scored again read with N kept tokens a layer (its test loss
       # and needle with the kept tokens it trained with, say, instead of kv_keep_infer's;
       # LONG_KEEP_SCORE: the flags those scorings take, e.g. --needle-1m)
-      n=0   # two scorers at a time (four on one H100 ran out of memory in a needle pass)
+      # LONG_SCORE_PARALLEL scorers at a time (default 2: four on one H100 ran out of memory in
+      # a needle pass)
+      n=0
       for spec in $score ${LONG_SCORE_KEEP:-}; do
         score_spec $spec
         [ -d $runs/$v ] || { echo "long: $v has no run to score"; continue; }
@@ -473,7 +475,7 @@ for stage in $stages; do
         [[ " ${LONG_LITE:-} " == *" $v "* ]] && extra=--lite   # the test loss alone
         [ -n "$k" ] && extra="--kv-keep $k ${LONG_KEEP_SCORE:-}"
         timeout ${LONG_SCORE_TIMEOUT:-300} $L score $v $extra > "$log" 2>&1 &
-        n=$((n + 1)); [ $((n % 2)) = 0 ] && wait
+        n=$((n + 1)); [ $((n % ${LONG_SCORE_PARALLEL:-2})) = 0 ] && wait
       done
       wait
       for spec in $score ${LONG_SCORE_KEEP:-}; do
