@@ -430,6 +430,8 @@ def score(args) -> int:
         print(f"[{name}] {len(long_test)} files over {args.long_tokens // 1024}K tokens, {kind}: "
               f"{ev['loss'] / bpt:.4f} nats/byte", file=sys.stderr, flush=True)
     phase("long")
+    if args.no_needle:   # the test loss and the long files' bands alone
+        return write_score(args, name, out)
     write_score(args, name, {**out, "partial": "long"})
     haystack = text_for(data, "test")
     phase("haystack")
@@ -619,6 +621,8 @@ def main(argv=None) -> int:
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
     p.add_argument("--lite", action="store_true", help="score: the test loss alone")
+    p.add_argument("--no-needle", action="store_true",
+                   help="score: the test loss and the long files' loss by band, no needle")
     p.add_argument("--kv-keep", type=int, default=0,
                    help="score: read with this many kept tokens a layer (default: as the variant "
                         "is loaded), into score-keep<N>.json")
