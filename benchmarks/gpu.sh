@@ -486,7 +486,7 @@ for stage in $stages; do
         timeout 200 $L speed $v --steps ${LONG_SPEED_STEPS:-80} 2>&1 | tee "$LOGS/long_speed_$v.log" | tail -2
       done
       # LONG_IMPORT="FILE:v,w": those variants' scores from an earlier results file, for the report
-      [ -n "${LONG_IMPORT:-}" ] && $L import ${LONG_IMPORT#*:} --out ${LONG_IMPORT%%:*}
+      [ -n "${LONG_IMPORT:-}" ] && $L import ${LONG_IMPORT#*:} --from ${LONG_IMPORT%%:*}
       $L report --hybrid ${LONG_HYBRID:-today} 2>&1 | tee "$LOGS/long_report.log" | tail -30 ;;
     field)
       # the field's wheels (.whl/, made by `make field-wheels` and carried: no index here) into

@@ -459,10 +459,15 @@ def score(args) -> int:
     return write_score(args, name, out)
 
 
+def score_path(args, name: str) -> Path:
+    """RUNS/<variant>/score.json (what `report` gathers); read with `--kv-keep N` kept tokens,
+    score-keep<N>.json beside it."""
+    return Path(args.runs) / name / (f"score-keep{args.kv_keep}.json" if args.kv_keep else "score.json")
+
+
 def write_score(args, name: str, out: dict) -> int:
-    """A variant's scores into RUNS/<variant>/score.json (what `report` gathers); read with
-    `--kv-keep N` kept tokens, into score-keep<N>.json beside it."""
-    path = Path(args.runs) / name / (f"score-keep{args.kv_keep}.json" if args.kv_keep else "score.json")
+    """A variant's scores into `score_path`, whole or not at all."""
+    path = score_path(args, name)
     tmp = path.with_name(path.name + ".tmp")   # whole or not at all: a kill mid-write keeps the last
     tmp.write_text(json.dumps(out, indent=1))
     tmp.replace(path)
@@ -564,19 +569,19 @@ def report(args) -> int:
 
 
 def import_scores(args) -> int:
-    """Variants' scores from an earlier results file (`--out`'s, or benchmarks/results/'s) into
-    RUNS/<variant>/score.json, so that `report` sets them beside this run's (a transformer scored
-    in an earlier session at the same steps and seed, say). The variants named (comma-separated),
-    each absent from RUNS; a score already there is kept."""
-    path = Path(args.out or "")
+    """Variants' scores from an earlier results file (`--from`: a `report` output) into
+    `score_path`, so that `report` sets them beside this run's (a transformer scored in an
+    earlier session at the same steps and seed, say). The variants named (comma-separated); a
+    score already there is kept."""
+    path = Path(args.from_ or "")
     if not path.is_file():
-        raise SystemExit(f"import: --out must name an earlier results file; {path} is not a file")
+        raise SystemExit(f"import: --from must name an earlier results file; {path} is not a file")
     earlier = json.loads(path.read_text()).get("variants", {})
     for name in args.variant.split(","):
         if name not in earlier:
             raise SystemExit(f"import: {path.name} has no score of {name!r} (it has "
                              f"{', '.join(earlier) or 'none'})")
-        dest = Path(args.runs) / name / "score.json"
+        dest = score_path(args, name)
         if dest.exists():
             print(f"[{name}] kept the score in {dest}", file=sys.stderr)
             continue
@@ -630,6 +635,7 @@ def main(argv=None) -> int:
     p.add_argument("--long-docs", type=int, default=64)
     p.add_argument("--test-docs", type=int, default=0, help="the loss over the first N test files (0: all)")
     p.add_argument("--out")
+    p.add_argument("--from", dest="from_", help="import: the earlier results file")
     args = p.parse_args(argv)
     tok = RECIPES[args.recipe]
     args.tokenizer = args.tokenizer or (tok if tok == "bytes" else str(TOKENIZERS / tok))

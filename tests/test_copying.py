@@ -287,7 +287,7 @@ def test_long_study_imports_an_earlier_score_and_keeps_its_own(tmp_path):
     (runs / "today").mkdir(parents=True)
     (runs / "today" / "score.json").write_text('{"test": {"nats_per_byte": 0.3}}')
     args = study_args(runs)
-    args.variant, args.out, args.kv_keep = "transformer,today", str(earlier), 0
+    args.variant, args.from_, args.kv_keep = "transformer,today", str(earlier), 0
     assert import_scores(args) == 0
     tf = json.loads((runs / "transformer" / "score.json").read_text())
     assert tf["test"]["nats_per_byte"] == 0.5 and tf["imported_from"] == "earlier.json"
@@ -295,7 +295,7 @@ def test_long_study_imports_an_earlier_score_and_keeps_its_own(tmp_path):
     args.variant = "window8k"
     with pytest.raises(SystemExit, match="no score of 'window8k'"):
         import_scores(args)
-    args.out = str(tmp_path / "missing.json")
+    args.from_ = str(tmp_path / "missing.json")
     with pytest.raises(SystemExit, match="not a file"):
         import_scores(args)
 
