@@ -573,7 +573,9 @@ def import_scores(args) -> int:
     `score_path`, so that `report` sets them beside this run's (a transformer scored in an
     earlier session at the same steps and seed, say). The variants named (comma-separated); a
     score already there is kept."""
-    path = Path(args.from_ or "")
+    if not args.from_:
+        raise SystemExit("import: give --from FILE, an earlier results file")
+    path = Path(args.from_)
     if not path.is_file():
         raise SystemExit(f"import: --from must name an earlier results file; {path} is not a file")
     earlier = json.loads(path.read_text()).get("variants", {})
