@@ -117,6 +117,12 @@ class ModelConfig:
                                      # the gate itself: strongest on the best-scored, the ones a fact
                                      # must outrank over a long stream; a read token settles where
                                      # its read's worth per window b gives gate 1 - cost / b)
+    kv_assoc: bool = False           # an associative memory per attention layer: each token leaving
+                                     # the window is written, by the delta rule, key (before rotary)
+                                     # to value at the strength of its keep gate, sigmoid(keep
+                                     # score); the layer's queries read it, gated per head, beside
+                                     # the window and the kept tokens (needs kv_keep > 0: the keep
+                                     # score learns there; docs/RESULTS.md)
     rope_base: float = 10000.0
     rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
                                      # not rotated (partial rotary): angles that training documents
@@ -204,6 +210,10 @@ class ModelConfig:
         if self.kv_keep and not self.kv_window:
             raise ConfigError("model.kv_keep: kept tokens are the ones that left the KV window; "
                               "set model.kv_window > 0 as well")
+        if self.kv_assoc and not self.kv_keep:
+            raise ConfigError("model.kv_assoc: a token is written to the associative memory at "
+                              "the strength of its keep score, which learns with kept tokens; "
+                              "set model.kv_keep > 0 as well")
         if self.attn_x0_norm and not self.attn_x0:
             raise ConfigError("model.attn_x0_norm normalizes attn_x0's sum; set model.attn_x0 = "
                               "true as well")

@@ -174,6 +174,8 @@ class Decoder:
                 t.zero_()
         for buf in self.kept.values():
             buf["keep_valid"].zero_()
+            if "assoc" in buf:
+                buf["assoc"].zero_()
         if self.memory is not None:
             self.memory = self.model.mem_init.detach().to(self.memory.dtype).expand_as(self.memory).clone()
         self._start_chunk(None)
@@ -233,8 +235,10 @@ class Decoder:
         B, S, D = x.shape
         H, hd = mixer.n_heads, mixer.head_dim
         free = self.free
+        S_assoc = None if kept is None else kept.get("assoc")
         q, k, v, *raw = mixer.project(x, pos, raw=kept is not None or free is not None,
-                                      raw_q=free is not None)  # (B, H, S, hd)
+                                      raw_q=free is not None,
+                                      read_q=S_assoc is not None)  # (B, H, S, hd)
         dtype = v.dtype
         K, V = kv                                                     # (B, H, W + C, hd)
         at = idx[:, None, :, None].expand(B, H, S, hd)
@@ -259,13 +263,22 @@ class Decoder:
                 y2, lse2 = top_kept_read(q_rot, kept["read_k"], kept["read_v"], kept["read_valid"],
                                          mixer.keep_read, 1.0 / math.sqrt(hd))
                 y = merge_by_lse(y1, lse1, y2, lse2)
-                return mixer.o(y.transpose(1, 2).reshape(B, S, D))
+                return self._out(mixer, x, y, raw, S_assoc)
             read_k = kept["read_k"].to(dtype)
             read_k = read_k if free is None else pad_sequence_keys(read_k)
             K = torch.cat([read_k, K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
             mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+        return self._out(mixer, x, y, raw, S_assoc)
+
+    @staticmethod
+    def _out(mixer, x: Tensor, y: Tensor, raw: list, S_assoc: Tensor | None) -> Tensor:
+        """The layer's output of attention's y (B, H, S, hd), with the associative memory's read
+        (model.kv_assoc) by the queries before rotary, as Attention.forward adds it."""
+        B, S, D = x.shape
+        if S_assoc is not None:
+            y = (y + mixer.assoc_read(x, raw[1], S_assoc, None)).to(y.dtype)
         return mixer.o(y.transpose(1, 2).reshape(B, S, D))
 
     # ---------------------------------------------------------------- kept tokens (model.kv_keep)
@@ -279,6 +292,9 @@ class Decoder:
                     raw_k=torch.zeros(B, H, self.C, hd, device=self.device, dtype=cache.keep_k.dtype),
                     raw_x=torch.zeros(B, self.C, cache.keep_x.shape[-1], device=self.device,
                                       dtype=cache.keep_x.dtype))
+        if cache.assoc is not None:   # model.kv_assoc: the memory, the window's raw keys and scores
+            buf |= dict(assoc=cache.assoc.clone(), win_raw=cache.raw_k.clone(),
+                        win_score=cache.score.clone())
         return buf
 
     @staticmethod
@@ -310,6 +326,24 @@ class Decoder:
             for n, t in chosen.fields().items():
                 buf[n].copy_(t)
 
+    def _write_assoc(self) -> None:
+        """At a chunk's end, before the window rolls: every layer with an associative memory
+        writes the tokens leaving its window (KVCache.append, as the chunked forward does)."""
+        M, W, T = self.M, self.W, self.T
+        for i, buf in self.kept.items():
+            if "assoc" not in buf:
+                continue
+            mixer = self.model.blocks[i].mixer
+            K, V = self.kv[i]
+            window = KVCache(k=K[:, :, :W], v=V[:, :, :W], valid=self.valid[:, :W],
+                             raw_k=buf["win_raw"], score=buf["win_score"], assoc=buf["assoc"])
+            new = window.append(K[:, :, W + M:W + M + T], V[:, :, W + M:W + M + T],
+                                raw_k=buf["raw_k"][:, :, M:M + T],
+                                score=mixer.keep_score(buf["raw_x"][:, M:M + T]).float())
+            buf["assoc"].copy_(new.assoc)
+            buf["win_raw"].copy_(new.raw_k)
+            buf["win_score"].copy_(new.score)
+
     def _token_step(self, tokens: Tensor) -> Tensor:
         model = self.model
         x = self._blocks(model.embed(tokens)[:, None], self.pos[:, None])
@@ -334,6 +368,7 @@ class Decoder:
             written = self._blocks(write, pos)
             self.memory = self.model.update_memory(self.memory, written)
         self._choose_kept()
+        self._write_assoc()
         if W:
             for kv in self.kv:
                 if kv is not None:

@@ -526,7 +526,13 @@ class ElephantLM(nn.Module):
                 if cache is None:
                     new.kv.append(None)
                     continue
-                window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc, keep=keep)
+                assoc_in = {}
+                if cache.assoc is not None:   # model.kv_assoc: what leaves the window is written
+                    with torch.no_grad():
+                        assoc_in = dict(raw_k=kept[0][:, :, M:M + T],
+                                        score=block.mixer.keep_score(kept[1][:, M:M + T]).float())
+                window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc,
+                                      keep=keep, **assoc_in)
                 if kept:
                     window = self._keep_tokens(block.mixer, cache, window, kept[0][:, :, M:M + T],
                                                v[:, :, M:M + T], kept[1][:, M:M + T], tok_pos,

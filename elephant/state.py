@@ -34,8 +34,14 @@ class KVCache:
     keep_x: Tensor | None = None      # (B, K, D)
     keep_pos: Tensor | None = None    # (B, K) int64
     keep_valid: Tensor | None = None  # (B, K) bool
+    # the associative memory (model.kv_assoc, else None; layers/assoc.py): the window's keys before
+    # rotary and keep scores (written to S when they leave it), and S in float32
+    raw_k: Tensor | None = None       # (B, H, W, hd)
+    score: Tensor | None = None       # (B, W) float32
+    assoc: Tensor | None = None       # (B, H, hd, hd)
 
-    NAMES = ("k", "v", "valid", "keep_k", "keep_v", "keep_x", "keep_pos", "keep_valid")
+    NAMES = ("k", "v", "valid", "keep_k", "keep_v", "keep_x", "keep_pos", "keep_valid", "raw_k",
+             "score", "assoc")
 
     def fields(self) -> dict[str, Tensor]:
         """name -> tensor of every field in use."""
@@ -45,21 +51,40 @@ class KVCache:
         return replace(self, **{n: fn(t) for n, t in self.fields().items()})
 
     def append(self, k: Tensor, v: Tensor, new_valid: Tensor | None = None,
-               keep: Tensor | None = None) -> "KVCache":
+               keep: Tensor | None = None, raw_k: Tensor | None = None,
+               score: Tensor | None = None) -> "KVCache":
         """The window after this chunk: the last W of [cache | new keys]. No gradient is kept.
         The kept tokens are carried unchanged (see `with_kept`).
 
         Packed documents: `new_valid` (B, S_new) marks the new keys of the lane's current (last)
-        document, `keep` (B,) whether the cached keys still belong to it (all valid / kept: None)."""
+        document, `keep` (B,) whether the cached keys still belong to it (all valid / kept: None).
+        With the associative memory (`assoc`): `raw_k` (B, H, S_new, hd) the new keys before
+        rotary and `score` (B, S_new) their keep scores; the S_new oldest of [cache | new], the
+        tokens leaving the window, are written to it in order (layers/assoc.py), those of the
+        lane's document alone, after a memory whose document ended (`keep` false) is cleared."""
         W = self.k.shape[2]
         k = torch.cat([self.k, k.detach().to(self.k.dtype)], dim=2)
         v = torch.cat([self.v, v.detach().to(self.v.dtype)], dim=2)
         old = self.valid if keep is None else self.valid & keep[:, None]
         fresh = (torch.ones_like(self.valid[:, :1]).expand(-1, k.shape[2] - W) if new_valid is None
                  else new_valid)                                              # (B, S_new)
-        valid = torch.cat([old, fresh], dim=1)[:, -W:]
-        return replace(self, k=k[:, :, -W:].contiguous(), v=v[:, :, -W:].contiguous(),
-                       valid=valid.contiguous())
+        both = torch.cat([old, fresh], dim=1)
+        valid = both[:, -W:]
+        out = replace(self, k=k[:, :, -W:].contiguous(), v=v[:, :, -W:].contiguous(),
+                      valid=valid.contiguous())
+        if self.assoc is None:
+            return out
+        if raw_k is None or score is None:
+            raise ValueError("KVCache.append: a cache with an associative memory needs the new "
+                             "keys before rotary (raw_k) and their keep scores (score)")
+        from .layers.assoc import assoc_write
+        n = k.shape[2] - W                                                    # tokens leaving
+        raw = torch.cat([self.raw_k, raw_k.detach().to(self.raw_k.dtype)], dim=2)
+        scores = torch.cat([self.score, score.detach().to(self.score.dtype)], dim=1)
+        S = self.assoc if keep is None else torch.where(keep[:, None, None, None], self.assoc, 0.0)
+        beta = torch.sigmoid(scores[:, :n]) * both[:, :n]
+        return replace(out, raw_k=raw[:, :, -W:].contiguous(), score=scores[:, -W:].contiguous(),
+                       assoc=assoc_write(S, raw[:, :, :n], v[:, :, :n], beta))
 
     def with_kept(self, k: Tensor, v: Tensor, x: Tensor, pos: Tensor, valid: Tensor,
                   score: Tensor, keep: Tensor | None = None) -> "KVCache":
@@ -198,6 +223,9 @@ class RecurrentState:
             return t.to(device=device)
         state = self._map(move)
         state.ssm = [None if t is None else t.to(device=device) for t in self.ssm]
+        state.kv = [c if c is None or c.assoc is None else
+                    replace(c, assoc=o.assoc.to(device=device), score=o.score.to(device=device))
+                    for c, o in zip(state.kv, self.kv)]
         return state
 
     def select(self, lanes: Tensor | slice) -> "RecurrentState":
@@ -278,9 +306,9 @@ class RecurrentState:
 
 # The parts of a lane's state that carry context from chunk to chunk, as `drop_parts` names them
 # (eval.py --drop, elephant.recall eval --ablate): the attention KV window, the kept tokens, the
-# RMT memory, every Mamba-2 and gated delta rule (D) layer's conv and recurrent state (ssm), and
+# attention's associative memory (model.kv_assoc), the RMT memory, every Mamba-2 and gated delta rule (D) layer's conv and recurrent state (ssm), and
 # the D layers' alone (delta)
-CARRIED_PARTS = ("window", "kept", "memory", "ssm", "delta")
+CARRIED_PARTS = ("window", "kept", "assoc", "memory", "ssm", "delta")
 PART_ALIASES = {"kv": "window", "keep": "kept", "mamba": "ssm"}
 
 
@@ -308,6 +336,7 @@ def carried_parts(cfg) -> tuple[str, ...]:
     memory where n_mem > 0, ssm where a Mamba-2 or delta rule layer is, delta where a D layer is."""
     has = {"window": "A" in cfg.layers and cfg.kv_window > 0,
            "kept": "A" in cfg.layers and cfg.kv_keep > 0,
+           "assoc": "A" in cfg.layers and cfg.kv_keep > 0 and bool(getattr(cfg, "kv_assoc", False)),
            "memory": cfg.n_mem > 0,
            "ssm": any(k in cfg.layers for k in "MD"),
            "delta": "D" in cfg.layers}
@@ -330,7 +359,8 @@ def check_parts(parts, cfg, flag: str = "--drop") -> None:
 def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None,
                layers: str | None = None) -> "RecurrentState":
     """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document
-    clears them (`RecurrentState.reset`: an empty window, no kept tokens, the initial memory
+    clears them (`RecurrentState.reset`: an empty window, no kept tokens, an empty associative
+    memory, the initial memory
     `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
     carries from chunk to chunk is what its loss or recall loses when it is dropped after every
     chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
@@ -344,7 +374,7 @@ def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None
     if "memory" in parts and state.memory is not None and init_memory is not None:
         out.memory = cleared.memory
     fields = (("k", "v", "valid") if "window" in parts else ()) + (
-        ("keep_valid",) if "kept" in parts else ())
+        ("keep_valid",) if "kept" in parts else ()) + (("assoc",) if "assoc" in parts else ())
     if fields:
         out.kv = [None if c is None else
                   replace(c, **{n: getattr(e, n) for n in fields if getattr(c, n) is not None})
@@ -384,6 +414,12 @@ def fresh_state(cfg, blocks, batch: int, device, dtype, kv_dtype,
                     keep_x=torch.zeros(batch, K, cfg.d_model, device=device, dtype=dtype),
                     keep_pos=torch.zeros(batch, K, dtype=torch.long, device=device),
                     keep_valid=torch.zeros(batch, K, dtype=torch.bool, device=device))
+                if K and cfg.kv_assoc:
+                    from .layers.assoc import state_dtype
+                    kept |= dict(
+                        raw_k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
+                        score=torch.zeros(batch, cfg.kv_window, device=device, dtype=torch.float32),
+                        assoc=torch.zeros(batch, H, hd, hd, device=device, dtype=state_dtype(dtype)))
                 state.kv.append(KVCache(
                     k=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),
                     v=torch.zeros(batch, H, cfg.kv_window, hd, device=device, dtype=kv_dtype),

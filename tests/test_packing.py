@@ -31,12 +31,12 @@ def starts_at(B, T, *cols) -> torch.Tensor:
                           (3, 16, 4, "free", False, "MAMA"), (3, 16, 4, "free", True, "MAMA"),
                           (3, 16, 4, "none", False, "MDAD")])
 def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, mem_rotary,
-                                                     attn_x0, layers):
+                                                     attn_x0, layers, **kw):
     # Lane 0: doc A runs over chunk 0 and into chunk 1, doc B starts at token 7 of chunk 1 and runs
     # on into chunk 2. Changing every token of doc A leaves doc B's logits bitwise unchanged (with
     # kept tokens: doc A's tokens 0-7 would be readable in chunk 2, had B not started).
     model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=kv_keep, mem_rotary=mem_rotary,
-                 attn_x0=attn_x0, layers=layers)
+                 attn_x0=attn_x0, layers=layers, **kw)
     T, b0 = 12, 7
     gen = torch.Generator().manual_seed(1)
     chunks = torch.randint(0, V, (3, 2, T), generator=gen)
@@ -57,6 +57,14 @@ def test_previous_document_never_leaks_into_the_next(n_mem, kv_window, kv_keep, 
     assert not torch.equal(a[1][:, :b0], b[1][:, :b0])  # doc A itself did change
     for name, t in state_a.tensors().items():
         assert torch.equal(t, state_b.tensors()[name]), name
+
+
+@pytest.mark.parametrize("n_mem, kv_window", [(3, 16), (0, 4)])
+def test_previous_document_never_leaks_through_the_associative_memory(n_mem, kv_window):
+    # model.kv_assoc: doc A's tokens leave the window (a window shorter than the chunk: some in
+    # the chunk where doc B starts) but are never written where doc B reads
+    test_previous_document_never_leaks_into_the_next(n_mem, kv_window, 4, "none", False, "MAMA",
+                                                     kv_assoc=True)
 
 
 @pytest.mark.parametrize("layers", ["MAMA", "AMMA", "MM", "AA", "MDAD"])

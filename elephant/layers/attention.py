@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import rotary_triton
+from . import assoc, rotary_triton
 from .kept_read import masked_attention_lse, merge_by_lse, top_kept_read
 from .triton_env import custom_op, register_autograd
 
@@ -636,6 +636,9 @@ class Attention(nn.Module):
         if cfg.kv_keep:  # the learned keep score of a token: <keep_w, its normalized input> + keep_b
             self.keep_w = nn.Parameter(torch.empty(cfg.d_model).normal_(std=cfg.init_std))
             self.keep_b = nn.Parameter(torch.zeros(1))
+        if getattr(cfg, "kv_assoc", False):  # the associative memory's read gate per head (assoc.py)
+            self.assoc_w = nn.Parameter(torch.zeros(cfg.d_model, cfg.n_heads))
+            self.assoc_b = nn.Parameter(torch.full((cfg.n_heads,), assoc.GATE_BIAS))
         # on CUDA, the queries, keys and values made by one kernel each way (layers/rotary_triton.py;
         # False: the plain path, which the tests hold it to)
         self.fused_qkv = True
@@ -669,6 +672,15 @@ class Attention(nn.Module):
         v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
         return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
 
+    def assoc_read(self, x: Tensor, q_raw: Tensor, S: Tensor, seg: Tensor | None) -> Tensor:
+        """What the queries before rotary q_raw (B, H, S, hd) of inputs x (B, S, D) add to the
+        attention's output from the associative memory S (B, H, hd, hd) (model.kv_assoc,
+        layers/assoc.py): the read times its gate sigmoid(<assoc_w, x> + assoc_b) per head,
+        (B, H, S, hd) in float32; with seg (B, S), only the carried document's tokens (0) read."""
+        gate = torch.sigmoid(x.to(self.assoc_w.dtype) @ self.assoc_w + self.assoc_b)   # (B, S, H)
+        read = assoc.assoc_read(S, q_raw) * gate.transpose(1, 2)[..., None].to(S.dtype)
+        return read if seg is None else read * (seg == 0)[:, None, :, None]
+
     def use_fused(self, y: Tensor) -> bool:
         """Whether `project` makes q, k and v of the projection output y by the kernel
         (rotary_triton: on CUDA, unless `fused_qkv` is off)."""
@@ -679,10 +691,13 @@ class Attention(nn.Module):
         t = t.to(work)
         return t if norm is None else F.rms_norm(t, (self.head_dim,), norm.weight.to(work), norm.eps)
 
-    def project(self, x: Tensor, pos: Tensor, raw: bool = False, raw_q: bool = False):
+    def project(self, x: Tensor, pos: Tensor, raw: bool = False, raw_q: bool = False,
+                read_q: bool = False):
         """Queries, rotated keys and values (B, H, S, hd) of x (B, S, D) at positions pos (B, S):
         shared by the chunk forward and the generation step. `raw`: also the keys before rotary;
-        `raw_q`: then also the queries before rotary (position-free memory, `free_scores`)."""
+        `raw_q`: then also the queries before rotary (position-free memory, `free_scores`);
+        `read_q` (with `raw`, not `raw_q`): then also the queries before rotary, with gradient
+        (the associative memory's read), on the fused path too."""
         B, S, D = x.shape
         H, hd = self.n_heads, self.head_dim
         y = self.qkv(x)                                                          # (B, S, 3D)
@@ -699,12 +714,15 @@ class Attention(nn.Module):
             with torch.no_grad():  # the keys before rotary, for kept tokens (carried without gradient)
                 k_raw = self._normed(y.detach().view(B, S, 3, H, hd)[:, :, 1].transpose(1, 2),
                                      self.k_norm, work)
+            if read_q:
+                q_raw = self._normed(y.view(B, S, 3, H, hd)[:, :, 0].transpose(1, 2), self.q_norm, work)
+                return (*out, k_raw.to(dtype), q_raw.to(dtype))
             return (*out, k_raw.to(dtype))
         q, k, v = y.view(B, S, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)     # (B, H, S, hd)
         q, k = self._normed(q, self.q_norm, work), self._normed(k, self.k_norm, work)
         cos, sin = rotary_cos_sin(pos, hd, self.rope_base, work, self.rope_max_period)
         out = apply_rotary(q, cos, sin).to(dtype), apply_rotary(k, cos, sin).to(dtype), v
-        if raw_q:
+        if raw_q or (raw and read_q):
             return (*out, k.to(dtype), q.to(dtype))
         return (*out, k.to(dtype)) if raw else out
 
@@ -728,8 +746,10 @@ class Attention(nn.Module):
         also the keys before rotary (what kept tokens store).
         """
         B, S, D = x.shape
+        S_assoc = None if kept is None or cache_k is None else kept.assoc
         q, k, v, *raw = self.project(x, pos, raw=kept is not None or free is not None,
-                                     raw_q=free is not None)  # (B, H, S, hd) each
+                                     raw_q=free is not None,
+                                     read_q=S_assoc is not None)  # (B, H, S, hd) each
         k_raw = raw[:1] if kept is not None else []
         if cache_k is not None and cache_valid is None:
             raise ValueError("Attention: cache_k given without cache_valid (B, W) bool")
@@ -768,5 +788,7 @@ class Attention(nn.Module):
         else:             # a layer's own kept tokens: its valid slots are not its neighbours'
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
                                 room=room, layouts=layouts if kept is None else None)
+        if S_assoc is not None:   # the associative memory, read by the queries before rotary
+            y = (y + self.assoc_read(x, raw[1], S_assoc, seg)).to(y.dtype)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
