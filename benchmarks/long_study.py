@@ -9,7 +9,8 @@ sliding window of its trained context.
 
     python benchmarks/long_study.py prepare VARIANT[,VARIANT]       # tokenize their corpora once
     python benchmarks/long_study.py train VARIANT [--steps N] [--stop-after-s S]   # resumes
-    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--lite] [--kv-keep N]
+    python benchmarks/long_study.py score VARIANT [--drops] [--needle-1m] [--needle-drop PART]
+                                                 [--lite] [--kv-keep N]
     python benchmarks/long_study.py speed VARIANT [--steps 60]      # alone on the GPU
     python benchmarks/long_study.py report [--hybrid today] [--out FILE]   # one results file
     python benchmarks/long_study.py smoke                           # every part, tiny, on the CPU
@@ -43,6 +44,8 @@ Variants (RUNS/<variant>, default RUNS = /tmp/long-study):
   keep-read     trained with 512 kept slots a layer, each query reading its best 128 (the read
                 learns to pick, as it must among 4,096 at inference), keep cost 0.01; -nomem: and
                 the memory off
+  keep512, window2k, window8k   the recipe as it is with 512 kept tokens, or a window of 2K / 8K
+  assoc         the recipe as it is with the attention layers' associative memory (model.kv_assoc)
   transformer   the recipe's depth all attention (AAAAAAAA for wt103-70m), no memory, window or
                 kept tokens, chunks of 8,192 (its context), the recipe's tokens a step (4 lanes for
                 wt103-70m's 32,768, 16 for fineweb-124m's) with the documents packed back to back (most
@@ -58,7 +61,8 @@ with a window of 7,168: every token sees 7K-8K tokens back), and the needle test
 (elephant/needle.py: one key at 128 tokens (inside the window), 1K, 4K and 64K, with --needle-1m
 also 1M; 8 keys at 64K).
 `--drops` adds, over the same long files, a reset every 2K and each carried part dropped after
-every chunk (window, kept, memory, ssm: elephant.evaluate's drop). A variant named NAME@SEED trains with
+every chunk (window, kept, assoc, memory, ssm: elephant.evaluate's drop); `--needle-drop kept`
+the one-key needle with the kept tokens dropped after every chunk (what the memory alone holds). A variant named NAME@SEED trains with
 train.seed=SEED; `report` pairs each with today@SEED (vs_today_paired_nats_per_byte). `report`
 gathers every scored variant into benchmarks/results/long_study_<date>_<device>.json with the goals' keys.
 """
@@ -114,7 +118,7 @@ def _defaults(keys: tuple[str, ...]) -> list[str]:
 # until then, test loss 0.5006): the settings it took back at their defaults, as the recipe had
 # them. Every variant but FROM_TODAY's is this recipe and its own overrides
 # the variants that start from the recipe as it is
-FROM_TODAY = ("today", "transformer", "with-mix", "keep512", "window2k", "window8k")
+FROM_TODAY = ("today", "transformer", "with-mix", "keep512", "window2k", "window8k", "assoc")
 TOOK = ("model.kv_keep_cost", "data.recall_mix", "data.length_curriculum_steps",
         "data.length_curriculum_start", "data.recall_mix_templates", "data.recall_max_gap",
         "data.recall_min_gap", "data.recall_max_queries")
@@ -184,6 +188,9 @@ VARIANTS = {
     "keep512": ["model.kv_keep=512"],
     "window2k": ["model.kv_window=2048"],
     "window8k": ["model.kv_window=8192"],   # the transformer's reach, and the kept tokens past it
+    # issue 71: the attention layers' associative memory, written by the delta rule with what
+    # leaves the window at its keep gate (layers/assoc.py)
+    "assoc": ["model.kv_assoc=true"],
     # today's data (the recipe's mix and curriculum): the hybrid it is set beside is the recipe
     "transformer": [
         "model.kv_keep_cost=0", "model.n_mem=0", "model.kv_window=0",
@@ -416,7 +423,7 @@ def score(args) -> int:
     if args.drops:
         from elephant.state import carried_parts   # the parts this variant carries
         runs |= {"reset-2K": {"reset_every": 2048}, **{f"drop-{p}": {"drop": (p,)} for p in
-                                                        ("window", "kept", "memory", "ssm")
+                                                        ("window", "kept", "assoc", "memory", "ssm")
                                                         if p in carried_parts(model.cfg)}}
     out["long"] = {"documents": len(long_test), "min_tokens": args.long_tokens}
     for kind, extra in runs.items():
@@ -446,6 +453,13 @@ def score(args) -> int:
                         lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log)
     out["needle"] = {k: v for r in (one, multi) for k, v in r.items() if k.startswith("needle_")}
     write_score(args, name, {**out, "partial": "needle"})
+    if args.needle_drop:   # the one key again with a carried part dropped after every chunk
+        alone = needle_test(model, tokenizer, haystack, distances[1:], chunk_len, device, keys=(1,),
+                            lanes=lanes, long_lanes=long_lanes, autocast=autocast, log=log,
+                            ablation=args.needle_drop)
+        out[f"needle_without_{args.needle_drop}"] = {k: v for k, v in alone.items()
+                                                     if k.startswith("needle_")}
+        write_score(args, name, {**out, "partial": "needle-drop"})
     # the mix's own form at every short distance (one pass): recall of a trained form beside
     # the held-out one's (what the mix taught, and what of it carries over to another form)
     trained = needle_test(model, tokenizer, haystack, short, chunk_len, device, keys=(1,),
@@ -513,7 +527,8 @@ def worth(long: dict) -> dict:
     carried = long["carried"]["bands"]
     parts = {k.removeprefix("drop-"): mean_gap(v["bands"], carried, WORTH)
              for k, v in long.items() if k.startswith("drop-")}
-    return {**({"memory_worth_8k_32k": parts["memory"]} if "memory" in parts else {}),
+    memory = "memory" if "memory" in parts else "assoc"   # the RMT memory, else kv_assoc's
+    return {**({"memory_worth_8k_32k": parts[memory]} if memory in parts else {}),
             "part_worth_8k_32k": parts,
             "context_gain_8k_32k": mean_gap(long["reset-2K"]["bands"], carried, WORTH)}
 
@@ -541,6 +556,9 @@ def report(args) -> int:
     recipe, tf = scores.get(args.hybrid), scores.get("transformer")
     if recipe:
         out |= recipe.get("needle", {})
+        alone = recipe.get("needle_without_kept", {})   # the memory alone (issue 71)
+        out |= {f"memory_alone_{d}": alone[f"needle_{d}"] for d in ("4k", "64k", "1m")
+                if f"needle_{d}" in alone}
         carried = recipe.get("long", {}).get("carried", {}).get("bands", {})
         out |= worth(recipe.get("long", {}))
         if tf and "carried" in tf.get("long", {}):
@@ -627,6 +645,9 @@ def main(argv=None) -> int:
                         "wt103-70m, GPT-2's for fineweb-124m; bytes for default)")
     p.add_argument("--drops", action="store_true")
     p.add_argument("--needle-1m", action="store_true")
+    p.add_argument("--needle-drop", default="", metavar="PART",
+                   help="score: the one-key needle again with PART dropped after every chunk "
+                        "(kept: the memory alone, issue 71's memory_alone_*)")
     p.add_argument("--lite", action="store_true", help="score: the test loss alone")
     p.add_argument("--no-needle", action="store_true",
                    help="score: the test loss and the long files' loss by band, no needle")

@@ -52,8 +52,9 @@ def needle_key(n_keys: int, distance: int) -> str:
 def needle_test(model, tokenizer, haystack: str | None, distances: list[int], chunk_len: int,
                 device, keys: tuple[int, ...] = (1,), lanes: int = 64, long_lanes: int = 16,
                 form: str = DEFAULT_FORM, autocast=None, seed: int = 4321,
-                progress: bool = False, log=None) -> dict:
-    """Accuracy by distance for each key count of `keys` (see the module docstring). Returns
+                progress: bool = False, log=None, ablation: str = "none") -> dict:
+    """Accuracy by distance for each key count of `keys` (see the module docstring); `ablation`:
+    a carried part dropped after every chunk (elephant.recall.ablate). Returns
     {"passes": [each pass's evaluate_recall result], "needle_...": accuracy, "seconds": ...}."""
     out = {"form": form, "passes": [], "lanes": lanes, "long_lanes": long_lanes}
     t0 = time.perf_counter()
@@ -68,7 +69,8 @@ def needle_test(model, tokenizer, haystack: str | None, distances: list[int], ch
         for group, width in plan:
             r = evaluate_recall(model, tokenizer, group, width, chunk_len, device, n_pairs=n,
                                 seed=seed + len(out["passes"]), autocast=autocast,
-                                progress=progress, filler=haystack, template=form)
+                                progress=progress, filler=haystack, template=form,
+                                ablation=ablation)
             r["keys"] = n
             out["passes"].append(r)
             for d, row in zip(group, r["by_distance"].values()):

@@ -83,5 +83,5 @@ def test_drop_parts_are_named_once_in_order(text, parts):
 def test_drop_with_an_unknown_part_is_a_one_line_error():
     from elephant.config import ConfigError
     from elephant.state import parse_parts
-    with pytest.raises(ConfigError, match="--drop memroy: unknown part 'memroy'; expected .*window, kept, memory, ssm"):
+    with pytest.raises(ConfigError, match="--drop memroy: unknown part 'memroy'; expected .*window, kept, assoc, memory, ssm"):
         parse_parts("memroy")

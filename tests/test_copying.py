@@ -271,7 +271,7 @@ def test_long_study_today_is_the_recipe_and_the_other_variants_start_from_before
     assert tf.train.chunk_len * tf.train.lanes == today.train.lanes * 512 * today.model.bptt_chunks
     # the recipe reaching further back: the recipe as it is with that one setting changed
     for name, key, value in (("keep512", "kv_keep", 512), ("window2k", "kv_window", 2048),
-                             ("window8k", "kv_window", 8192)):
+                             ("window8k", "kv_window", 8192), ("assoc", "kv_assoc", True)):
         far = config(name, args)
         assert getattr(far.model, key) == value != getattr(today.model, key)
         assert vars(far.model) | {key: getattr(today.model, key)} == vars(today.model)
@@ -345,3 +345,29 @@ def test_long_study_report_keeps_what_a_stopped_scorer_measured(tmp_path, capsys
     assert out["partial"] == {"today": "test", "keep read with 128 kept": "long"}
     assert out["today_minus_keep_nats_per_byte"] == pytest.approx(-0.01)
     assert "needle_4k" not in out   # today's scorer stopped before its needle
+
+
+def test_long_study_report_gives_the_associative_memory_its_keys(tmp_path):
+    # issue 71's keys from a variant with kv_assoc: the memory's worth is its drop's loss increase
+    # over 8K-32K, the memory alone the one-key needle with the kept tokens dropped
+    import argparse
+
+    from benchmarks.long_study import report, write_score
+    args = argparse.Namespace(runs=str(tmp_path), kv_keep=0, smoke=True, hybrid="assoc",
+                              out=str(tmp_path / "report.json"))
+    (tmp_path / "assoc").mkdir()
+    bands = {"8K-16K": 0.50, "16K-32K": 0.40}
+    write_score(args, "assoc", {
+        "train": {"steps": 5}, "test": {"nats_per_byte": 0.49},
+        "long": {"carried": {"bands": bands},
+                 "reset-2K": {"bands": {k: v + 0.03 for k, v in bands.items()}},
+                 "drop-assoc": {"bands": {"8K-16K": 0.51, "16K-32K": 0.42}},
+                 "drop-kept": {"bands": {k: v + 0.002 for k, v in bands.items()}}},
+        "needle": {"needle_4k": 0.9},
+        "needle_without_kept": {"needle_4k": 0.7, "needle_64k": 0.2, "needle_1k": 0.9}})
+    assert report(args) == 0
+    out = json.loads((tmp_path / "report.json").read_text())
+    assert out["memory_worth_8k_32k"] == pytest.approx(0.015)
+    assert out["part_worth_8k_32k"]["kept"] == pytest.approx(0.002)
+    assert out["memory_alone_4k"] == 0.7 and out["memory_alone_64k"] == 0.2
+    assert "memory_alone_1m" not in out and out["needle_4k"] == 0.9
