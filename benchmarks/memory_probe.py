@@ -9,8 +9,13 @@ kept tokens and no window compete with the memory here: what the loss gives it i
 The carrier (`--design`): `slots`, the gated RMT memory above; `delta`, no slots and the first
 layer a gated delta rule mixer (layers DA: an associative memory written and read by every token,
 its state carried from chunk to chunk, ARMT's and Gated DeltaNet's design); `mamba`, the same with
-a Mamba-2 mixer (MA), the hybrid's own recurrent state. "dropped" clears the carrier after every
-chunk (the memory, or the delta / SSM state).
+a Mamba-2 mixer (MA), the hybrid's own recurrent state; `kept`, no slots, a window of one chunk
+and 4 kept tokens past it (model.kv_keep); `assoc`, those and the attention's associative memory
+(model.kv_assoc: what leaves the window written by the delta rule at its keep gate, read by the
+queries), scored also with the kept tokens dropped (the memory alone); `assoc-drop`, the same
+trained with a lane's kept tokens dropped after half its chunks (kv_keep_drop 0.5); `assoc-top2`,
+only the 2 of highest keep score written of each chunk's 32 leaving (kv_assoc_writes). "dropped"
+clears the carrier after every chunk (the memory, the delta / SSM state, the kept tokens).
 
 `--loss gain`: every token, each weighted by what the carried state gains it, as LongCE weighs
 tokens by their long-context gain (Fang et al. 2024, https://arxiv.org/abs/2410.23771): a pass
@@ -19,7 +24,7 @@ and a token's weight is exp(that loss - its loss as carried), clipped to [1, GAI
 it knows where the answers are: at first no token gains and the weights are 1 (the LM loss).
 
     python benchmarks/memory_probe.py --loss answers,every --steps 600 --seeds 0,1 \
-        [--design slots,delta,mamba] [--out benchmarks/results/memory_probe_<date>_cpu.json]
+        [--design slots,delta,mamba,kept,assoc,assoc-drop] [--out benchmarks/results/memory_probe_<date>_cpu.json]
 
 Each (loss, steps, seed) trains in a process of its own, two at a time (one thread each).
 """
@@ -37,8 +42,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DISTANCES = [64, 96]
-# design -> (layers, memory slots, the part "dropped" clears)
-DESIGNS = {"slots": ("AA", 4, "memory"), "delta": ("DA", 0, "delta"), "mamba": ("MA", 0, "ssm")}
+# design -> (layers, memory slots, the part "dropped" clears, other model settings)
+_KEPT = dict(kv_window=32, kv_keep=4)   # a window of one chunk and 4 kept tokens past it
+DESIGNS = {"slots": ("AA", 4, "memory", {}), "delta": ("DA", 0, "delta", {}),
+           "mamba": ("MA", 0, "ssm", {}), "kept": ("AA", 0, "kept", _KEPT),
+           "assoc": ("AA", 0, "assoc", _KEPT | dict(kv_assoc=True)),
+           "assoc-drop": ("AA", 0, "assoc", _KEPT | dict(kv_assoc=True, kv_keep_drop=0.5)),
+           "assoc-top2": ("AA", 0, "assoc", _KEPT | dict(kv_assoc=True, kv_assoc_writes=2))}
 LOSSES = ("answers", "every", "gain")
 GAIN_CAP = 5.0
 
@@ -51,9 +61,10 @@ def tiny_memory_model(design: str = "slots"):
     from elephant.config import ModelConfig, OptimConfig
     from elephant.model import ElephantLM
     from elephant.optim import build_optimizers
-    layers, n_mem, _ = DESIGNS[design]
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_heads=4, layers=layers, d_mlp=128,
-                      n_mem=n_mem, kv_window=0, bptt_chunks=8, mem_gate_init=0.0, ssd_chunk=16)
+    layers, n_mem, _, extra = DESIGNS[design]
+    cfg = ModelConfig(**(dict(vocab_size=128, d_model=64, n_heads=4, layers=layers, d_mlp=128,
+                              n_mem=n_mem, kv_window=0, bptt_chunks=8, mem_gate_init=0.0,
+                              ssd_chunk=16) | extra))
     model = ElephantLM(cfg)
     return model, build_optimizers(model, OptimConfig(
         warmup_steps=20, momentum_warmup_steps=20, adam_lr=0.003, embed_lr=0.003, head_lr=0.003))
@@ -78,7 +89,10 @@ def run_one(loss: str, steps: int, seed: int, design: str = "slots") -> dict:
     cpu = torch.device("cpu")
     out = {"design": design, "loss": loss, "steps": steps, "seed": seed,
            "train_seconds": seconds, "curve": curve}
-    for name, ablation in (("recall", "none"), ("memory_dropped", DESIGNS[design][2])):
+    drops = [("recall", "none"), ("memory_dropped", DESIGNS[design][2])]
+    if DESIGNS[design][2] == "assoc":   # the memory alone: the kept tokens dropped
+        drops.append(("kept_dropped", "kept"))
+    for name, ablation in drops:
         r = evaluate_recall(model, ByteTokenizer(), DISTANCES, 32, 32, cpu, digits=3,
                             ablation=ablation)
         out[name] = {d: row["accuracy"] for d, row in r["by_distance"].items()}
@@ -164,7 +178,9 @@ def main(argv=None) -> int:
         row = json.loads(r.stdout.strip().splitlines()[-1])
         print(f"{row['design']:6s} {row['loss']:8s} {row['steps']:5d} steps seed {row['seed']}: recall "
               f"{[round(v, 2) for v in row['recall'].values()]}, memory dropped "
-              f"{[round(v, 2) for v in row['memory_dropped'].values()]} "
+              f"{[round(v, 2) for v in row['memory_dropped'].values()]}"
+              + (f", kept dropped {[round(v, 2) for v in row['kept_dropped'].values()]}"
+                 if "kept_dropped" in row else "") + " "
               f"({row['train_seconds']:.0f} s)", flush=True)
         return row
     with ThreadPoolExecutor(args.parallel) as pool:

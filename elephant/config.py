@@ -123,6 +123,9 @@ class ModelConfig:
                                      # score); the layer's queries read it, gated per head, beside
                                      # the window and the kept tokens (needs kv_keep > 0: the keep
                                      # score learns there; docs/RESULTS.md)
+    kv_assoc_writes: int = 0         # > 0: of the tokens leaving the window at a chunk's end, only
+                                     # this many a lane are written, those of highest keep score
+                                     # (0: all, each at its gate)
     rope_base: float = 10000.0
     rope_max_period: float = 0.0     # > 0: rotary frequency pairs whose period (tokens) is longer are
                                      # not rotated (partial rotary): angles that training documents
@@ -203,7 +206,7 @@ class ModelConfig:
                       "rope_max_period")
         if not 0.0 <= self.kv_keep_drop < 1.0:
             raise ConfigError(f"model.kv_keep_drop: expected a chance in [0, 1), got {self.kv_keep_drop}")
-        _non_negative(self, "kv_keep_infer")
+        _non_negative(self, "kv_keep_infer", "kv_assoc_writes")
         if self.kv_keep_infer and not self.kv_keep:
             raise ConfigError("model.kv_keep_infer: the capacity at inference of kept tokens that "
                               "a keep score trained with model.kv_keep > 0 chooses; set kv_keep too")

@@ -263,22 +263,24 @@ class Decoder:
                 y2, lse2 = top_kept_read(q_rot, kept["read_k"], kept["read_v"], kept["read_valid"],
                                          mixer.keep_read, 1.0 / math.sqrt(hd))
                 y = merge_by_lse(y1, lse1, y2, lse2)
-                return self._out(mixer, x, y, raw, S_assoc)
+                return self._out(mixer, x, y, raw, S_assoc, idx - self.W)
             read_k = kept["read_k"].to(dtype)
             read_k = read_k if free is None else pad_sequence_keys(read_k)
             K = torch.cat([read_k, K], dim=2)
             V = torch.cat([kept["read_v"].to(dtype), V], dim=2)
             mask = torch.cat([kept["read_valid"][:, None, None, :].expand(B, 1, S, -1), mask], dim=-1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
-        return self._out(mixer, x, y, raw, S_assoc)
+        return self._out(mixer, x, y, raw, S_assoc, idx - self.W)
 
     @staticmethod
-    def _out(mixer, x: Tensor, y: Tensor, raw: list, S_assoc: Tensor | None) -> Tensor:
+    def _out(mixer, x: Tensor, y: Tensor, raw: list, S_assoc: Tensor | None,
+             offset: Tensor) -> Tensor:
         """The layer's output of attention's y (B, H, S, hd), with the associative memory's read
-        (model.kv_assoc) by the queries before rotary, as Attention.forward adds it."""
+        (model.kv_assoc) by the queries before rotary at their `offset` (B, S) into the chunk,
+        as Attention.forward adds it."""
         B, S, D = x.shape
         if S_assoc is not None:
-            y = (y + mixer.assoc_read(x, raw[1], S_assoc, None)).to(y.dtype)
+            y = (y + mixer.assoc_read(x, raw[1], S_assoc, None, offset)).to(y.dtype)
         return mixer.o(y.transpose(1, 2).reshape(B, S, D))
 
     # ---------------------------------------------------------------- kept tokens (model.kv_keep)
@@ -339,7 +341,8 @@ class Decoder:
                              raw_k=buf["win_raw"], score=buf["win_score"], assoc=buf["assoc"])
             new = window.append(K[:, :, W + M:W + M + T], V[:, :, W + M:W + M + T],
                                 raw_k=buf["raw_k"][:, :, M:M + T],
-                                score=mixer.keep_score(buf["raw_x"][:, M:M + T]).float())
+                                score=mixer.keep_score(buf["raw_x"][:, M:M + T]).float(),
+                                writes=self.cfg.kv_assoc_writes)
             buf["assoc"].copy_(new.assoc)
             buf["win_raw"].copy_(new.raw_k)
             buf["win_score"].copy_(new.score)

@@ -530,7 +530,8 @@ class ElephantLM(nn.Module):
                 if cache.assoc is not None:   # model.kv_assoc: what leaves the window is written
                     with torch.no_grad():
                         assoc_in = dict(raw_k=kept[0][:, :, M:M + T],
-                                        score=block.mixer.keep_score(kept[1][:, M:M + T]).float())
+                                        score=block.mixer.keep_score(kept[1][:, M:M + T]).float(),
+                                        writes=cfg.kv_assoc_writes)
                 window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc,
                                       keep=keep, **assoc_in)
                 if kept:

@@ -52,7 +52,7 @@ class KVCache:
 
     def append(self, k: Tensor, v: Tensor, new_valid: Tensor | None = None,
                keep: Tensor | None = None, raw_k: Tensor | None = None,
-               score: Tensor | None = None) -> "KVCache":
+               score: Tensor | None = None, writes: int = 0) -> "KVCache":
         """The window after this chunk: the last W of [cache | new keys]. No gradient is kept.
         The kept tokens are carried unchanged (see `with_kept`).
 
@@ -61,7 +61,9 @@ class KVCache:
         With the associative memory (`assoc`): `raw_k` (B, H, S_new, hd) the new keys before
         rotary and `score` (B, S_new) their keep scores; the S_new oldest of [cache | new], the
         tokens leaving the window, are written to it in order (layers/assoc.py), those of the
-        lane's document alone, after a memory whose document ended (`keep` false) is cleared."""
+        lane's document alone, after a memory whose document ended (`keep` false) is cleared;
+        `writes` > 0: only that many of them a lane, those of highest keep score, in their order
+        (model.kv_assoc_writes)."""
         W = self.k.shape[2]
         k = torch.cat([self.k, k.detach().to(self.k.dtype)], dim=2)
         v = torch.cat([self.v, v.detach().to(self.v.dtype)], dim=2)
@@ -83,8 +85,15 @@ class KVCache:
         scores = torch.cat([self.score, score.detach().to(self.score.dtype)], dim=1)
         S = self.assoc if keep is None else torch.where(keep[:, None, None, None], self.assoc, 0.0)
         beta = torch.sigmoid(scores[:, :n]) * both[:, :n]
+        ek, ev = raw[:, :, :n], v[:, :, :n]
+        if 0 < writes < n:   # the best `writes` by keep score, written in their order
+            rank = torch.where(both[:, :n], scores[:, :n], float("-inf"))
+            pick = rank.topk(writes, dim=1).indices.sort(dim=1).values          # (B, writes)
+            beta = beta.gather(1, pick)
+            idx = pick[:, None, :, None].expand(-1, ek.shape[1], -1, ek.shape[3])
+            ek, ev = ek.gather(2, idx), ev.gather(2, idx)
         return replace(out, raw_k=raw[:, :, -W:].contiguous(), score=scores[:, -W:].contiguous(),
-                       assoc=assoc_write(S, raw[:, :, :n], v[:, :, :n], beta))
+                       assoc=assoc_write(S, ek, ev, beta))
 
     def with_kept(self, k: Tensor, v: Tensor, x: Tensor, pos: Tensor, valid: Tensor,
                   score: Tensor, keep: Tensor | None = None) -> "KVCache":

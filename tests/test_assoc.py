@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from elephant.config import ConfigError, ModelConfig
 from elephant.generate import Decoder
 from elephant.layers.assoc import assoc_read, assoc_write
+from elephant.layers.attention import rotate_at
 from elephant.layers.delta import delta_rule_recurrent
 from elephant.state import KVCache, carried_parts, check_parts, drop_parts, parse_parts
 from tiny_lm import tiny_lm
@@ -75,11 +76,24 @@ def test_the_tokens_leaving_the_window_are_written_in_order(keep):
     S = cache.assoc if keep is None else cache.assoc * keep[:, None, None, None]
     want = reference_write(S, cache.raw_k[:, :, :n], cache.v[:, :, :n], beta)
     torch.testing.assert_close(new.assoc, want)
+    # kv_assoc_writes: only the 2 of highest score among the valid ones leaving, in their order
+    two = cache.append(k, v, keep=keep, raw_k=raw, score=score, writes=2)
+    S2 = []
+    for b in range(B):
+        ok = [j for j in range(n) if valid[b, j]]
+        best = sorted(sorted(ok, key=lambda j: -float(cache.score[b, j]))[:2])
+        S2.append(reference_write(S[b:b + 1], cache.raw_k[b:b + 1, :, best],
+                                  cache.v[b:b + 1, :, best], beta[b:b + 1, best]))
+    torch.testing.assert_close(two.assoc, torch.cat(S2))
+    if keep is None:   # lane 1 has 3 valid tokens leaving: one of them is not written
+        assert not torch.allclose(two.assoc[1], new.assoc[1])
     with pytest.raises(ValueError, match="raw_k"):
         cache.append(k, v)
 
 
-def test_a_query_equal_to_a_key_that_left_the_window_reads_its_value():
+def test_a_query_that_scores_a_key_past_the_window_reads_its_value():
+    # the query at offset 2 into its chunk that attention would match best with the key at
+    # distance W + 1 + 2 (its rotation undone) reads the key's value from the memory
     model = make(layers="A", kv_window=4, kv_keep=2)
     mixer = model.blocks[0].mixer
     g = torch.Generator().manual_seed(2)
@@ -89,13 +103,21 @@ def test_a_query_equal_to_a_key_that_left_the_window_reads_its_value():
     S = assoc_write(torch.zeros(1, 4, 8, 8, dtype=torch.float64), key, value,
                     torch.ones(1, 1, dtype=torch.float64))
     q = torch.randn(1, 4, 5, 8, generator=g, dtype=torch.float64)
-    q[:, :, 2] = 2.0 * key[:, :, 0]
-    read = mixer.assoc_read(x, q, S, None)
-    gate = torch.sigmoid(x @ mixer.assoc_w + mixer.assoc_b)           # (1, 5, H)
-    torch.testing.assert_close(read[:, :, 2], gate[:, 2, :, None] * value[:, :, 0])
+    q[:, :, 2:3] = rotate_at(2.0 * key, torch.tensor([-(4 + 1 + 2)]), mixer.rope_base)
+    read = mixer.assoc_read(x, q, S, None, torch.arange(5))
+    # the same query one place later is turned one step further: it reads less of the value
+    moved = mixer.assoc_read(x, q[:, :, [1, 2, 3, 4, 0]], S, None, torch.arange(5))[:, :, 1]
+    assert (moved - gate_read(mixer, x, value)[:, :, 1]).abs().sum() > 1e-3
+    torch.testing.assert_close(read[:, :, 2], gate_read(mixer, x, value)[:, :, 2])
     seg = torch.tensor([[0, 0, 1, 1, 1]])     # a document that began inside the chunk reads none
     assert read[:, :, 2].abs().sum() > 0
-    assert mixer.assoc_read(x, q, S, seg)[:, :, 2:].abs().sum() == 0
+    assert mixer.assoc_read(x, q, S, seg, torch.arange(5))[:, :, 2:].abs().sum() == 0
+
+
+def gate_read(mixer, x, value):
+    """(1, H, S, hd): each position's gate times the value."""
+    gate = torch.sigmoid(x @ mixer.assoc_w + mixer.assoc_b)           # (1, S, H)
+    return gate.transpose(1, 2)[..., None] * value[:, :, :1]
 
 
 def test_the_memory_carries_reads_and_learns_in_the_model():
@@ -165,13 +187,17 @@ def test_state_keeps_the_memory_in_float32_through_moves_and_checkpoints():
 def test_config_needs_kept_tokens():
     with pytest.raises(ConfigError, match="kv_assoc"):
         ModelConfig(vocab_size=V, kv_window=8, kv_assoc=True).validate()
+    with pytest.raises(ConfigError, match="kv_assoc_writes"):
+        ModelConfig(vocab_size=V, kv_window=8, kv_keep=2, kv_assoc=True,
+                    kv_assoc_writes=-1).validate()
 
 
-@pytest.mark.parametrize("n_mem, kv_window", [(0, 3), (2, 5), (0, 8)])
-def test_step_path_equals_chunked_forward(n_mem, kv_window):
-    # windows shorter than, as long as and longer than the chunk; lane 1 starts a new document
+@pytest.mark.parametrize("n_mem, kv_window, writes", [(0, 3, 0), (2, 5, 0), (0, 8, 0), (0, 3, 2)])
+def test_step_path_equals_chunked_forward(n_mem, kv_window, writes):
+    # windows shorter than, as long as and longer than the chunk; lane 1 starts a new document;
+    # `writes`: kv_assoc_writes
     T = 5
-    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=3)
+    model = make(n_mem=n_mem, kv_window=kv_window, kv_keep=3, kv_assoc_writes=writes)
     tokens = torch.randint(0, V, (2, 5 * T + 2), generator=torch.Generator().manual_seed(6))
     state, want = None, []
     for c in range(0, tokens.shape[1], T):

@@ -348,12 +348,14 @@ def test_fused_kept_read_compiles_into_one_graph_and_equals_the_dense_read():
 
 
 # ------------------------------------------------------------------------------- q/k/v kernel
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled, read_q", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qkv_kernel_equals_the_plain_project_on_cuda(dtype, compiled):
+def test_qkv_kernel_equals_the_plain_project_on_cuda(dtype, compiled, read_q):
     # layers/rotary_triton.py at the recipe's attention shape (8 heads of 64, 16 + 512 + 16 tokens,
     # positions in the millions and a lane starting negative): q, k, v and the gradients of the
-    # input, the projection and the q/k norm weights equal the plain path's
+    # input, the projection and the q/k norm weights equal the plain path's; `read_q`: also the
+    # queries before rotary (model.kv_assoc's read) and their gradients (the keys before rotary
+    # carry none on the fused path: they are left out of the loss)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=512, n_heads=8, layers="A", d_mlp=64, qk_norm=True)
     attn = Attention(cfg).to(DEVICE, dtype)
@@ -364,14 +366,16 @@ def test_qkv_kernel_equals_the_plain_project_on_cuda(dtype, compiled):
     x = randn(B, S, cfg.d_model, dtype=dtype, seed=1).requires_grad_()
     pos = torch.arange(S, device=DEVICE).expand(B, S) + torch.tensor(
         [[-5], [0], [4096], [3_000_000]], device=DEVICE)
-    grads = [randn(B, 8, S, 64, dtype=dtype, seed=2 + i) for i in range(3)]
+    grads = [randn(B, 8, S, 64, dtype=dtype, seed=2 + i) for i in range(5)]
+    grads[3] = torch.zeros_like(grads[3])
     project = torch.compile(attn.project, dynamic=False) if compiled else attn.project
 
     def run(fused):
         attn.fused_qkv = fused
         for p in [x, *attn.parameters()]:
             p.grad = None
-        out = project(x, pos)
+        out = project(x, pos, raw=read_q, read_q=read_q)
+        assert len(out) == (5 if read_q else 3)
         sum((o.float() * g.float()).sum() for o, g in zip(out, grads)).backward()
         named = {"x": x.grad, **{n: p.grad for n, p in attn.named_parameters() if p.grad is not None}}
         return [o.detach().clone() for o in out], {n: g.clone() for n, g in named.items()}

@@ -50,6 +50,22 @@ def test_fast_model_equals_reference_model(n_mem):
     assert_fast_equals_reference(model, tokens[:2])
 
 
+def test_fast_model_with_the_associative_memory_equals_reference_model():
+    # model.kv_assoc on CUDA: the fused q/k/v kernel's queries before rotary (its read), the
+    # write of what leaves a window shorter than the chunk, and their gradients
+    torch.manual_seed(0)
+    model = ElephantLM(cfg(kv_window=32, kv_keep=8, kv_keep_noise=0.0, kv_assoc=True,
+                           bptt_chunks=3)).cuda()
+    with torch.no_grad():   # gates open enough that the read moves the logits
+        for block in model.blocks:
+            if block.kind == "A":
+                block.mixer.assoc_b.fill_(1.0)
+                block.mixer.assoc_w.normal_(std=0.1)
+    tokens = torch.randint(0, 512, (3, 2, 96), device="cuda")
+    assert_fast_equals_reference(model, tokens)
+    assert model.blocks[1].mixer.assoc_w.grad.abs().sum() > 0
+
+
 def assert_fast_equals_reference(model, tokens, starts=None):
     """Fast paths == reference paths over the chunks of `tokens` (chunks, B, T) with carried state
     (and document `starts`, same shape): the last chunk's logits and every gradient."""

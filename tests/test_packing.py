@@ -435,13 +435,15 @@ def test_packed_chunks_by_the_varlen_layout_equal_the_masked_path(monkeypatch, n
     assert_same_run(got, want)
 
 
-@pytest.mark.parametrize("compiled, attn_x0", [(False, False), (True, False), (True, True)])
-def test_forward_window_equals_the_chunks_one_by_one(compiled, attn_x0):
+@pytest.mark.parametrize("compiled, attn_x0, assoc", [(False, False, False), (True, False, False),
+                                                      (True, True, True)])
+def test_forward_window_equals_the_chunks_one_by_one(compiled, attn_x0, assoc):
     # forward_window (a BPTT window's chunks in one call; compile_for("window") makes them one
     # graph): the summed loss, the gradients (mem_init included), the prefix handed on and the
     # state after the window are forward's chunk by chunk (fp64), for windows packed or not,
     # across a detach (the second window starts from a state that has been through bptt_chunks);
-    # compiled: no graph break, and a window of a form seen before adds no graph
+    # compiled: no graph break, and a window of a form seen before adds no graph. `assoc`: with
+    # kept tokens and the associative memory (model.kv_assoc), its write inside the graph
     import torch._dynamo
     from torch._dynamo.utils import counters
     B, T, k = 2, 10, 2
@@ -457,7 +459,9 @@ def test_forward_window_equals_the_chunks_one_by_one(compiled, attn_x0):
     for windowed in (False, True):
         torch._dynamo.reset()
         counters.clear()
-        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k, attn_x0=attn_x0).train()
+        extra = dict(kv_keep=3, kv_assoc=True, kv_keep_noise=0.0) if assoc else {}
+        model = make(layers="MA", n_mem=2, kv_window=8, bptt_chunks=k, attn_x0=attn_x0,
+                     **extra).train()
         if windowed and compiled:
             model.compile_for("window", backend="aot_eager")
         state, losses, graphs = model.init_state(B), [], []

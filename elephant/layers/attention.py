@@ -672,13 +672,22 @@ class Attention(nn.Module):
         v = cache.keep_v * gate[:, None, :, None].to(cache.keep_v.dtype)
         return k, v, cache.keep_valid & (cache.keep_pos < edge[:, None])
 
-    def assoc_read(self, x: Tensor, q_raw: Tensor, S: Tensor, seg: Tensor | None) -> Tensor:
+    def assoc_read(self, x: Tensor, q_raw: Tensor, S: Tensor, seg: Tensor | None,
+                   offset: Tensor) -> Tensor:
         """What the queries before rotary q_raw (B, H, S, hd) of inputs x (B, S, D) add to the
         attention's output from the associative memory S (B, H, hd, hd) (model.kv_assoc,
         layers/assoc.py): the read times its gate sigmoid(<assoc_w, x> + assoc_b) per head,
-        (B, H, S, hd) in float32; with seg (B, S), only the carried document's tokens (0) read."""
+        (B, H, S, hd) in float32; with seg (B, S), only the carried document's tokens (0) read.
+        The keys were written before rotary (position 0); a query at `offset` (S,) or (B, S) into
+        its chunk is turned to position W + 1 + offset, so that it scores them as it scores a key
+        just past the window (the kept tokens' place, `kept_tokens`)."""
+        work = torch.promote_types(q_raw.dtype, torch.float32)
+        cos, sin = rotary_cos_sin(torch.as_tensor(self.window + 1 + offset).expand(
+            q_raw.shape[0], q_raw.shape[2]), self.head_dim, self.rope_base, work,
+            self.rope_max_period)
+        q = apply_rotary(q_raw.to(work), cos, sin)
         gate = torch.sigmoid(x.to(self.assoc_w.dtype) @ self.assoc_w + self.assoc_b)   # (B, S, H)
-        read = assoc.assoc_read(S, q_raw) * gate.transpose(1, 2)[..., None].to(S.dtype)
+        read = assoc.assoc_read(S, q) * gate.transpose(1, 2)[..., None].to(S.dtype)
         return read if seg is None else read * (seg == 0)[:, None, :, None]
 
     def use_fused(self, y: Tensor) -> bool:
@@ -789,6 +798,7 @@ class Attention(nn.Module):
             y = attend_segments(qa, ka, v, seg, cache_k, cache_v, cache_valid, prefix_k, prefix_v,
                                 room=room, layouts=layouts if kept is None else None)
         if S_assoc is not None:   # the associative memory, read by the queries before rotary
-            y = (y + self.assoc_read(x, raw[1], S_assoc, seg)).to(y.dtype)
+            y = (y + self.assoc_read(x, raw[1], S_assoc, seg,
+                                     torch.arange(S, device=x.device))).to(y.dtype)
         y = y.transpose(1, 2).reshape(B, S, D)
         return (self.o(y), k, v, *k_raw)
