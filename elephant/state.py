@@ -315,8 +315,9 @@ class RecurrentState:
 
 # The parts of a lane's state that carry context from chunk to chunk, as `drop_parts` names them
 # (eval.py --drop, elephant.recall eval --ablate): the attention KV window, the kept tokens, the
-# attention's associative memory (model.kv_assoc), the RMT memory, every Mamba-2 and gated delta rule (D) layer's conv and recurrent state (ssm), and
-# the D layers' alone (delta)
+# attention's associative memory (model.kv_assoc: it is written with what leaves the window, so a
+# dropped window also leaves it nothing to write), the RMT memory, every Mamba-2 and gated delta
+# rule (D) layer's conv and recurrent state (ssm), and the D layers' alone (delta)
 CARRIED_PARTS = ("window", "kept", "assoc", "memory", "ssm", "delta")
 PART_ALIASES = {"kv": "window", "keep": "kept", "mamba": "ssm"}
 
@@ -369,8 +370,7 @@ def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None
                layers: str | None = None) -> "RecurrentState":
     """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document
     clears them (`RecurrentState.reset`: an empty window, no kept tokens, an empty associative
-    memory, the initial memory
-    `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
+    memory, the initial memory `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
     carries from chunk to chunk is what its loss or recall loses when it is dropped after every
     chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
     layers."""

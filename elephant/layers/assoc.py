@@ -7,13 +7,17 @@ rotary, L2-normalized (k), its value v and a strength beta = sigmoid(keep score)
 
     S <- S + beta k (v - S^T k)^T          (what S held under k moves toward v by beta)
 
-so a key written again replaces its old value instead of adding to it, and a token the keep score
-rates low (the filler most tokens are) barely writes. The write happens a window after the token
+so a key written again replaces its old value instead of adding to it, and a token writes only as
+strongly as the keep score rates it (without a keep cost that rating stayed near 0.6 for every
+token in the CPU probe: docs/RESULTS.md). The write happens a window after the token
 was read, outside any backpropagated window: it carries no gradient, like the window itself; the
-keep score learns where it is read as a kept token (kv_keep, kv_keep_cost). A query reads S with
-its own key space: o = S^T q, q its query before rotary, L2-normalized, and adds o to the
-attention's output at the strength of a gate per head, sigmoid(<w_h, x> + b_h) of the layer's
-input x (`Attention.assoc_read`). Position-free: a fact is found however far back it was written.
+keep score learns where it is read as a kept token (kv_keep, kv_keep_cost). A query reads
+o = S^T q, q its query before rotary turned to position W + 1 + its offset into the chunk, then
+L2-normalized: it scores a written key (position 0) as it scores a key just past the window, where
+it meets the kept tokens. o is added to the attention's output at the strength of a gate per
+head, sigmoid(<w_h, x> + b_h) of the layer's input x (`Attention.assoc_read`). A fact is found
+however far back it was written. `model.kv_assoc_writes` N > 0: only the N leaving tokens of
+highest keep score are written each chunk.
 """
 from __future__ import annotations
 
@@ -47,6 +51,6 @@ def assoc_write(S: Tensor, k: Tensor, v: Tensor, beta: Tensor) -> Tensor:
 
 
 def assoc_read(S: Tensor, q: Tensor) -> Tensor:
-    """What queries before rotary q (B, H, S, hd) read of S (B, H, hd, hd): S^T q_hat, q_hat the
-    L2-normalized query, (B, H, S, hd) in S's dtype."""
+    """What queries q (B, H, S, hd) read of S (B, H, hd, hd): S^T q_hat, q_hat the L2-normalized
+    query, (B, H, S, hd) in S's dtype."""
     return torch.einsum("bhsk,bhkv->bhsv", F.normalize(q.to(S.dtype), dim=-1), S)
