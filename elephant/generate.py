@@ -314,38 +314,38 @@ class Decoder:
             buf["read_valid"].copy_(valid)
 
     def _choose_kept(self) -> None:
-        """At a chunk's end: every layer keeps the best of its kept tokens and the chunk's tokens,
-        as the chunked forward does (ElephantLM._keep_tokens), never with exploration noise."""
+        """At a chunk's end, before the window rolls: every layer keeps the best of its kept
+        tokens and the chunk's tokens, as the chunked forward does (ElephantLM._keep_tokens),
+        never with exploration noise; one with an associative memory also writes the tokens
+        leaving its window (`_write_assoc`), both from the chunk's keep scores."""
         M, T = self.M, self.T
         pos = self.pos[:, None] - T + torch.arange(T, device=self.device)      # the chunk's tokens
         for i, buf in self.kept.items():
             cache = self._kept_cache(buf)
+            mixer = self.model.blocks[i].mixer
             v = self.kv[i][1][:, :, self.W + M:self.W + M + T]                # the chunk's values
-            chosen = self.model._keep_tokens(self.model.blocks[i].mixer, cache, cache,
-                                             buf["raw_k"][:, :, M:M + T], v,
+            score = mixer.keep_score(buf["raw_x"][:, M:M + T])
+            if "assoc" in buf:
+                self._write_assoc(i, buf, score)
+            chosen = self.model._keep_tokens(mixer, cache, cache, buf["raw_k"][:, :, M:M + T], v,
                                              buf["raw_x"][:, M:M + T], pos, None, None,
-                                             explore=False)
+                                             explore=False, score=score)
             for n, t in chosen.fields().items():
                 buf[n].copy_(t)
 
-    def _write_assoc(self) -> None:
-        """At a chunk's end, before the window rolls: every layer with an associative memory
-        writes the tokens leaving its window (KVCache.append, as the chunked forward does)."""
+    def _write_assoc(self, i: int, buf: dict[str, Tensor], score: Tensor) -> None:
+        """Layer i's associative memory takes the tokens leaving its window (KVCache.append, as
+        the chunked forward does); `score` (B, T): the chunk's tokens' keep scores."""
         M, W, T = self.M, self.W, self.T
-        for i, buf in self.kept.items():
-            if "assoc" not in buf:
-                continue
-            mixer = self.model.blocks[i].mixer
-            K, V = self.kv[i]
-            window = KVCache(k=K[:, :, :W], v=V[:, :, :W], valid=self.valid[:, :W],
-                             raw_k=buf["win_raw"], score=buf["win_score"], assoc=buf["assoc"])
-            new = window.append(K[:, :, W + M:W + M + T], V[:, :, W + M:W + M + T],
-                                raw_k=buf["raw_k"][:, :, M:M + T],
-                                score=mixer.keep_score(buf["raw_x"][:, M:M + T]).float(),
-                                writes=self.cfg.kv_assoc_writes)
-            buf["assoc"].copy_(new.assoc)
-            buf["win_raw"].copy_(new.raw_k)
-            buf["win_score"].copy_(new.score)
+        K, V = self.kv[i]
+        window = KVCache(k=K[:, :, :W], v=V[:, :, :W], valid=self.valid[:, :W],
+                         raw_k=buf["win_raw"], score=buf["win_score"], assoc=buf["assoc"])
+        new = window.append(K[:, :, W + M:W + M + T], V[:, :, W + M:W + M + T],
+                            raw_k=buf["raw_k"][:, :, M:M + T], score=score,
+                            writes=self.cfg.kv_assoc_writes)
+        buf["assoc"].copy_(new.assoc)
+        buf["win_raw"].copy_(new.raw_k)
+        buf["win_score"].copy_(new.score)
 
     def _token_step(self, tokens: Tensor) -> Tensor:
         model = self.model
@@ -371,7 +371,6 @@ class Decoder:
             written = self._blocks(write, pos)
             self.memory = self.model.update_memory(self.memory, written)
         self._choose_kept()
-        self._write_assoc()
         if W:
             for kv in self.kv:
                 if kv is not None:

@@ -526,18 +526,18 @@ class ElephantLM(nn.Module):
                 if cache is None:
                     new.kv.append(None)
                     continue
-                assoc_in = {}
+                assoc_in, score = {}, None
                 if cache.assoc is not None:   # model.kv_assoc: what leaves the window is written
-                    with torch.no_grad():
-                        assoc_in = dict(raw_k=kept[0][:, :, M:M + T],
-                                        score=block.mixer.keep_score(kept[1][:, M:M + T]).float(),
-                                        writes=cfg.kv_assoc_writes)
+                    with torch.no_grad():     # (the chunk's keep scores, read again below)
+                        score = block.mixer.keep_score(kept[1][:, M:M + T])
+                    assoc_in = dict(raw_k=kept[0][:, :, M:M + T], score=score,
+                                    writes=cfg.kv_assoc_writes)
                 window = cache.append(k[:, :, M:M + T], v[:, :, M:M + T], new_valid=last_doc,
                                       keep=keep, **assoc_in)
                 if kept:
                     window = self._keep_tokens(block.mixer, cache, window, kept[0][:, :, M:M + T],
                                                v[:, :, M:M + T], kept[1][:, M:M + T], tok_pos,
-                                               last_doc, keep_kept)
+                                               last_doc, keep_kept, score=score)
                 new.kv.append(window)
         written = None
         if M:
@@ -566,14 +566,16 @@ class ElephantLM(nn.Module):
 
     def _keep_tokens(self, mixer, cache: KVCache, window: KVCache, k_raw: Tensor, v: Tensor,
                      x: Tensor, pos: Tensor, last_doc: Tensor | None, keep: Tensor | None,
-                     explore: bool | None = None) -> KVCache:
+                     explore: bool | None = None, score: Tensor | None = None) -> KVCache:
         """The layer's kept tokens after the chunk (`KVCache.with_kept`): the kv_keep best by keep
         score among those kept so far and the chunk's tokens (of the lane's last document), with
         Gumbel noise on the scores while training (kv_keep_noise; `explore` False: never, as the
         decoder wants) so that tokens the score does not favour yet are sometimes kept and can
-        show what keeping them is worth."""
+        show what keeping them is worth. `score`: the chunk's tokens' keep scores where the
+        caller has them (mixer.keep_score(x), no gradient)."""
         with torch.no_grad():
-            score = torch.cat([mixer.keep_score(cache.keep_x), mixer.keep_score(x)], dim=1)
+            score = torch.cat([mixer.keep_score(cache.keep_x),
+                               mixer.keep_score(x) if score is None else score], dim=1)
             noise = self.cfg.kv_keep_noise
             if (self.training if explore is None else explore) and noise:
                 u = torch.rand_like(score).clamp(1e-10, 1 - 1e-7)
