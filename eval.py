@@ -55,8 +55,8 @@ def parse(argv):
                         "(default 0: carried to the end)")
     p.add_argument("--drop", default="", metavar="PARTS",
                    help="what each carried part is worth: clear these parts of the state after "
-                        "every chunk, carry the rest (comma-separated: window, kept, assoc (the attention's "
-                        "associative memory), memory, ssm "
+                        "every chunk, carry the rest (comma-separated: window, kept, assoc "
+                        "(the attention's associative memory), memory, ssm "
                         "(the Mamba and delta rule layers' conv and recurrent state), delta (the "
                         "D layers' alone); e.g. --drop memory,kept); the loss by "
                         "position compares band by band with the carried run's")

@@ -62,8 +62,8 @@ with a window of 7,168: every token sees 7K-8K tokens back), and the needle test
 also 1M; 8 keys at 64K).
 `--drops` adds, over the same long files, a reset every 2K and each carried part dropped after
 every chunk (window, kept, assoc, memory, ssm: elephant.evaluate's drop); `--needle-drop kept`
-the one-key needle with the kept tokens dropped after every chunk (what the memory alone holds). A variant named NAME@SEED trains with
-train.seed=SEED; `report` pairs each with today@SEED (vs_today_paired_nats_per_byte). `report`
+the one-key needle with the kept tokens dropped after every chunk (what the memory alone holds).
+A variant named NAME@SEED trains with train.seed=SEED; `report` pairs each with today@SEED (vs_today_paired_nats_per_byte). `report`
 gathers every scored variant into benchmarks/results/long_study_<date>_<device>.json with the goals' keys.
 """
 from __future__ import annotations
@@ -423,8 +423,7 @@ def score(args) -> int:
     if args.drops:
         from elephant.state import carried_parts   # the parts this variant carries
         runs |= {"reset-2K": {"reset_every": 2048}, **{f"drop-{p}": {"drop": (p,)} for p in
-                                                        ("window", "kept", "assoc", "memory", "ssm")
-                                                        if p in carried_parts(model.cfg)}}
+                                                        carried_parts(model.cfg) if p != "delta"}}
     out["long"] = {"documents": len(long_test), "min_tokens": args.long_tokens}
     for kind, extra in runs.items():
         if not len(long_test):

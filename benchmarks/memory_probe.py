@@ -24,7 +24,8 @@ and a token's weight is exp(that loss - its loss as carried), clipped to [1, GAI
 it knows where the answers are: at first no token gains and the weights are 1 (the LM loss).
 
     python benchmarks/memory_probe.py --loss answers,every --steps 600 --seeds 0,1 \
-        [--design slots,delta,mamba,kept,assoc,assoc-drop] [--out benchmarks/results/memory_probe_<date>_cpu.json]
+        [--design slots,delta,mamba,kept,assoc,assoc-drop,assoc-top2] \
+        [--out benchmarks/results/memory_probe_<date>_cpu.json]
 
 Each (loss, steps, seed) trains in a process of its own, two at a time (one thread each).
 """

@@ -470,7 +470,8 @@ def evaluate(model, corpus, lanes: int, chunk_len: int, device, autocast=None, m
     positions reset_every, 2 x reset_every, ... of its document (0: off; else a positive multiple
     of chunk_len); the loss by position stays by the position in the whole document.
     `drop`: carried parts of the state (state.CARRIED_PARTS: window, kept, assoc, memory, ssm,
-    delta) cleared in every lane after every chunk, the rest carried: what each part is worth (eval.py --drop).
+    delta) cleared in every lane after every chunk, the rest carried: what each part is worth
+    (eval.py --drop).
     `per_document`: the result also holds `document_nll`, each document's summed NLL (nats) in
     the corpus's order (0 for a document of fewer than two tokens, which predicts nothing): what
     an adapter that scores documents one by one reports (elephant.lm_eval).

@@ -48,7 +48,8 @@ ABLATIONS = ("none", "memory", "kv", "keep", "kept", "assoc", "ssm", "delta")
 def ablate(model, state, part: str):
     """The state with one carried part dropped after a chunk, to see what carries a fact:
     memory -> the initial memory, kv -> an empty window, keep or kept -> no kept tokens
-    (model.kv_keep), assoc -> an empty associative memory (model.kv_assoc), ssm -> zero conv and recurrent state of every Mamba-2 and delta rule (D) layer, delta -> of
+    (model.kv_keep), assoc -> an empty associative memory (model.kv_assoc), ssm -> zero conv and
+    recurrent state of every Mamba-2 and delta rule (D) layer, delta -> of
     the D layers alone (state.drop_parts)."""
     if part == "none":
         return state

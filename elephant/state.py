@@ -346,7 +346,7 @@ def carried_parts(cfg) -> tuple[str, ...]:
     memory where n_mem > 0, ssm where a Mamba-2 or delta rule layer is, delta where a D layer is."""
     has = {"window": "A" in cfg.layers and cfg.kv_window > 0,
            "kept": "A" in cfg.layers and cfg.kv_keep > 0,
-           "assoc": "A" in cfg.layers and cfg.kv_keep > 0 and bool(getattr(cfg, "kv_assoc", False)),
+           "assoc": "A" in cfg.layers and cfg.kv_keep > 0 and cfg.kv_assoc,
            "memory": cfg.n_mem > 0,
            "ssm": any(k in cfg.layers for k in "MD"),
            "delta": "D" in cfg.layers}
@@ -370,9 +370,9 @@ def drop_parts(state: "RecurrentState", parts, init_memory: Tensor | None = None
                layers: str | None = None) -> "RecurrentState":
     """`state` with the carried `parts` (CARRIED_PARTS) cleared in every lane as a new document
     clears them (`RecurrentState.reset`: an empty window, no kept tokens, an empty associative
-    memory, the initial memory `init_memory`, zero Mamba and delta rule state), the rest and the positions kept: what one part
-    carries from chunk to chunk is what its loss or recall loses when it is dropped after every
-    chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
+    memory, the initial memory `init_memory`, zero Mamba and delta rule state), the rest and the
+    positions kept: what one part carries from chunk to chunk is what its loss or recall loses
+    when it is dropped after every chunk. `layers`: the model's layer letters (cfg.layers), which "delta" needs to find the D
     layers."""
     if not parts:
         return state

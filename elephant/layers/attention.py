@@ -636,7 +636,7 @@ class Attention(nn.Module):
         if cfg.kv_keep:  # the learned keep score of a token: <keep_w, its normalized input> + keep_b
             self.keep_w = nn.Parameter(torch.empty(cfg.d_model).normal_(std=cfg.init_std))
             self.keep_b = nn.Parameter(torch.zeros(1))
-        if getattr(cfg, "kv_assoc", False):  # the associative memory's read gate per head (assoc.py)
+        if cfg.kv_assoc:  # the associative memory's read gate per head (assoc.py)
             self.assoc_w = nn.Parameter(torch.zeros(cfg.d_model, cfg.n_heads))
             self.assoc_b = nn.Parameter(torch.full((cfg.n_heads,), assoc.GATE_BIAS))
         # on CUDA, the queries, keys and values made by one kernel each way (layers/rotary_triton.py;
@@ -682,9 +682,8 @@ class Attention(nn.Module):
         its chunk is turned to position W + 1 + offset, so that it scores them as it scores a key
         just past the window (the kept tokens' place, `kept_tokens`)."""
         work = torch.promote_types(q_raw.dtype, torch.float32)
-        cos, sin = rotary_cos_sin(torch.as_tensor(self.window + 1 + offset).expand(
-            q_raw.shape[0], q_raw.shape[2]), self.head_dim, self.rope_base, work,
-            self.rope_max_period)
+        cos, sin = rotary_cos_sin((self.window + 1 + offset).expand(q_raw.shape[0], q_raw.shape[2]),
+                                  self.head_dim, self.rope_base, work, self.rope_max_period)
         q = apply_rotary(q_raw.to(work), cos, sin)
         gate = torch.sigmoid(x.to(self.assoc_w.dtype) @ self.assoc_w + self.assoc_b)   # (B, S, H)
         read = assoc.assoc_read(S, q) * gate.transpose(1, 2)[..., None].to(S.dtype)

@@ -38,9 +38,10 @@ from . import kept_read_triton
 # bounded: 2^29 is 1 GiB in bf16, two blocks at the recall recipe's 64 x 4 x 544 x 4,096.
 KEPT_READ_BLOCK = 2 ** 29
 # Part 2's kernel where it runs: "fused" (layers/kept_read_triton.py: the keys walked in tiles,
-# the R-th score found by a search over the scores, no score matrix) or "dense" (below). Dense by default: on the
-# H100 the fused one was no faster (16.95 against 16.03 ms at 64 lanes x 4,096 kept reading 128,
-# `kernels.py kept-read`, 2026-12-07), though its peak memory is 33 MiB against 3.0 GB.
+# the R-th score found by a search over the scores, no score matrix) or "dense" (below). Dense
+# by default: on the H100 the fused one was no faster (16.95 against 16.03 ms at 64 lanes x 4,096
+# kept reading 128, `kernels.py kept-read`, 2026-12-07), though its peak memory is 33 MiB against
+# 3.0 GB.
 KERNEL = os.environ.get("ELEPHANT_KEPT_READ", "dense")
 
 
